@@ -1,0 +1,52 @@
+"""devipc: zero-copy inter-process sharing of PyTorch tensors on any accelerator.
+
+A device implements `IpcHooks` and calls `register_ipc_hooks`; from then on its tensors cross
+`torch.multiprocessing` queues, pipes and DataLoader workers without a copy. CUDA, CPU and devices
+without hooks keep torch's own path. This package never imports a device.
+"""
+from ._errors import (
+    DevIpcError,
+    InvalidHandleError,
+    PeerGoneError,
+    ReshareError,
+    UnsupportedDeviceError,
+)
+from ._hooks import (
+    IpcHooks,
+    OpenedMemory,
+    device_supports_ipc,
+    get_ipc_hooks,
+    register_ipc_hooks,
+    unregister_ipc_hooks,
+)
+from ._reductions import install, installed, rebuild_device_tensor, uninstall
+from ._sharing import (
+    ipc_collect,
+    new_shared_device,
+    received_via_ipc,
+    release_ipc_counter_device,
+    share_device,
+)
+
+__all__ = [
+    "DevIpcError",
+    "InvalidHandleError",
+    "IpcHooks",
+    "OpenedMemory",
+    "PeerGoneError",
+    "ReshareError",
+    "UnsupportedDeviceError",
+    "device_supports_ipc",
+    "get_ipc_hooks",
+    "install",
+    "installed",
+    "ipc_collect",
+    "new_shared_device",
+    "rebuild_device_tensor",
+    "received_via_ipc",
+    "register_ipc_hooks",
+    "release_ipc_counter_device",
+    "share_device",
+    "uninstall",
+    "unregister_ipc_hooks",
+]

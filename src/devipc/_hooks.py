@@ -1,0 +1,113 @@
+"""The IPC hook contract a device implements, and the registry from device type to hooks.
+
+Mirrors the six methods of the RFC "Adding IPC Support for Third-Party Devices". The core calls
+only these; it never imports a device. A device registers itself with `register_ipc_hooks`.
+"""
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ._errors import UnsupportedDeviceError
+
+
+@dataclass(frozen=True)
+class OpenedMemory:
+    """A consumer's mapping of a producer's base allocation. `close` unmaps it; call it once."""
+
+    ptr: int
+    size: int
+    device: torch.device  # local device: its index may differ from the producer's numbering
+    close: Callable[[], None]
+
+
+class IpcHooks:
+    """Base class of a device's IPC hooks. Every default says "no IPC": override all six.
+
+    Producer side: `get_ipc_mem_handle`, `get_ipc_event_handle`.
+    Consumer side: `open_ipc_mem_handle`, `wait_ipc_event`.
+    """
+
+    def supports_ipc(self) -> bool:
+        """Whether this device can share memory between processes. Never raises."""
+        return False
+
+    def get_ipc_mem_handle(self, ptr: int) -> tuple[bytes, int]:
+        """(handle, offset): plain bytes naming the base allocation holding `ptr`, and `ptr`'s
+        byte offset inside it."""
+        raise NotImplementedError(f"{type(self).__name__} needs get_ipc_mem_handle")
+
+    def get_ipc_event_handle(self, device: torch.device) -> bytes:
+        """Bytes of an interprocess event recorded on `device`'s current stream; b"" when
+        `ipc_event_handle_size()` is 0."""
+        return b""
+
+    def open_ipc_mem_handle(self, handle: bytes) -> OpenedMemory:
+        """Map the base allocation a producer's handle names into this process."""
+        raise NotImplementedError(f"{type(self).__name__} needs open_ipc_mem_handle")
+
+    def wait_ipc_event(self, event_handle: bytes, stream: torch.Stream) -> None:
+        """Make `stream` wait for the producer's event. No-op on empty bytes."""
+
+    def ipc_event_handle_size(self) -> int:
+        """0: no events, the producer synchronizes the device before handing out a handle."""
+        return 0
+
+    def requires_event_sync(self) -> bool:
+        """The later upstream spelling of `ipc_event_handle_size() > 0`; override either."""
+        return self.ipc_event_handle_size() > 0
+
+
+_lock = threading.Lock()
+_registry: dict[str, IpcHooks] = {}
+
+# Devices whose sharing torch already does itself: their path is never touched.
+_TORCH_OWNED = frozenset({"cpu", "cuda", "meta"})
+
+
+def register_ipc_hooks(device_type: str, hooks: IpcHooks) -> None:
+    """Make `device_type` tensors share through `hooks`; installs the reductions (idempotent)."""
+    if not isinstance(hooks, IpcHooks):
+        raise TypeError(f"hooks must be an IpcHooks instance, got {type(hooks).__name__}")
+    if device_type in _TORCH_OWNED:
+        raise ValueError(f"torch shares {device_type!r} tensors itself; devipc does not take "
+                         f"them over")
+    with _lock:
+        _registry[device_type] = hooks
+    from ._reductions import install
+
+    install()
+
+
+def unregister_ipc_hooks(device_type: str) -> None:
+    with _lock:
+        _registry.pop(device_type, None)
+
+
+def get_ipc_hooks(device_type: str) -> IpcHooks | None:
+    return _registry.get(device_type)
+
+
+def device_supports_ipc(device_type: str) -> bool:
+    """True when `device_type` has hooks that say they can share. Never raises."""
+    hooks = _registry.get(device_type)
+    if hooks is None:
+        return False
+    try:
+        return bool(hooks.supports_ipc())
+    except Exception:
+        return False
+
+
+def hooks_for(device: torch.device) -> IpcHooks:
+    """The hooks of a device that can share, or an error that says what to do."""
+    if device_supports_ipc(device.type):
+        return _registry[device.type]
+    known = ", ".join(sorted(_registry)) or "none"
+    raise UnsupportedDeviceError(
+        f"cannot share a tensor on {device} between processes: no IPC hooks able to share are "
+        f"registered for device type {device.type!r} (registered: {known}). Implement "
+        f"devipc.IpcHooks for the device and call devipc.register_ipc_hooks({device.type!r}, "
+        f"hooks), or move the tensor to the CPU explicitly. devipc never copies silently."
+    )

@@ -1,0 +1,149 @@
+"""Pickling glue: torch.multiprocessing's reducers, extended additively for devices with hooks.
+
+`install()` swaps `reduce_tensor`/`reduce_storage` in torch.multiprocessing.reductions for versions
+that send tensors of devices with IPC hooks through `rebuild_device_tensor` and hand everything
+else (cuda, cpu, meta, devices without hooks) to torch's own functions, unchanged; then it lets
+torch re-register its reducers with ForkingPickler. What a reducer returns is plain data (bytes,
+ints, torch types): it survives `pickle` and a socket, no file descriptor is smuggled.
+"""
+import threading
+
+import torch
+import torch.multiprocessing.reductions as torch_reductions
+from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
+
+from ._hooks import device_supports_ipc, hooks_for
+from ._sharing import new_shared_device, release_ipc_counter_device, share_device
+
+_lock = threading.Lock()
+_saved: dict[str, object] = {}  # torch's own functions while installed
+
+
+def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handle,
+                     ref_counter_offset, event_handle, event_sync_required):
+    """The shared-cache lookup of rebuild_cuda_tensor, keyed by (handle, offset in bytes)."""
+    if handle is None or size_bytes == 0:
+        return torch.UntypedStorage(0, device=device)
+    key = (handle, offset_bytes)
+    storage = storage_from_cache(torch.UntypedStorage, key)
+    if storage is None:
+        storage = new_shared_device(device, handle, size_bytes, offset_bytes, ref_counter_handle,
+                                    ref_counter_offset, event_handle, event_sync_required)
+        shared_cache[key] = StorageWeakRef(storage)
+        return storage
+    # Already mapped here: the producer only needs this send's slot back. Unlike CUDA, still
+    # honour this send's event: the producer may have written since the first send.
+    release_ipc_counter_device(ref_counter_handle, ref_counter_offset, device)
+    if event_sync_required:
+        hooks_for(storage.device).wait_ipc_event(
+            event_handle, torch.accelerator.current_stream(storage.device))
+    return storage
+
+
+def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls,
+                          dtype, storage_device, storage_handle, storage_size_bytes,
+                          storage_offset_bytes, requires_grad, ref_counter_handle,
+                          ref_counter_offset, event_handle, event_sync_required):
+    """Same 15 positional arguments as torch's rebuild_cuda_tensor (device at index 6)."""
+    storage = _receive_storage(storage_device, storage_handle, storage_size_bytes,
+                               storage_offset_bytes, ref_counter_handle, ref_counter_offset,
+                               event_handle, event_sync_required)
+    typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    tensor = torch._utils._rebuild_tensor(typed, tensor_offset, tensor_size, tensor_stride)
+    if tensor_cls == torch.nn.parameter.Parameter:
+        # Integer parameters need requires_grad=False at construction.
+        return torch.nn.parameter.Parameter(tensor, requires_grad=requires_grad)
+    tensor.requires_grad = requires_grad
+    return tensor
+
+
+def rebuild_device_storage(storage_cls, *shared):
+    """Rebuilds an UntypedStorage sent on its own; `shared` is share_device's 8-tuple."""
+    return _receive_storage(*shared)
+
+
+def reduce_tensor(tensor):
+    if not device_supports_ipc(tensor.device.type) or tensor.layout != torch.strided \
+            or tensor.is_nested:
+        return _saved["reduce_tensor"](tensor)
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad: "
+                           "autograd does not cross processes. Send tensor.detach() instead.")
+    torch.utils.hooks.warn_if_has_hooks(tensor)
+    storage = tensor.untyped_storage()
+    (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
+     event_handle, event_sync_required) = share_device(storage)
+    return (rebuild_device_tensor, (
+        type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(), type(storage),
+        tensor.dtype, device, handle, size_bytes, offset_bytes, tensor.requires_grad,
+        ref_counter_handle, ref_counter_offset, event_handle, event_sync_required))
+
+
+def reduce_storage(storage):
+    if not device_supports_ipc(storage.device.type):
+        return _saved["reduce_storage"](storage)
+    return (rebuild_device_storage, (type(storage), *share_device(storage)))
+
+
+def _device_supports_ipc(device_type: str) -> bool:
+    return device_supports_ipc(device_type)
+
+
+def _share_device_(self):
+    return share_device(self)
+
+
+@classmethod
+def _new_shared_device(cls, *shared):
+    return new_shared_device(*shared)
+
+
+@classmethod
+def _release_ipc_counter_device(cls, ref_counter_handle, ref_counter_offset, device=None):
+    release_ipc_counter_device(ref_counter_handle, ref_counter_offset, device)
+
+
+# The RFC's names, where the RFC puts them.
+_MODULE_NAMES = {"reduce_tensor": reduce_tensor, "reduce_storage": reduce_storage,
+                 "rebuild_device_tensor": rebuild_device_tensor,
+                 "_device_supports_ipc": _device_supports_ipc}
+_STORAGE_METHODS = {"_share_device_": _share_device_, "_new_shared_device": _new_shared_device,
+                    "_release_ipc_counter_device": _release_ipc_counter_device}
+_MISSING = object()
+
+
+def install() -> None:
+    """Route torch.multiprocessing through devipc for devices with hooks. Idempotent."""
+    with _lock:
+        if _saved:
+            return
+        for name, function in _MODULE_NAMES.items():
+            _saved[name] = getattr(torch_reductions, name, _MISSING)
+            setattr(torch_reductions, name, function)
+        for name, method in _STORAGE_METHODS.items():
+            _saved["storage." + name] = torch.UntypedStorage.__dict__.get(name, _MISSING)
+            setattr(torch.UntypedStorage, name, method)
+        torch_reductions.init_reductions()
+
+
+def uninstall() -> None:
+    """Give torch back its own reducers, exactly as they were. Idempotent."""
+    with _lock:
+        if not _saved:
+            return
+        for name in _MODULE_NAMES:
+            _restore(torch_reductions, name, _saved.pop(name))
+        for name in _STORAGE_METHODS:
+            _restore(torch.UntypedStorage, name, _saved.pop("storage." + name))
+        torch_reductions.init_reductions()
+
+
+def installed() -> bool:
+    return bool(_saved)
+
+
+def _restore(owner, name, value) -> None:
+    if value is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)

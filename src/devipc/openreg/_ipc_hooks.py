@@ -1,0 +1,60 @@
+"""openreg's implementation of the six IPC hooks: the reference for a vendor's own.
+
+Memory handles name a runtime segment (a memfd); opening maps the very same pages, so writes cross
+both ways. By default the producer synchronizes (event size 0); OPENREG_IPC_EVENTS=1 switches to
+real interprocess events, read at each share so a process can change modes.
+"""
+import os
+
+import torch
+
+import devipc
+
+from . import _runtime
+
+
+def _events_enabled() -> bool:
+    return os.environ.get("OPENREG_IPC_EVENTS", "0") == "1"
+
+
+def _runtime_stream(stream: torch.Stream) -> int:
+    return _runtime.stream_from_id(stream.device_index, stream.stream_id)
+
+
+class OpenRegIpcHooks(devipc.IpcHooks):
+    def supports_ipc(self) -> bool:
+        return True
+
+    def get_ipc_mem_handle(self, ptr: int) -> tuple[bytes, int]:
+        return _runtime.ipc_get_mem_handle(ptr)
+
+    def get_ipc_event_handle(self, device: torch.device) -> bytes:
+        if not _events_enabled():
+            return b""
+        event = _runtime.event_create(interprocess=True, timing=False)
+        try:
+            _runtime.event_record(event, _runtime_stream(torch.accelerator.current_stream(device)))
+            return _runtime.ipc_get_event_handle(event)
+        finally:
+            _runtime.event_destroy(event)  # the handle keeps the record, not the event object
+
+    def open_ipc_mem_handle(self, handle: bytes) -> devipc.OpenedMemory:
+        base, size, device = _runtime.ipc_open_mem_handle(handle)
+        return devipc.OpenedMemory(base, size, torch.device("openreg", device),
+                                   lambda: _runtime.ipc_close_mem_handle(base))
+
+    def wait_ipc_event(self, event_handle: bytes, stream: torch.Stream) -> None:
+        if not event_handle:
+            return
+        event = _runtime.ipc_open_event_handle(event_handle)
+        try:
+            _runtime.stream_wait_event(_runtime_stream(stream), event)
+        finally:
+            _runtime.event_destroy(event)
+
+    def ipc_event_handle_size(self) -> int:
+        return _runtime.IPC_HANDLE_SIZE if _events_enabled() else 0
+
+
+def register() -> None:
+    devipc.register_ipc_hooks("openreg", OpenRegIpcHooks())

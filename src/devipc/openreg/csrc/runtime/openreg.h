@@ -1,0 +1,149 @@
+// openreg runtime: a CUDA-like C API for the reference accelerator. No torch headers here.
+//
+// Device memory is host-addressable shared memory (memfd + MAP_SHARED), carved out of larger
+// segments by a caching allocator, so another process can map the very same pages (zero-copy IPC)
+// and nothing named is ever left in /dev/shm. orXxx mirrors cudaXxx unless noted.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum orError_t {
+  orSuccess = 0,
+  orErrorInvalidValue = 1,          // bad argument (null out-pointer, unknown pointer to orFree, ...)
+  orErrorMemoryAllocation = 2,      // the OS refused memory
+  orErrorInvalidDevice = 3,         // index out of range, or a device not visible here
+  orErrorInvalidResourceHandle = 4, // bad stream or event
+  orErrorNotReady = 5,              // query: work still pending (not a failure)
+  orErrorInvalidHandle = 6,         // IPC handle forged, truncated or naming something else
+  orErrorPeerGone = 7,              // the process that exported an IPC handle has exited
+  orErrorOsCall = 8,                // an OS call failed; see orGetLastErrorMessage
+} orError_t;
+
+const char* orGetErrorString(orError_t error);
+// Thread-local detail of the last failure on this thread ("" if none): names the call and the cause.
+const char* orGetLastErrorMessage(void);
+
+// ---- Devices ------------------------------------------------------------------------------------
+// OPENREG_DEVICE_COUNT (default 2) physical devices; OPENREG_VISIBLE_DEVICES="1,0" selects and
+// renumbers them like CUDA_VISIBLE_DEVICES. Both are read once, at first use.
+orError_t orGetDeviceCount(int* count);
+orError_t orGetDevice(int* device);  // per thread, default 0
+orError_t orSetDevice(int device);
+// Stable identity, independent of renumbering: 36 chars + NUL, so len >= 37.
+orError_t orDeviceGetUuid(int device, char* uuid, size_t len);
+orError_t orDeviceGetByUuid(const char* uuid, int* device);  // orErrorInvalidDevice if not visible
+orError_t orDeviceSynchronize(void);                          // all streams of the current device
+
+// ---- Memory -------------------------------------------------------------------------------------
+// Allocations are cached: orFree returns a block to its segment; orEmptyCache unmaps segments with
+// no live block. A block is 512-byte aligned.
+orError_t orMalloc(void** ptr, size_t size);  // on the current device; size 0 gives NULL
+orError_t orFree(void* ptr);                  // NULL is a no-op
+orError_t orEmptyCache(int device);
+
+typedef struct orMemStats {
+  uint64_t allocated;       // bytes in live blocks
+  uint64_t peak_allocated;
+  uint64_t reserved;        // bytes in mapped segments
+  uint64_t peak_reserved;
+  uint64_t num_allocs;      // accumulated
+  uint64_t num_frees;       // accumulated
+  uint64_t num_segments;    // current
+} orMemStats;
+orError_t orMemGetStats(int device, orMemStats* stats);
+orError_t orMemResetPeakStats(int device);         // peaks := current
+orError_t orMemResetAccumulatedStats(int device);  // num_allocs, num_frees := 0
+
+typedef enum orMemoryType {
+  orMemoryTypeUnregistered = 0,  // not openreg memory
+  orMemoryTypeDevice = 2,
+} orMemoryType;
+typedef struct orPointerAttributes {
+  orMemoryType type;
+  int device;     // local index
+  void* base;     // base of the segment (or IPC mapping) holding the pointer
+  size_t size;    // bytes of that segment
+  size_t offset;  // ptr - base
+} orPointerAttributes;
+// Resolves interior pointers of live segments and of IPC-opened mappings; other pointers give
+// type = orMemoryTypeUnregistered and orSuccess.
+orError_t orPointerGetAttributes(orPointerAttributes* attributes, const void* ptr);
+
+typedef enum orMemcpyKind {
+  orMemcpyHostToHost = 0,
+  orMemcpyHostToDevice = 1,
+  orMemcpyDeviceToHost = 2,
+  orMemcpyDeviceToDevice = 3,
+} orMemcpyKind;
+
+// ---- Streams ------------------------------------------------------------------------------------
+// A stream is a worker thread running its work in FIFO order. NULL means the default stream of the
+// current device. Every stream has a small id, unique per device: 0 is the default stream.
+typedef struct orStream* orStream_t;
+orError_t orStreamCreate(orStream_t* stream);  // on the current device
+orError_t orStreamDestroy(orStream_t stream);  // waits for its work; the default stream is kept
+orError_t orStreamSynchronize(orStream_t stream);
+orError_t orStreamQuery(orStream_t stream);     // orSuccess if idle, orErrorNotReady otherwise
+orError_t orStreamGetDevice(orStream_t stream, int* device);
+orError_t orStreamGetId(orStream_t stream, int64_t* id);
+orError_t orStreamFromId(int device, int64_t id, orStream_t* stream);  // id 0: default stream
+typedef void (*orHostFn_t)(void* user_data);
+orError_t orLaunchHostFunc(orStream_t stream, orHostFn_t fn, void* user_data);
+
+// Synchronous copy: ordered after the work already on the current device's default stream,
+// complete on return.
+orError_t orMemcpy(void* dst, const void* src, size_t count, orMemcpyKind kind);
+orError_t orMemcpyAsync(void* dst, const void* src, size_t count, orMemcpyKind kind,
+                        orStream_t stream);
+
+// ---- Events -------------------------------------------------------------------------------------
+typedef struct orEvent* orEvent_t;
+enum {
+  orEventDefault = 0,
+  orEventDisableTiming = 2,
+  orEventInterprocess = 4,  // must come with orEventDisableTiming, as in CUDA
+};
+orError_t orEventCreate(orEvent_t* event);
+orError_t orEventCreateWithFlags(orEvent_t* event, unsigned int flags);
+orError_t orEventDestroy(orEvent_t event);  // safe while its record is pending
+orError_t orEventRecord(orEvent_t event, orStream_t stream);
+orError_t orEventQuery(orEvent_t event);        // orSuccess if done or never recorded
+orError_t orEventSynchronize(orEvent_t event);
+orError_t orEventElapsedTime(float* ms, orEvent_t start, orEvent_t end);  // both done, timed
+orError_t orStreamWaitEvent(orStream_t stream, orEvent_t event, unsigned int flags);
+
+// ---- IPC ----------------------------------------------------------------------------------------
+// Handles are plain, opaque bytes: they name a memfd of the exporting process (opened by the
+// importer through /proc/<pid>/fd, so the importer must run as the same user) plus a random token
+// that the importer checks. Opening fails with orErrorPeerGone once the exporter has exited, and
+// with orErrorInvalidHandle for anything forged or truncated.
+#define OR_IPC_HANDLE_SIZE 64
+typedef struct orIpcMemHandle_t {
+  unsigned char reserved[OR_IPC_HANDLE_SIZE];
+} orIpcMemHandle_t;
+typedef struct orIpcEventHandle_t {
+  unsigned char reserved[OR_IPC_HANDLE_SIZE];
+} orIpcEventHandle_t;
+
+// Unlike CUDA, ptr may point inside a segment: the handle names the whole segment and *offset
+// gives ptr's byte offset in it.
+orError_t orIpcGetMemHandle(orIpcMemHandle_t* handle, size_t* offset, const void* ptr);
+// Maps the whole segment. *device is the local index of the segment's device (matched by UUID, so
+// it survives different OPENREG_VISIBLE_DEVICES); orErrorInvalidDevice if that device is not visible.
+// Opening the same segment again in one process returns the same base and counts one more open.
+orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHandle_t handle);
+orError_t orIpcCloseMemHandle(void* base);  // unmaps at the last close
+
+// The handle captures the event's latest record (the event needs orEventInterprocess). An event
+// opened from it can be waited on (orStreamWaitEvent), queried and synchronized, then destroyed
+// with orEventDestroy. If the exporter dies before the record completes, waiters are released.
+orError_t orIpcGetEventHandle(orIpcEventHandle_t* handle, orEvent_t event);
+orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle);
+
+#ifdef __cplusplus
+}
+#endif
