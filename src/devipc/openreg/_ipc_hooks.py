@@ -8,7 +8,9 @@ import os
 
 import torch
 
-import devipc
+# From the submodule, not from the package namespace: torch's autoload may run this while the `devipc`
+# package itself is still importing torch.
+from devipc._hooks import IpcHooks, OpenedMemory, register_ipc_hooks
 
 from . import _runtime
 
@@ -21,7 +23,7 @@ def _runtime_stream(stream: torch.Stream) -> int:
     return _runtime.stream_from_id(stream.device_index, stream.stream_id)
 
 
-class OpenRegIpcHooks(devipc.IpcHooks):
+class OpenRegIpcHooks(IpcHooks):
     def supports_ipc(self) -> bool:
         return True
 
@@ -38,9 +40,9 @@ class OpenRegIpcHooks(devipc.IpcHooks):
         finally:
             _runtime.event_destroy(event)  # the handle keeps the record, not the event object
 
-    def open_ipc_mem_handle(self, handle: bytes) -> devipc.OpenedMemory:
+    def open_ipc_mem_handle(self, handle: bytes) -> OpenedMemory:
         base, size, device = _runtime.ipc_open_mem_handle(handle)
-        return devipc.OpenedMemory(base, size, torch.device("openreg", device),
+        return OpenedMemory(base, size, torch.device("openreg", device),
                                    lambda: _runtime.ipc_close_mem_handle(base))
 
     def wait_ipc_event(self, event_handle: bytes, stream: torch.Stream) -> None:
@@ -57,4 +59,4 @@ class OpenRegIpcHooks(devipc.IpcHooks):
 
 
 def register() -> None:
-    devipc.register_ipc_hooks("openreg", OpenRegIpcHooks())
+    register_ipc_hooks("openreg", OpenRegIpcHooks())

@@ -1,0 +1,127 @@
+// Shared internals of the openreg runtime. Nothing here is exported: the C API is openreg.h.
+//
+// Lifetime rule: every global object is created with `new` on first use and never destroyed, so
+// stream worker threads still running during exit() never touch a destroyed mutex or map.
+#pragma once
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "openreg.h"
+
+namespace openreg {
+
+// ---- errors (error.cpp) -------------------------------------------------------------------------
+// Records a printf-style message as this thread's last error and returns `err`.
+orError_t fail(orError_t err, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// ---- devices (device.cpp) -----------------------------------------------------------------------
+int deviceCount();
+bool validDevice(int device);
+int physicalIndex(int device);           // local -> physical
+int localIndex(int physical);            // physical -> local, -1 if not visible
+int currentDevice();
+orError_t checkDevice(int device, const char* call);  // orErrorInvalidDevice with a message
+orError_t checkNotForked(const char* call);  // orErrorInvalidDevice in a child forked after use
+
+// ---- memory regions (region.cpp) ----------------------------------------------------------------
+// A region is a mapping that holds device memory: one of our segments or an imported IPC mapping.
+// It carries what an IPC handle needs, so a pointer into either kind can be exported again.
+constexpr size_t kTokenSize = 16;
+struct Region {
+  uintptr_t base = 0;
+  size_t size = 0;
+  int device = -1;    // local index
+  int physical = -1;  // physical index, what a handle carries
+  bool imported = false;
+  pid_t pid = 0;      // process that owns the memfd
+  int fd = -1;        // memfd number in that process
+  unsigned char token[kTokenSize] = {};
+};
+void registerRegion(const Region& region);
+void unregisterRegion(uintptr_t base);
+bool findRegion(const void* ptr, Region* out);  // ptr may point anywhere inside the region
+
+// A memfd named "openreg:<tag>:<tokenhex>", sized, mapped MAP_SHARED. The fd stays open: an
+// importer reaches the memory through /proc/<pid>/fd/<fd>.
+struct SharedFile {
+  void* base = nullptr;
+  size_t size = 0;
+  int fd = -1;
+  unsigned char token[kTokenSize] = {};
+};
+orError_t createSharedFile(const char* call, const char* tag, size_t size, SharedFile* out);
+void tokenHex(const unsigned char* token, char out[2 * kTokenSize + 1]);
+
+// ---- interprocess progress (ipc_event.cpp) ------------------------------------------------------
+// One shared page per process with a uint32 counter per stream. A record of an interprocess event
+// stores the stream's next sequence number into the stream's slot when its marker runs; an
+// importer waits until the slot reaches that number.
+struct ProgressMark {
+  int slot = -1;  // -1: nothing to wait for
+  uint32_t seq = 0;
+};
+struct ImportedPage;  // another process's progress page, mapped here
+struct ImportedWait {
+  std::shared_ptr<ImportedPage> page;  // shared by every opened event and queued wait using it
+  int slot = -1;                       // -1: nothing to wait for
+  uint32_t seq = 0;
+};
+bool importedDone(const ImportedWait& wait);  // reached, or the exporter is gone
+void importedWait(const ImportedWait& wait);  // blocks until importedDone
+
+// True while `pid` runs (zombies count as gone: their fds are already closed).
+bool processAlive(pid_t pid);
+
+}  // namespace openreg
+
+// ---- streams and events (stream.cpp, event.cpp) -------------------------------------------------
+struct orStream {
+  int device = 0;
+  int64_t id = 0;
+  std::mutex mutex;
+  std::condition_variable workReady;
+  std::condition_variable workDone;
+  std::deque<std::function<void()>> queue;
+  uint64_t enqueued = 0;   // tasks ever enqueued
+  uint64_t completed = 0;  // tasks ever finished; the stream is idle when equal
+  bool stopping = false;
+  std::thread worker;
+  int progressSlot = -1;  // slot in the progress page, taken at the first interprocess record
+};
+
+// One record of an event. Shared by the event and the queued marker, so destroying an event
+// while its record is pending is safe.
+struct EventRecord {
+  std::mutex mutex;
+  std::condition_variable doneCv;
+  bool done = false;
+  std::chrono::steady_clock::time_point when;
+};
+
+struct orEvent {
+  unsigned int flags = 0;
+  std::mutex mutex;
+  std::shared_ptr<EventRecord> last;  // latest record, null if never recorded
+  openreg::ProgressMark mark;         // of the latest record (interprocess events)
+  bool imported = false;              // opened from a handle: waits on `wait` instead
+  openreg::ImportedWait wait;
+};
+
+namespace openreg {
+// NULL -> default stream of the current device. Fails (with a message) on an unknown handle.
+orError_t resolveStream(orStream_t stream, const char* call, orStream_t* out);
+void enqueue(orStream_t stream, std::function<void()> task);
+orError_t synchronizeStream(orStream_t stream, const char* call);
+orError_t reserveProgressMark(orStream_t stream, ProgressMark* mark);
+void publishProgress(const ProgressMark& mark);  // runs on the stream worker
+void releaseProgressSlot(int slot);             // the stream is gone; its slot may be reused
+orError_t checkEvent(orEvent_t event, const char* call);  // orErrorInvalidResourceHandle if unknown
+}  // namespace openreg

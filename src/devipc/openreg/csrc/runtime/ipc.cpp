@@ -1,0 +1,220 @@
+// IPC memory: exporting a segment as handle bytes, opening it in another process (refcounted per
+// segment), and the checks that make a forged, stale or orphaned handle fail cleanly.
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+
+#include "ipc_handle.h"
+
+namespace openreg {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x5049524f;  // "ORIP"
+constexpr uint16_t kVersion = 1;
+
+// Imported segments, keyed by token: opening the same segment twice gives the same mapping.
+struct Import {
+  void* base;
+  size_t size;
+  int device;
+  int refs;
+};
+struct ImportTable {
+  std::mutex mutex;
+  std::map<std::string, Import> byToken;
+  std::map<uintptr_t, std::string> tokenOf;  // base -> token
+};
+
+ImportTable& imports() {
+  static ImportTable* t = new ImportTable();
+  return *t;
+}
+
+orError_t peerGone(const char* call, pid_t pid) {
+  return fail(orErrorPeerGone,
+              "%s: process %d that exported this handle has exited, and its memory with it. Keep "
+              "the producer alive until consumers have opened what it shares.",
+              call, (int)pid);
+}
+
+}  // namespace
+
+bool processAlive(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno != EPERM) return false;
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+  FILE* f = fopen(path, "re");
+  if (!f) return true;  // no procfs view: trust kill()
+  char buf[512];
+  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char* paren = strrchr(buf, ')');  // the state follows the (possibly odd) command name
+  return !(paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X'));
+}
+
+HandleData newHandle(HandleKind kind, pid_t pid, int fd, uint64_t size, const unsigned char* token) {
+  HandleData h;
+  memset(&h, 0, sizeof(h));
+  h.magic = kMagic;
+  h.version = kVersion;
+  h.kind = kind;
+  h.pid = pid;
+  h.fd = fd;
+  h.size = size;
+  h.physical = -1;
+  h.slot = -1;
+  memcpy(h.token, token, kTokenSize);
+  return h;
+}
+
+orError_t decodeHandle(const unsigned char* bytes, HandleKind kind, const char* call,
+                       HandleData* out) {
+  HandleData h;
+  memcpy(&h, bytes, sizeof(h));
+  const char* what = kind == kMemHandle ? "memory" : "event";
+  if (h.magic != kMagic)
+    return fail(orErrorInvalidHandle, "%s: not an openreg IPC handle (bad magic 0x%08x)", call,
+                h.magic);
+  if (h.version != kVersion)
+    return fail(orErrorInvalidHandle, "%s: handle version %u, this runtime reads version %u", call,
+                h.version, kVersion);
+  if (h.kind != kind)
+    return fail(orErrorInvalidHandle, "%s: expected an IPC %s handle, got kind %u", call, what,
+                h.kind);
+  bool zero = true;
+  for (unsigned char c : h.zero) zero = zero && c == 0;
+  if (!zero || h.pid <= 0 || h.fd < 0 || h.size == 0 || (h.size & 4095) != 0)
+    return fail(orErrorInvalidHandle, "%s: corrupted %s handle (pid %d, fd %d, size %llu)", call,
+                what, h.pid, h.fd, (unsigned long long)h.size);
+  *out = h;
+  return orSuccess;
+}
+
+orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
+  if (!processAlive(h.pid)) return peerGone(call, h.pid);
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/fd/%d", h.pid, h.fd);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    if (!processAlive(h.pid)) return peerGone(call, h.pid);
+    if (e == ENOENT)
+      return fail(orErrorInvalidHandle,
+                  "%s: fd %d is no longer open in process %d: the memory was released there "
+                  "(freed and orEmptyCache) or the handle is stale",
+                  call, h.fd, h.pid);
+    return fail(orErrorOsCall,
+                "%s: cannot open %s: %s (the importer must run as the same user as process %d, in "
+                "the same PID namespace, and be allowed to read its /proc entries)",
+                call, path, strerror(e), h.pid);
+  }
+  // Check what was actually opened, not the path again: the exporter may reuse fd numbers.
+  char self[64], link[256];
+  snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(self, link, sizeof(link) - 1);
+  link[n > 0 ? n : 0] = '\0';
+  char hex[2 * kTokenSize + 1];
+  tokenHex(h.token, hex);
+  struct stat st;
+  bool sameFile = strstr(link, "openreg:") && strstr(link, hex);
+  if (!sameFile || fstat(fd, &st) != 0 || (uint64_t)st.st_size != h.size) {
+    close(fd);
+    return fail(orErrorInvalidHandle,
+                "%s: fd %d of process %d is not the memory this handle names (token or size "
+                "mismatch): the handle is forged or stale",
+                call, h.fd, h.pid);
+  }
+  void* p = mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  close(fd);
+  if (p == MAP_FAILED)
+    return fail(orErrorMemoryAllocation, "%s: cannot map %llu bytes from process %d: %s", call,
+                (unsigned long long)h.size, h.pid, strerror(e));
+  *base = p;
+  return orSuccess;
+}
+
+}  // namespace openreg
+
+using namespace openreg;
+
+extern "C" {
+
+orError_t orIpcGetMemHandle(orIpcMemHandle_t* handle, size_t* offset, const void* ptr) {
+  if (!handle || !offset) return fail(orErrorInvalidValue, "orIpcGetMemHandle: NULL argument");
+  Region r;
+  if (!findRegion(ptr, &r))
+    return fail(orErrorInvalidValue, "orIpcGetMemHandle: %p is not openreg device memory", ptr);
+  // An imported region names the original exporter's memfd, so received memory can be re-shared.
+  HandleData h = newHandle(kMemHandle, r.pid, r.fd, r.size, r.token);
+  h.physical = r.physical;
+  memcpy(handle->reserved, &h, sizeof(h));
+  *offset = (uintptr_t)ptr - r.base;
+  return orSuccess;
+}
+
+orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHandle_t handle) {
+  const char* call = "orIpcOpenMemHandle";
+  if (!base || !size || !device) return fail(orErrorInvalidValue, "%s: NULL argument", call);
+  HandleData h;
+  if (orError_t err = decodeHandle(handle.reserved, kMemHandle, call, &h)) return err;
+  int local = localIndex(h.physical);
+  if (local < 0)
+    return fail(orErrorInvalidDevice,
+                "%s: the memory lives on physical device %d, which OPENREG_VISIBLE_DEVICES hides "
+                "in this process (or OPENREG_DEVICE_COUNT is smaller here)",
+                call, h.physical);
+  std::string token((const char*)h.token, kTokenSize);
+  std::lock_guard<std::mutex> lock(imports().mutex);
+  auto it = imports().byToken.find(token);
+  if (it == imports().byToken.end()) {
+    void* p;
+    if (orError_t err = mapPeerFile(h, call, &p)) return err;
+    Region r;
+    r.base = (uintptr_t)p;
+    r.size = h.size;
+    r.device = local;
+    r.physical = h.physical;
+    r.imported = true;
+    r.pid = h.pid;
+    r.fd = h.fd;
+    memcpy(r.token, h.token, kTokenSize);
+    registerRegion(r);
+    it = imports().byToken.emplace(token, Import{p, h.size, local, 0}).first;
+    imports().tokenOf[r.base] = token;
+  }
+  it->second.refs++;
+  *base = it->second.base;
+  *size = it->second.size;
+  *device = it->second.device;
+  return orSuccess;
+}
+
+orError_t orIpcCloseMemHandle(void* base) {
+  std::lock_guard<std::mutex> lock(imports().mutex);
+  auto t = imports().tokenOf.find((uintptr_t)base);
+  if (t == imports().tokenOf.end())
+    return fail(orErrorInvalidValue,
+                "orIpcCloseMemHandle(%p): not a base returned by orIpcOpenMemHandle (or closed "
+                "more often than opened)",
+                base);
+  Import& imp = imports().byToken.at(t->second);
+  if (--imp.refs > 0) return orSuccess;
+  unregisterRegion((uintptr_t)base);
+  munmap(imp.base, imp.size);
+  imports().byToken.erase(t->second);
+  imports().tokenOf.erase(t);
+  return orSuccess;
+}
+
+}  // extern "C"

@@ -1,0 +1,38 @@
+// The bytes of an IPC handle, shared by memory and event handles, and opening the memfd it names.
+#pragma once
+#include <stdint.h>
+
+#include "internal.h"
+
+namespace openreg {
+
+enum HandleKind : uint16_t { kMemHandle = 1, kEventHandle = 2 };
+
+// Fixed layout, native byte order (handles never leave the host). Unused bytes stay zero, and a
+// handle with anything else there is rejected.
+struct HandleData {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t kind;
+  int32_t pid;       // exporting process
+  int32_t fd;        // its memfd, reached as /proc/<pid>/fd/<fd>
+  uint64_t size;     // bytes of the memfd
+  int32_t physical;  // memory: physical device index of the segment
+  int32_t slot;      // event: progress slot, -1 if the event was never recorded
+  uint32_t seq;      // event: sequence number the slot must reach
+  unsigned char token[kTokenSize];  // random; part of the memfd's name
+  unsigned char zero[OR_IPC_HANDLE_SIZE - 52];
+};
+static_assert(sizeof(HandleData) == OR_IPC_HANDLE_SIZE, "handle layout");
+
+HandleData newHandle(HandleKind kind, pid_t pid, int fd, uint64_t size,
+                     const unsigned char* token);
+// Checks the fixed fields of `bytes`; fails with orErrorInvalidHandle and a message naming `call`.
+orError_t decodeHandle(const unsigned char* bytes, HandleKind kind, const char* call,
+                       HandleData* out);
+// Maps the memfd the handle names after checking that the exporter is alive (else
+// orErrorPeerGone) and that the file carries the handle's token and size (else
+// orErrorInvalidHandle). No fd stays open: the mapping keeps the memory.
+orError_t mapPeerFile(const HandleData& h, const char* call, void** base);
+
+}  // namespace openreg

@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+import devipc
+from devipc._hooks import hooks_for
+
+
+class _Broken(devipc.IpcHooks):
+    def supports_ipc(self):
+        raise RuntimeError("driver exploded")
+
+
+class _Unable(devipc.IpcHooks):
+    pass
+
+
+def test_defaults_say_no_ipc():
+    hooks = devipc.IpcHooks()
+    assert hooks.supports_ipc() is False
+    assert hooks.ipc_event_handle_size() == 0
+    assert hooks.requires_event_sync() is False
+    assert hooks.get_ipc_event_handle(torch.device("cpu")) == b""
+    with pytest.raises(NotImplementedError, match="get_ipc_mem_handle"):
+        hooks.get_ipc_mem_handle(0)
+    with pytest.raises(NotImplementedError, match="open_ipc_mem_handle"):
+        hooks.open_ipc_mem_handle(b"")
+
+
+def test_unregistered_devices_do_not_support_ipc():
+    assert devipc.device_supports_ipc("no_such_device") is False
+    assert devipc.device_supports_ipc("cuda") is False
+    assert devipc.get_ipc_hooks("no_such_device") is None
+
+
+def test_supports_ipc_never_throws():
+    devipc.register_ipc_hooks("fakedev", _Broken())
+    try:
+        assert devipc.device_supports_ipc("fakedev") is False
+    finally:
+        devipc.unregister_ipc_hooks("fakedev")
+
+
+def test_error_names_the_device_and_says_what_to_do():
+    devipc.register_ipc_hooks("fakedev", _Unable())
+    try:
+        with pytest.raises(devipc.UnsupportedDeviceError) as error:
+            hooks_for(_FakeDevice())
+        assert "fakedev:1" in str(error.value)
+        assert "register_ipc_hooks" in str(error.value)
+        assert "never copies silently" in str(error.value)
+    finally:
+        devipc.unregister_ipc_hooks("fakedev")
+
+
+class _FakeDevice:
+    type = "fakedev"
+
+    def __str__(self):
+        return "fakedev:1"
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "meta"])
+def test_torch_owned_devices_cannot_be_taken_over(device_type):
+    with pytest.raises(ValueError, match="torch shares"):
+        devipc.register_ipc_hooks(device_type, devipc.IpcHooks())
+
+
+def test_hooks_must_implement_the_contract():
+    with pytest.raises(TypeError, match="IpcHooks"):
+        devipc.register_ipc_hooks("fakedev", object())
+
+
+def test_later_spelling_follows_event_size():
+    class WithEvents(devipc.IpcHooks):
+        def ipc_event_handle_size(self):
+            return 64
+
+    assert WithEvents().requires_event_sync() is True

@@ -1,0 +1,214 @@
+"""torch.multiprocessing integration: what crosses a Queue, and what stays torch's."""
+import pickle
+import socket
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+import torch.multiprocessing.reductions as torch_reductions
+
+import devipc
+from conftest import TIMEOUT
+
+import _workers
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+          torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+          torch.bool]
+
+
+def _cases():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    yield "contiguous", base
+    yield "offset", base[1:]
+    yield "strided", base[:, ::2]
+    yield "transposed", base.t()
+    yield "empty", torch.empty(0, 3)
+    for dtype in DTYPES:
+        yield str(dtype), (torch.arange(10) % 3).to(dtype)
+
+
+def _roundtrip(children, items):
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.check_received, inbox, outbox)
+    reports = []
+    try:
+        for tensor, expected in items:
+            inbox.put((tensor, expected))
+            reports.append(outbox.get(timeout=TIMEOUT))
+    finally:
+        inbox.put(None)
+    children.join_ok()
+    return reports
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_views_dtypes_and_empty_tensors_round_trip(children):
+    names, items = [], []
+    for name, cpu in _cases():
+        names.append(name)
+        device_base = cpu._base.to("openreg") if cpu._base is not None else None
+        if device_base is not None:  # keep the view's layout: build it from a device base
+            tensor = device_base.as_strided(cpu.size(), cpu.stride(), cpu.storage_offset())
+        else:
+            tensor = cpu.to("openreg")
+        items.append((tensor, cpu))
+    for name, (tensor, cpu), report in zip(names, items, _roundtrip(children, items)):
+        assert report["equal"], name
+        assert report["device"] == "openreg:0", name
+        assert (report["dtype"], report["shape"], report["stride"], report["offset"]) == \
+            (cpu.dtype, tuple(cpu.shape), tensor.stride(), tensor.storage_offset()), name
+        assert report["received"] == (tensor.numel() > 0), name
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_parameter_keeps_requires_grad(children):
+    parameter = torch.nn.Parameter(torch.ones(3, device="openreg"))
+    frozen = torch.nn.Parameter(torch.ones(3, device="openreg"), requires_grad=False)
+    reports = _roundtrip(children, [(parameter, torch.ones(3)), (frozen, torch.ones(3))])
+    assert [(r["type"], r["requires_grad"]) for r in reports] == \
+        [("Parameter", True), ("Parameter", False)]
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_writes_cross_both_ways(children):
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.mutate_both_ways, inbox, outbox)
+    tensor = torch.zeros(4, device="openreg")
+    inbox.put(tensor)
+    assert outbox.get(timeout=TIMEOUT) == "added"
+    assert tensor.cpu().tolist() == [1.0] * 4
+    tensor.fill_(7)
+    torch.accelerator.synchronize()
+    inbox.put("filled")
+    assert outbox.get(timeout=TIMEOUT) == [7.0] * 4
+    children.join_ok()
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_views_of_one_storage_arrive_as_views_of_one_storage(children):
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.views_of_one_storage, inbox, outbox)
+    whole = torch.zeros(6, device="openreg")
+    inbox.put((whole, whole[:3], whole[3:]))
+    report = outbox.get(timeout=TIMEOUT)
+    assert report == {"same_storage": True, "whole": [5.0, 5.0, 5.0, 0.0, 0.0, 0.0]}
+    children.join_ok()
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_resending_a_received_tensor_is_refused_clearly(children):
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.try_to_reshare, inbox, outbox)
+    inbox.put(torch.ones(2, device="openreg"))
+    kind, message, clone_ok = outbox.get(timeout=TIMEOUT)
+    assert kind == "ReshareError" and "clone()" in message and clone_ok
+    children.join_ok()
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_handle_survives_plain_pickle_over_a_socket(children):
+    tensor = torch.arange(5, dtype=torch.float32, device="openreg")
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    assert rebuild is torch_reductions.rebuild_device_tensor and len(args) == 15
+    payload = pickle.dumps((rebuild, args))
+    outbox = children.ctx.Queue()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(TIMEOUT)
+        children.start(_workers.read_from_socket, server.getsockname()[1], outbox)
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(payload)
+    assert outbox.get(timeout=TIMEOUT) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    children.join_ok()
+
+
+def test_rfc_names_exist():
+    assert callable(torch_reductions._device_supports_ipc)
+    assert torch_reductions._device_supports_ipc("openreg") is True
+    assert torch_reductions._device_supports_ipc("cpu") is False
+    assert callable(torch_reductions.rebuild_device_tensor)
+    for name in ("_share_device_", "_new_shared_device", "_release_ipc_counter_device"):
+        assert hasattr(torch.UntypedStorage, name), name
+    shared = torch.ones(2, device="openreg").untyped_storage()._share_device_()
+    storage = torch.UntypedStorage._new_shared_device(*shared)
+    assert storage.nbytes() == 8
+    del storage
+    devipc.ipc_collect()
+
+
+@pytest.mark.parametrize("field, value, error", [
+    (7, b"\x00" * 64, devipc.InvalidHandleError),         # forged memory handle
+    (7, b"short", devipc.InvalidHandleError),             # truncated memory handle
+    (11, b"\x01" * 36, devipc.InvalidHandleError),        # forged ref-counter handle
+    (12, 10 ** 9, devipc.InvalidHandleError),             # ref-counter offset out of range
+])
+def test_forged_or_truncated_handles_raise(field, value, error):
+    tensor = torch.ones(4, device="openreg")
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    args = list(args)
+    args[field] = value
+    with pytest.raises(error):
+        rebuild(*args)
+    del tensor
+    devipc.ipc_collect()
+
+
+def test_cpu_tensors_keep_torch_path():
+    rebuild, _ = torch_reductions.reduce_tensor(torch.ones(2))
+    assert rebuild is torch_reductions.rebuild_tensor
+
+
+class _FakeCudaStorage:
+    """Stands in for a CUDA storage where no GPU exists: only the driver call is faked."""
+
+    calls = []
+
+    class _untyped_storage:  # noqa: N801 - mirrors TypedStorage's attribute
+        device = torch.device("cuda", 0)
+
+    def __init__(self):
+        self._real = torch.UntypedStorage(8)
+
+    def _weak_ref(self):  # torch's shared cache keeps a weak reference to what it sends
+        return self._real._weak_ref()
+
+    def _share_cuda_(self):
+        self.calls.append("share_cuda")
+        return (0, b"cuda-ipc-handle", 8, 0, b"rc", 0, b"ev", True)
+
+
+class _FakeCudaTensor(torch.Tensor):
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def _typed_storage(self):
+        return _FakeCudaStorage()
+
+
+def test_cuda_tensors_still_reach_torchs_rebuild_cuda_tensor():
+    """With devipc installed, a CUDA tensor goes through torch's own reduce_tensor and comes
+    back as rebuild_cuda_tensor."""
+    tensor = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(2))
+    reducer = ForkingPickler._extra_reducers[torch.Tensor]
+    assert reducer is devipc._reductions.reduce_tensor
+    rebuild, args = reducer(tensor)
+    assert rebuild is torch_reductions.rebuild_cuda_tensor
+    assert _FakeCudaStorage.calls == ["share_cuda"] and args[7] == b"cuda-ipc-handle"
+
+
+def test_install_is_idempotent_and_uninstall_restores_torch():
+    original = devipc._reductions._saved["reduce_tensor"]
+    devipc.install()
+    assert torch_reductions.reduce_tensor is devipc._reductions.reduce_tensor
+    devipc.uninstall()
+    try:
+        assert torch_reductions.reduce_tensor is original
+        assert ForkingPickler._extra_reducers[torch.Tensor] is original
+        assert not hasattr(torch_reductions, "rebuild_device_tensor")
+        assert not hasattr(torch.UntypedStorage, "_share_device_")
+        devipc.uninstall()
+    finally:
+        devipc.install()
+    assert ForkingPickler._extra_reducers[torch.Tensor] is devipc._reductions.reduce_tensor

@@ -1,0 +1,127 @@
+"""share_device / new_shared_device / release_ipc_counter_device and the sent-data collector,
+in one process and across processes, in both openreg IPC modes."""
+import pytest
+import torch
+
+import devipc
+from conftest import TIMEOUT
+from devipc import _sharing
+
+import _workers
+
+pytestmark = pytest.mark.usefixtures("ipc_mode")
+
+
+def _drain():
+    torch.accelerator.synchronize()
+    devipc.ipc_collect()
+
+
+def test_share_and_rebuild_in_one_process_is_zero_copy():
+    source = torch.arange(16, dtype=torch.float32, device="openreg")
+    shared = devipc.share_device(source.untyped_storage())
+    assert len(shared) == 8
+    device, handle, size_bytes, offset_bytes, rc_handle, rc_offset, event, needs_event = shared
+    assert isinstance(handle, bytes) and size_bytes == 64 and isinstance(offset_bytes, int)
+    assert needs_event == (len(event) > 0)
+    storage = devipc.new_shared_device(*shared)
+    assert storage.device == source.device and storage.nbytes() == 64
+    view = torch.tensor([], dtype=torch.float32, device="openreg").set_(storage)
+    view[3] = -1
+    assert source[3].item() == -1
+    assert devipc.received_via_ipc(storage) and not devipc.received_via_ipc(source)
+    del view, storage
+    del source
+    assert devipc.ipc_collect() >= 1
+
+
+def test_sharing_waits_for_queued_work():
+    big = torch.empty(32 << 20, dtype=torch.uint8)
+    big.fill_(7)
+    target = torch.empty(32 << 20, dtype=torch.uint8, device="openreg")
+    for _ in range(4):
+        target.copy_(big, non_blocking=True)
+    shared = devipc.share_device(target.untyped_storage())
+    if not shared[7]:
+        # No events: the producer synchronized; nothing may still be queued.
+        assert torch.accelerator.current_stream().query()
+    storage = devipc.new_shared_device(*shared)
+    received = torch.tensor([], dtype=torch.uint8, device="openreg").set_(storage)
+    assert int(received[-1].item()) == 7
+    del received, storage, target
+    _drain()
+
+
+def test_cache_hit_releases_the_new_slot(children):
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.hold_until_told, inbox, outbox)
+    try:
+        tensor = torch.ones(8, device="openreg")
+        _drain()
+        held_before = _sharing.stats()["sent"]
+        inbox.put(tensor)
+        assert outbox.get(timeout=TIMEOUT) == 8.0
+        inbox.put(tensor)  # same storage: the consumer's cache hit must give this slot back
+        assert outbox.get(timeout=TIMEOUT) == 8.0
+        assert _sharing.stats()["sent"] == held_before + 2
+        assert devipc.ipc_collect() == 1
+        inbox.put("drop")
+        assert outbox.get(timeout=TIMEOUT) == "dropped"
+        assert devipc.ipc_collect() == 1
+        assert _sharing.stats()["sent"] == held_before
+    finally:
+        inbox.put("exit")
+    children.join_ok()
+
+
+def test_memory_returns_to_baseline_after_release(children):
+    _drain()
+    baseline = torch.accelerator.memory_allocated()
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.hold_until_told, inbox, outbox)
+    try:
+        tensor = torch.ones(1 << 20, device="openreg")
+        inbox.put(tensor)
+        assert outbox.get(timeout=TIMEOUT) == float(1 << 20)
+        del tensor
+        devipc.ipc_collect()
+        # The consumer still holds it: the producer must keep the memory.
+        assert torch.accelerator.memory_allocated() >= baseline + (4 << 20)
+        inbox.put("drop")
+        assert outbox.get(timeout=TIMEOUT) == "dropped"
+        devipc.ipc_collect()
+        assert torch.accelerator.memory_allocated() == baseline
+    finally:
+        inbox.put("exit")
+    children.join_ok()
+
+
+def test_failed_open_gives_the_slot_back():
+    tensor = torch.ones(4, device="openreg")
+    shared = list(devipc.share_device(tensor.untyped_storage()))
+    shared[1] = bytes(len(shared[1]))  # forged memory handle
+    with pytest.raises(devipc.InvalidHandleError):
+        devipc.new_shared_device(*shared)
+    del tensor
+    assert devipc.ipc_collect() == 1
+
+
+def test_storage_larger_than_its_allocation_is_refused():
+    tensor = torch.ones(4, device="openreg")
+    shared = list(devipc.share_device(tensor.untyped_storage()))
+    shared[2] = 1 << 40
+    with pytest.raises(devipc.InvalidHandleError, match="exceeds"):
+        devipc.new_shared_device(*shared)
+    del tensor
+    _drain()
+
+
+def test_unsupported_device_is_an_error_not_a_copy():
+    hooks = devipc.get_ipc_hooks("openreg")
+    devipc.unregister_ipc_hooks("openreg")
+    try:
+        tensor = torch.ones(4, device="openreg")
+        with pytest.raises(devipc.UnsupportedDeviceError, match="openreg:0"):
+            devipc.share_device(tensor.untyped_storage())
+    finally:
+        devipc.register_ipc_hooks("openreg", hooks)
