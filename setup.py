@@ -2,6 +2,7 @@
 linked against it (rpath $ORIGIN), both inside `devipc/openreg/`."""
 import glob
 import os
+import shutil
 import subprocess
 
 from setuptools import setup
@@ -29,8 +30,18 @@ class BuildWithRuntime(BuildExtension):
     def build_extension(self, ext):
         out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
         build_runtime(out_dir)
-        ext.library_dirs = [out_dir]
+        ext.library_dirs = [out_dir, *ext.library_dirs]  # keep torch's own library directory
         super().build_extension(ext)
+
+    def copy_extensions_to_source(self):
+        # --inplace and editable installs copy _C back into src/; _C finds libopenreg via $ORIGIN.
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            target = os.path.join(os.path.dirname(inplace_file), "libopenreg.so")
+            shutil.copy2(os.path.join(os.path.dirname(regular_file), "libopenreg.so"), target + ".tmp")
+            os.replace(target + ".tmp", target)  # atomic, as in build_runtime
 
 
 setup(

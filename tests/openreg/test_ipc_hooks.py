@@ -54,3 +54,6 @@ def test_device_is_matched_by_identity_not_by_index(children, monkeypatch):
         inbox.put(None)
     children.join_ok()
     assert report["equal"] and report["device"] == "openreg:0"
+    del tensor
+    devipc.ipc_collect()
+    torch.accelerator.empty_cache()

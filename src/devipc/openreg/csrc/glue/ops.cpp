@@ -1,0 +1,348 @@
+// ATen kernels of openreg: allocation, views, copies and resizing are native (views alias, copies
+// run on the current stream); every other op runs on the CPU through a boxed fallback.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_local_scalar_dense_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+namespace devipc::openreg {
+namespace {
+
+using at::Tensor;
+
+bool on_openreg(const Tensor& t) {
+  return t.device().type() == kDeviceType;
+}
+
+orStream_t stream_of(const Tensor& t) {
+  return current_stream(t.device().index());
+}
+
+// ---- factories ----------------------------------------------------------------------------------
+void check_factory_options(std::optional<c10::Layout> layout, std::optional<bool> pin_memory) {
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
+              "openreg: only strided tensors are supported, got layout ", *layout);
+  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory),
+              "openreg: pin_memory applies to CPU tensors only");
+}
+
+constexpr c10::DispatchKeySet kKeys(c10::DispatchKey::PrivateUse1);
+
+Tensor empty_memory_format(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                           std::optional<c10::Layout> layout, std::optional<at::Device> device,
+                           std::optional<bool> pin_memory,
+                           std::optional<at::MemoryFormat> memory_format) {
+  check_factory_options(layout, pin_memory);
+  const c10::DeviceGuard guard(c10::device_or_default(device));  // the allocator uses it
+  return at::detail::empty_generic(size, c10::GetAllocator(kDeviceType), kKeys,
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride,
+                     std::optional<at::ScalarType> dtype, std::optional<c10::Layout> layout,
+                     std::optional<at::Device> device, std::optional<bool> pin_memory) {
+  check_factory_options(layout, pin_memory);
+  const c10::DeviceGuard guard(c10::device_or_default(device));
+  return at::detail::empty_strided_generic(size, stride, c10::GetAllocator(kDeviceType), kKeys,
+                                           c10::dtype_or_default(dtype));
+}
+
+// ---- copies -------------------------------------------------------------------------------------
+using HostStorages = std::vector<c10::Storage>;
+
+// Host memory a queued copy reads or writes must outlive the copy: the stream drops these
+// references once the work queued before has run.
+void hold_until_done(orStream_t stream, HostStorages storages) {
+  auto held = std::make_unique<HostStorages>(std::move(storages));
+  OR_CHECK(orLaunchHostFunc(
+      stream, [](void* p) { delete static_cast<HostStorages*>(p); }, held.get()));
+  held.release();  // owned by the host function now
+}
+
+// A blocking copy returns once it ran; a non-blocking one only holds the host memory it touches.
+void copy_bytes(void* dst, const void* src, size_t nbytes, orMemcpyKind kind, orStream_t stream,
+                HostStorages host, bool non_blocking) {
+  if (nbytes == 0) return;
+  OR_CHECK(orMemcpyAsync(dst, src, nbytes, kind, stream));
+  if (!non_blocking) {
+    OR_CHECK(orStreamSynchronize(stream));
+  } else if (!host.empty()) {
+    hold_until_done(stream, std::move(host));
+  }
+}
+
+// Makes `waiter` wait for the work queued so far on `waitee` (streams of different devices).
+void stream_wait(orStream_t waiter, orStream_t waitee) {
+  int device = 0;
+  OR_CHECK(orStreamGetDevice(waitee, &device));
+  const c10::DeviceGuard guard(c10::Device(kDeviceType, static_cast<c10::DeviceIndex>(device)));
+  orEvent_t event = nullptr;
+  OR_CHECK(orEventCreateWithFlags(&event, orEventDisableTiming));
+  const std::unique_ptr<orEvent, orError_t (*)(orEvent_t)> owner(event, &orEventDestroy);
+  OR_CHECK(orEventRecord(event, waitee));
+  OR_CHECK(orStreamWaitEvent(waiter, event, 0));
+}
+
+// Elements from a tensor's first element to its last, inclusive (ATen strides are never negative).
+int64_t span_numel(const Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return last + 1;
+}
+
+size_t span_nbytes(const Tensor& t) {
+  return static_cast<size_t>(span_numel(t)) * t.itemsize();
+}
+
+Tensor with_bits_of(Tensor host, const Tensor& like) {
+  host._set_conj(like.is_conj());
+  host._set_neg(like.is_neg());
+  return host;
+}
+
+// A CPU tensor with t's sizes, strides, bits and values (blocking): the staging step of copies
+// that convert dtypes or layouts, which the CPU does.
+Tensor to_host(const Tensor& t) {
+  Tensor host = at::empty({span_numel(t)}, t.options().device(at::kCPU));
+  copy_bytes(host.data_ptr(), t.data_ptr(), span_nbytes(t), orMemcpyDeviceToHost, stream_of(t), {},
+             /*non_blocking=*/false);
+  return with_bits_of(host.as_strided(t.sizes(), t.strides()), t);
+}
+
+// dst := src (CPU, any dtype, broadcastable). A dense dst is written whole; any other is read
+// first, so that the memory between its elements keeps its values.
+void write_from_host(const Tensor& dst, const Tensor& src, bool non_blocking) {
+  Tensor staged =
+      dst.is_non_overlapping_and_dense()
+          ? with_bits_of(at::empty_strided(dst.sizes(), dst.strides(), dst.options().device(at::kCPU)), dst)
+          : to_host(dst);
+  staged.copy_(src);
+  copy_bytes(dst.data_ptr(), staged.data_ptr(), span_nbytes(dst), orMemcpyHostToDevice,
+             stream_of(dst), {staged.storage()}, non_blocking);
+}
+
+// Same dtype, sizes, strides and bits, without gaps: the copy is one memcpy.
+bool same_dense_layout(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.is_non_overlapping_and_dense() && a.is_conj() == b.is_conj() && a.is_neg() == b.is_neg();
+}
+
+void copy_dense(const Tensor& src, const Tensor& dst, bool non_blocking) {
+  const size_t nbytes = static_cast<size_t>(src.numel()) * src.itemsize();
+  if (!on_openreg(src)) {
+    copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, orMemcpyHostToDevice, stream_of(dst),
+               {src.storage()}, non_blocking);
+  } else if (!on_openreg(dst)) {
+    copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, orMemcpyDeviceToHost, stream_of(src),
+               {dst.storage()}, non_blocking);
+  } else {
+    // Device to device never blocks the host, as in CUDA: later work on the stream is ordered
+    // after it. Across devices, each side's stream waits for the other's pending work.
+    const orStream_t dst_stream = stream_of(dst);
+    const orStream_t src_stream = stream_of(src);
+    if (dst_stream != src_stream) stream_wait(dst_stream, src_stream);
+    OR_CHECK(orMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, orMemcpyDeviceToDevice,
+                           dst_stream));
+    if (dst_stream != src_stream) stream_wait(src_stream, dst_stream);
+  }
+}
+
+Tensor copy_from(const Tensor& self, const Tensor& dst, bool non_blocking) {
+  for (const Tensor* t : {&self, &dst}) {
+    TORCH_CHECK(on_openreg(*t) || t->is_cpu(), "openreg: cannot copy between ", self.device(),
+                " and ", dst.device());
+  }
+  if (dst.numel() == 0) return dst;
+  if (same_dense_layout(self, dst)) {
+    copy_dense(self, dst, non_blocking);
+  } else {
+    // Conversions run on the CPU and block, whatever non_blocking says.
+    const Tensor src = on_openreg(self) ? to_host(self) : self;
+    if (on_openreg(dst)) {
+      write_from_host(dst, src, non_blocking);
+    } else {
+      dst.copy_(src);
+    }
+  }
+  return dst;
+}
+
+// ---- storage and shape --------------------------------------------------------------------------
+void grow_storage(const Tensor& self, size_t nbytes) {
+  if (self.numel() > 0 && nbytes > self.storage().nbytes())
+    resize_storage_bytes(self.storage(), nbytes);
+}
+
+const Tensor& resize_(const Tensor& self, at::IntArrayRef size,
+                      std::optional<at::MemoryFormat> memory_format) {
+  at::native::resize_impl_cpu_(self.unsafeGetTensorImpl(), size, std::nullopt,
+                               /*resize_storage=*/false);  // the CPU resize would allocate on CPU
+  grow_storage(self, at::detail::computeStorageNbytesContiguous(size, self.itemsize(),
+                                                                self.storage_offset()));
+  if (memory_format) {
+    TORCH_CHECK(*memory_format != at::MemoryFormat::Preserve,
+                "openreg: unsupported memory format ", *memory_format);
+    self.unsafeGetTensorImpl()->empty_tensor_restride(*memory_format);
+  }
+  return self;
+}
+
+Tensor copy_from_and_resize(const Tensor& self, const Tensor& dst) {
+  resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, /*non_blocking=*/false);
+}
+
+Tensor& set_storage(Tensor& self, c10::Storage source, int64_t offset, at::IntArrayRef size,
+                    at::IntArrayRef stride) {
+  at::native::checkSetStorage(self, source, offset, size, stride);
+  self.unsafeGetTensorImpl()->set_storage_offset(offset);
+  const at::OptionalIntArrayRef strides =
+      stride.data() != nullptr ? at::OptionalIntArrayRef(stride) : std::nullopt;
+  at::native::resize_impl_cpu_(self.unsafeGetTensorImpl(), size, strides,
+                               /*resize_storage=*/false);
+  grow_storage(self, strides ? at::detail::computeStorageNbytes(size, *strides, self.itemsize(),
+                                                                offset)
+                             : at::detail::computeStorageNbytesContiguous(size, self.itemsize(),
+                                                                          offset));
+  return self;
+}
+
+// set_() without arguments: an empty, resizable openreg storage.
+Tensor& set_empty(Tensor& self) {
+  const c10::DeviceGuard guard(self.device());
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, c10::GetAllocator(kDeviceType),
+                     /*resizable=*/true);
+  return set_storage(self, std::move(empty), 0, {0}, {});
+}
+
+at::Scalar local_scalar_dense(const Tensor& self) {
+  return at::native::_local_scalar_dense_cpu(to_host(self));
+}
+
+// ---- fallback -----------------------------------------------------------------------------------
+bool takes_generator(const c10::Argument& argument) {
+  c10::TypePtr type = argument.type();
+  if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+  return type->kind() == c10::TypeKind::GeneratorType;
+}
+
+c10::DeviceIndex device_of_arguments(const torch::jit::Stack& stack, size_t first) {
+  for (size_t i = first; i < stack.size(); ++i) {
+    if (stack[i].isTensor() && on_openreg(stack[i].toTensor()))
+      return stack[i].toTensor().device().index();
+  }
+  return -1;  // the current device
+}
+
+// CPU kernels draw from CPU generators. For the call, an openreg generator (the one passed, or
+// the default one of the op's device) lends its state to a CPU twin and takes the advanced state
+// back, so seeding openreg (torch.manual_seed) makes its random ops reproducible.
+class GeneratorLoan {
+ public:
+  GeneratorLoan(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+    const auto& arguments = op.schema().arguments();
+    const size_t first = stack.size() - arguments.size();
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (!takes_generator(arguments[i])) continue;
+      c10::IValue& value = stack[first + i];
+      at::Generator owner = value.isNone() ? at::detail::getPrivateUse1Hooks().getDefaultGenerator(
+                                                 device_of_arguments(stack, first))
+                                           : value.toGenerator();
+      if (owner.device().type() != kDeviceType) continue;
+      at::Generator twin = at::make_generator<at::CPUGeneratorImpl>();
+      {
+        const std::lock_guard<std::mutex> lock(owner.mutex());
+        twin.set_state(owner.get_state());
+      }
+      value = c10::IValue(twin);
+      loans_.emplace_back(std::move(owner), std::move(twin));
+    }
+  }
+
+  ~GeneratorLoan() {
+    for (auto& [owner, twin] : loans_) {
+      const std::lock_guard<std::mutex> lock(owner.mutex());
+      owner.set_state(twin.get_state());
+    }
+  }
+
+  GeneratorLoan(const GeneratorLoan&) = delete;
+  GeneratorLoan& operator=(const GeneratorLoan&) = delete;
+
+ private:
+  std::vector<std::pair<at::Generator, at::Generator>> loans_;
+};
+
+void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  // The CPU reads inputs through blocking copies on their devices' current streams; syncing the
+  // current stream first also orders the op after work queued on it without an input of this op.
+  int device = 0;
+  OR_CHECK(orGetDevice(&device));
+  OR_CHECK(orStreamSynchronize(current_stream(static_cast<c10::DeviceIndex>(device))));
+  const GeneratorLoan loan(op, *stack);
+  // Views must alias their base, which a CPU copy cannot: an unregistered view op is an error.
+  at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
+}
+
+}  // namespace
+
+void resize_storage_bytes(const c10::Storage& storage, size_t nbytes) {
+  TORCH_CHECK(storage.resizable(),
+              "openreg: this storage cannot be resized (memory opened from another process or "
+              "borrowed from elsewhere); clone() the tensor first");
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  const c10::DeviceGuard guard(storage.device());
+  c10::DataPtr fresh = impl->allocator()->allocate(nbytes);
+  // Blocking: the old block returns to the cache right after and may be reused at once.
+  copy_bytes(fresh.get(), impl->data(), std::min(nbytes, impl->nbytes()), orMemcpyDeviceToDevice,
+             current_stream(storage.device().index()), {}, /*non_blocking=*/false);
+  impl->set_data_ptr_noswap(std::move(fresh));
+  impl->set_nbytes(nbytes);
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("unfold", TORCH_FN(at::native::unfold));
+  m.impl("view_as_real", TORCH_FN(at::native::view_as_real));
+  m.impl("view_as_complex", TORCH_FN(at::native::view_as_complex));
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("resize_", TORCH_FN(resize_));
+  m.impl("set_", TORCH_FN(set_empty));
+  m.impl("set_.source_Storage", TORCH_FN(at::native::set_));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage));
+  m.impl("set_.source_Tensor", TORCH_FN(at::native::set_tensor_));
+  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
+}
+
+}  // namespace devipc::openreg
