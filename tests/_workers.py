@@ -106,3 +106,21 @@ def hogwild_train(model, data, target, steps, done):
         optimizer.step()
     torch.accelerator.synchronize()
     done.put("trained")
+
+
+def produce_and_exit(outbox):
+    """A producer that is gone before its consumer reads."""
+    outbox.put(torch.arange(4, dtype=torch.float32, device="openreg") * 10)
+    outbox.close()
+    outbox.join_thread()
+
+
+def count_fds_around_a_receive(inbox, outbox):
+    import os
+
+    scratch = torch.ones(1, device="openreg")  # our own allocator's segment, opened up front
+    before = len(os.listdir("/proc/self/fd"))
+    tensor = inbox.get(timeout=TIMEOUT)
+    value = float(tensor.sum().item())
+    del tensor, scratch
+    outbox.put((value, len(os.listdir("/proc/self/fd")) - before))

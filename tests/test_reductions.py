@@ -62,6 +62,49 @@ def test_views_dtypes_and_empty_tensors_round_trip(children):
 
 
 @pytest.mark.usefixtures("ipc_mode")
+def test_work_queued_before_sending_is_complete_when_the_consumer_reads(children):
+    source = torch.full((8 << 20,), 7, dtype=torch.int32)
+    target = torch.zeros(8 << 20, dtype=torch.int32, device="openreg")
+    for _ in range(4):
+        target.copy_(source, non_blocking=True)  # still queued when put() pickles it
+    [report] = _roundtrip(children, [(target, source)])
+    assert report["equal"]
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_producer_may_exit_before_the_consumer_reads(children):
+    outbox = children.ctx.Queue()
+    producer = children.start(_workers.produce_and_exit, outbox)
+    tensor = outbox.get(timeout=TIMEOUT)
+    producer.join(TIMEOUT)
+    assert producer.exitcode == 0
+    assert tensor.cpu().tolist() == [0.0, 10.0, 20.0, 30.0]
+    tensor += 1  # still our mapping: writable, nothing to release on the dead side
+    assert tensor.cpu().tolist() == [1.0, 11.0, 21.0, 31.0]
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_no_descriptor_is_left_open_on_either_side(children):
+    from conftest import open_fds
+
+    tensor = torch.ones(1024, device="openreg")
+    shared = devipc.share_device(tensor.untyped_storage())  # the counter file now exists
+    devipc.release_ipc_counter_device(shared[4], shared[5])
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.count_fds_around_a_receive, inbox, outbox)
+    before = open_fds()
+    inbox.put(tensor)
+    value, consumer_extra_fds = outbox.get(timeout=TIMEOUT)
+    assert value == 1024.0 and consumer_extra_fds == 0
+    assert open_fds() == before  # sharing opened nothing on the producer's side either
+    children.join_ok()
+    del tensor, shared
+    devipc.ipc_collect()
+    torch.accelerator.empty_cache()
+    assert open_fds() <= before
+
+
+@pytest.mark.usefixtures("ipc_mode")
 def test_parameter_keeps_requires_grad(children):
     parameter = torch.nn.Parameter(torch.ones(3, device="openreg"))
     frozen = torch.nn.Parameter(torch.ones(3, device="openreg"), requires_grad=False)

@@ -86,47 +86,67 @@ class ProducerPool:
 
 
 class ConsumerCounters:
-    """The consumer's mappings of producers' counter files, kept while a slot is outstanding."""
+    """The consumer's mappings of producers' counter files.
+
+    A file stays mapped while one of its slots is held, then joins a few idle mappings kept for
+    the next send of the same producer: mapping costs more than the rest of a receive. Keys are
+    whole handles, random token included, so an idle mapping can never be taken for another file.
+    """
+
+    IDLE_KEPT = 8
 
     def __init__(self, producer: ProducerPool):
         self._producer = producer
         self._lock = threading.Lock()
-        self._mapped: dict[bytes, list] = {}  # handle -> [mmap, outstanding slots]
+        self._held: dict[bytes, list] = {}  # handle -> [mapping, held slots]
+        self._idle: dict[bytes, object] = {}  # handle -> mapping, oldest first
 
     def hold(self, handle: bytes) -> None:
         """Map (once) the file of a slot the caller will `release` later."""
         if self._producer.own_buffer(handle) is not None:
             return
         with self._lock:
-            entry = self._mapped.get(handle)
-            if entry is not None:
-                entry[1] += 1
+            if self._take(handle):
                 return
-        buffer = open_shared_file(handle, _MAGIC)
+        mapping = open_shared_file(handle, _MAGIC)
         with self._lock:
-            entry = self._mapped.setdefault(handle, [buffer, 0])
+            if not self._take(handle):
+                self._held[handle] = [mapping, 1]
+                return
+        mapping.close()  # another thread mapped it meanwhile
+
+    def _take(self, handle: bytes) -> bool:
+        entry = self._held.get(handle)
+        if entry is not None:
             entry[1] += 1
-        if entry[0] is not buffer:
-            buffer.close()
+            return True
+        mapping = self._idle.pop(handle, None)
+        if mapping is not None:
+            self._held[handle] = [mapping, 1]
+        return mapping is not None
 
     def release(self, handle: bytes, index: int) -> None:
-        """Decrement the slot and drop the mapping once no held slot of it is left."""
+        """Decrement the slot; a file with no held slot left becomes idle."""
         own = self._producer.own_buffer(handle)
         if own is not None:
             _decrement(own, index)
             return
+        evicted = None
         with self._lock:
-            buffer, held = self._mapped[handle]
-            _decrement(buffer, index)
-            if held == 1:
-                del self._mapped[handle]
-                buffer.close()
-            else:
-                self._mapped[handle][1] = held - 1
+            entry = self._held[handle]
+            _decrement(entry[0], index)
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[handle]
+                self._idle[handle] = entry[0]
+                if len(self._idle) > self.IDLE_KEPT:
+                    evicted = self._idle.pop(next(iter(self._idle)))
+        if evicted is not None:
+            evicted.close()
 
     def mapped_files(self) -> int:
         with self._lock:
-            return len(self._mapped)
+            return len(self._held) + len(self._idle)
 
 
 def check_index(index) -> int:

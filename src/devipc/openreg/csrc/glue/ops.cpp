@@ -84,12 +84,14 @@ void hold_until_done(orStream_t stream, HostStorages storages) {
 void copy_bytes(void* dst, const void* src, size_t nbytes, orMemcpyKind kind, orStream_t stream,
                 HostStorages host, bool non_blocking) {
   if (nbytes == 0) return;
-  OR_CHECK(orMemcpyAsync(dst, src, nbytes, kind, stream));
   if (!non_blocking) {
+    // Wait for the stream's earlier work, then copy on this thread: no hand-off to the worker.
     OR_CHECK(orStreamSynchronize(stream));
-  } else if (!host.empty()) {
-    hold_until_done(stream, std::move(host));
+    OR_CHECK(orMemcpy(dst, src, nbytes, kind));
+    return;
   }
+  OR_CHECK(orMemcpyAsync(dst, src, nbytes, kind, stream));
+  if (!host.empty()) hold_until_done(stream, std::move(host));
 }
 
 // Makes `waiter` wait for the work queued so far on `waitee` (streams of different devices).
