@@ -124,3 +124,13 @@ def count_fds_around_a_receive(inbox, outbox):
     value = float(tensor.sum().item())
     del tensor, scratch
     outbox.put((value, len(os.listdir("/proc/self/fd")) - before))
+
+
+def reduce_and_exit(outbox):
+    """Sends a handle as plain bytes, then exits before anyone opens it."""
+    import torch.multiprocessing.reductions as reductions
+
+    tensor = torch.ones(4, device="openreg")
+    outbox.put(pickle.dumps(reductions.reduce_tensor(tensor)))
+    outbox.close()
+    outbox.join_thread()

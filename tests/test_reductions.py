@@ -166,6 +166,25 @@ def test_handle_survives_plain_pickle_over_a_socket(children):
     children.join_ok()
 
 
+def test_storages_sent_on_their_own_are_shared_too():
+    tensor = torch.arange(4, dtype=torch.float32, device="openreg")
+    untyped = tensor.untyped_storage()
+    typed = torch.TypedStorage(wrap_storage=untyped, dtype=torch.float32, _internal=True)
+    for storage in (untyped, typed):
+        received = ForkingPickler.loads(ForkingPickler.dumps(storage))
+        assert type(received) is type(storage)
+        if isinstance(received, torch.TypedStorage):
+            received = received._untyped_storage
+        assert received.device == tensor.device
+        view = torch.tensor([], dtype=torch.float32, device="openreg").set_(received)
+        view[0] = 42
+        assert tensor[0].item() == 42
+        tensor[0] = 0
+        del received, view
+    del tensor
+    devipc.ipc_collect()
+
+
 def test_rfc_names_exist():
     assert callable(torch_reductions._device_supports_ipc)
     assert torch_reductions._device_supports_ipc("openreg") is True
@@ -195,6 +214,27 @@ def test_forged_or_truncated_handles_raise(field, value, error):
         rebuild(*args)
     del tensor
     devipc.ipc_collect()
+
+
+def test_forged_event_handle_raises_and_gives_the_slot_back():
+    tensor = torch.ones(4, device="openreg")
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    args = list(args)
+    args[13], args[14] = b"\x00" * 64, True
+    with pytest.raises(devipc.InvalidHandleError):
+        rebuild(*args)
+    del tensor
+    assert devipc.ipc_collect() == 1
+
+
+def test_handle_of_an_exited_producer_says_peer_gone(children):
+    outbox = children.ctx.Queue()
+    children.start(_workers.reduce_and_exit, outbox)
+    payload = outbox.get(timeout=TIMEOUT)
+    children.join_ok()
+    rebuild, args = pickle.loads(payload)
+    with pytest.raises(devipc.PeerGoneError, match="exited"):
+        rebuild(*args)
 
 
 def test_cpu_tensors_keep_torch_path():

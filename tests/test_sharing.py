@@ -125,3 +125,15 @@ def test_unsupported_device_is_an_error_not_a_copy():
             devipc.share_device(tensor.untyped_storage())
     finally:
         devipc.register_ipc_hooks("openreg", hooks)
+
+
+def test_many_held_storages_warn_and_are_freed_once_released():
+    tensor = torch.ones(4, device="openreg")
+    with pytest.warns(ResourceWarning, match="still held by consumers"):
+        sends = [devipc.share_device(tensor.untyped_storage())
+                 for _ in range(_sharing.LIMBO_WARN_BLOCKS + 1)]
+        devipc.ipc_collect()
+    for shared in sends:
+        devipc.release_ipc_counter_device(shared[4], shared[5])
+    assert devipc.ipc_collect() >= len(sends)
+    assert _sharing.stats()["sent"] < _sharing.LIMBO_WARN_BLOCKS

@@ -109,7 +109,7 @@ def received_via_ipc(storage) -> bool:
     if isinstance(storage, torch.Tensor):
         storage = storage.untyped_storage()
     if isinstance(storage, torch.TypedStorage):
-        storage = storage.untyped_storage()
+        storage = storage._untyped_storage
     return storage.nbytes() > 0 and _mappings.contains(storage.device, storage.data_ptr())
 
 
@@ -122,7 +122,7 @@ def share_device(storage: torch.UntypedStorage) -> tuple:
     one on the device's current stream of the calling thread.
     """
     if isinstance(storage, torch.TypedStorage):
-        storage = storage.untyped_storage()
+        storage = storage._untyped_storage
     device = storage.device
     hooks = hooks_for(device)
     if received_via_ipc(storage):

@@ -106,10 +106,9 @@ orError_t orEventRecord(orEvent_t event, orStream_t stream) {
     event->last = record;
     event->mark = mark;
   }
-  enqueue(s, [record, mark] {
-    if (mark.slot >= 0) publishProgress(mark);
-    markDone(record);
-  });
+  enqueue(
+      s, [mark] { if (mark.slot >= 0) publishProgress(mark); },
+      [record] { markDone(record); });
   return orSuccess;
 }
 

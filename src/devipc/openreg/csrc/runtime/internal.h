@@ -89,7 +89,7 @@ struct orStream {
   std::mutex mutex;
   std::condition_variable workReady;
   std::condition_variable workDone;
-  std::deque<std::function<void()>> queue;
+  std::deque<std::pair<std::function<void()>, std::function<void()>>> queue;  // (task, after)
   uint64_t enqueued = 0;   // tasks ever enqueued
   uint64_t completed = 0;  // tasks ever finished; the stream is idle when equal
   bool stopping = false;
@@ -118,7 +118,10 @@ struct orEvent {
 namespace openreg {
 // NULL -> default stream of the current device. Fails (with a message) on an unknown handle.
 orError_t resolveStream(orStream_t stream, const char* call, orStream_t* out);
-void enqueue(orStream_t stream, std::function<void()> task);
+// `after` runs on the worker once the stream counts `task` as completed: an event record uses it,
+// so that a completed event implies that orStreamQuery sees the work before it as done.
+void enqueue(orStream_t stream, std::function<void()> task,
+             std::function<void()> after = nullptr);
 orError_t synchronizeStream(orStream_t stream, const char* call);
 orError_t reserveProgressMark(orStream_t stream, ProgressMark* mark);
 void publishProgress(const ProgressMark& mark);  // runs on the stream worker

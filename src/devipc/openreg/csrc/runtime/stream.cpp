@@ -40,7 +40,7 @@ void workerLoop(orStream* s) {
   for (;;) {
     s->workReady.wait(lock, [s] { return s->stopping || !s->queue.empty(); });
     if (s->queue.empty()) return;  // stopping, and everything enqueued has run
-    std::function<void()> task = std::move(s->queue.front());
+    auto [task, after] = std::move(s->queue.front());
     s->queue.pop_front();
     lock.unlock();
     task();
@@ -48,6 +48,12 @@ void workerLoop(orStream* s) {
     lock.lock();
     s->completed++;
     s->workDone.notify_all();
+    if (after) {
+      lock.unlock();
+      after();
+      after = nullptr;
+      lock.lock();
+    }
   }
 }
 
@@ -115,9 +121,9 @@ orError_t resolveStream(orStream_t stream, const char* call, orStream_t* out) {
   return orSuccess;
 }
 
-void enqueue(orStream_t s, std::function<void()> task) {
+void enqueue(orStream_t s, std::function<void()> task, std::function<void()> after) {
   std::lock_guard<std::mutex> lock(s->mutex);
-  s->queue.push_back(std::move(task));
+  s->queue.emplace_back(std::move(task), std::move(after));
   s->enqueued++;
   s->workReady.notify_one();
 }
