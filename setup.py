@@ -12,7 +12,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("src", "devipc", "openreg", "csrc")
 RUNTIME_SOURCES = sorted(glob.glob(os.path.join(CSRC, "runtime", "*.cpp")))
 GLUE_SOURCES = sorted(glob.glob(os.path.join(CSRC, "glue", "*.cpp")))
-CXXFLAGS = ["-O2", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+WARNINGS = ["-Wall", "-Wextra", "-Wno-unused-parameter"]
+RUNTIME_FLAGS = ["-O2", "-std=c++17", *WARNINGS]
+GLUE_FLAGS = ["-O2", "-std=c++20", *WARNINGS]  # torch 2.13's headers use C++20 features
 
 
 def build_runtime(out_dir):
@@ -20,7 +22,7 @@ def build_runtime(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     target = os.path.join(out_dir, "libopenreg.so")
     tmp = target + ".tmp"
-    subprocess.check_call(["c++", *CXXFLAGS, "-fPIC", "-shared", "-pthread", *RUNTIME_SOURCES,
+    subprocess.check_call(["c++", *RUNTIME_FLAGS, "-fPIC", "-shared", "-pthread", *RUNTIME_SOURCES,
                            "-o", tmp, "-Wl,-soname,libopenreg.so"], cwd=HERE)
     os.replace(tmp, target)  # atomic: a process using the old library keeps its mapping
     return out_dir
@@ -51,7 +53,7 @@ setup(
             GLUE_SOURCES,
             include_dirs=[os.path.join(HERE, CSRC, "runtime")],
             libraries=["openreg"],
-            extra_compile_args=CXXFLAGS,
+            extra_compile_args=GLUE_FLAGS,
             extra_link_args=["-Wl,-rpath,$ORIGIN"],
         )
     ],

@@ -12,8 +12,13 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
-from ._hooks import device_supports_ipc, hooks_for
-from ._sharing import new_shared_device, release_ipc_counter_device, share_device
+from ._hooks import device_supports_ipc
+from ._sharing import (
+    new_shared_device,
+    release_ipc_counter_device,
+    share_device,
+    wait_for_producer,
+)
 
 _lock = threading.Lock()
 _saved: dict[str, object] = {}  # torch's own functions while installed
@@ -35,8 +40,7 @@ def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handl
     # honour this send's event: the producer may have written since the first send.
     release_ipc_counter_device(ref_counter_handle, ref_counter_offset, device)
     if event_sync_required:
-        hooks_for(storage.device).wait_ipc_event(
-            event_handle, torch.accelerator.current_stream(storage.device))
+        wait_for_producer(storage.device, event_handle)
     return storage
 
 

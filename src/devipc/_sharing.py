@@ -135,7 +135,7 @@ def share_device(storage: torch.UntypedStorage) -> tuple:
         event_handle = hooks.get_ipc_event_handle(device)
     else:
         event_handle = b""
-        torch.accelerator.synchronize(device)
+        torch.get_device_module(device).synchronize(device)
     handle, offset = hooks.get_ipc_mem_handle(storage.data_ptr())
     slot = _pool.allocate()
     _sent.add(storage, slot)
@@ -162,7 +162,7 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
                 raise InvalidHandleError(f"shared storage of {size_bytes} bytes at offset "
                                          f"{offset_bytes} exceeds its allocation of {memory.size}")
             if event_sync_required:
-                hooks.wait_ipc_event(event_handle, torch.accelerator.current_stream(memory.device))
+                wait_for_producer(memory.device, event_handle)
 
             def on_free():
                 _counters.release(ref_counter_handle, index)
@@ -176,6 +176,12 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
     except BaseException:
         _counters.release(ref_counter_handle, index)  # the producer must not wait for us forever
         raise
+
+
+def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
+    """Make the current stream of (local) `device` wait for the producer's event."""
+    stream = torch.get_device_module(device).current_stream(device)
+    hooks_for(device).wait_ipc_event(event_handle, stream)
 
 
 def release_ipc_counter_device(ref_counter_handle: bytes, ref_counter_offset: int,

@@ -1,5 +1,7 @@
 """Ops without an openreg kernel run on the CPU through the fallback and still give openreg
 tensors, with the same values as on the CPU."""
+import warnings
+
 import pytest
 import torch
 
@@ -59,3 +61,60 @@ def test_autograd_through_fallback_ops():
     (wc @ wc).sum().backward()
     assert w.grad.device.type == "openreg"
     torch.testing.assert_close(w.grad.cpu(), wc.grad)
+
+
+def _no_warnings(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn()
+
+
+def test_structured_reductions_match_cpu_without_resize_warnings():
+    # Structured ops used to reach the CPU through their .out variant, with an output the meta
+    # function had sized on openreg; mse_loss's out kernel re-sizes it and warned "An output with
+    # one or more elements was resized".
+    torch.manual_seed(0)
+    x, t = torch.randn(64, 1), torch.randn(64, 1)
+    logits, labels = torch.randn(8, 5), torch.randint(0, 5, (8,))
+
+    def run(device):
+        xd = x.detach().to(device).requires_grad_()
+        loss = torch.nn.functional.mse_loss(xd, t.to(device))
+        loss.backward()
+        ld = logits.detach().to(device).requires_grad_()
+        ce = torch.nn.functional.cross_entropy(ld, labels.to(device))
+        ce.backward()
+        return [loss, xd.grad, ce, ld.grad, torch.sum(x.to(device), dim=0),
+                torch.mean(x.to(device)), torch.nn.functional.smooth_l1_loss(xd, t.to(device)),
+                torch.nn.functional.huber_loss(xd, t.to(device), reduction="sum")]
+
+    cpu = _no_warnings(lambda: run("cpu"))
+    dev = _no_warnings(lambda: run("openreg"))
+    for c, d in zip(cpu, dev):
+        assert d.device.type == "openreg" and d.shape == c.shape
+        torch.testing.assert_close(d.detach().cpu(), c.detach())
+
+
+def test_out_variants_without_resize_warnings():
+    x = torch.arange(12.0).reshape(3, 4)
+    xd = x.to("openreg")
+    out = torch.empty(4, device="openreg")
+    _no_warnings(lambda: torch.sum(xd, dim=0, out=out))
+    torch.testing.assert_close(out.cpu(), x.sum(0))
+    scalar = torch.empty((), device="openreg")
+    _no_warnings(lambda: torch.mean(xd, dim=(0, 1), out=scalar))
+    torch.testing.assert_close(scalar.cpu(), x.mean())
+
+
+def test_outputs_land_on_the_openreg_device_of_the_inputs():
+    x = torch.arange(3.0, device="openreg:1")
+    for y in [torch.tensor(2.0) * x, torch.where(torch.tensor(True), torch.tensor(1.0), x)]:
+        assert y.device == torch.device("openreg", 1)
+
+
+def test_mixing_devices_raises():
+    a = torch.ones(2, device="openreg:0")
+    with pytest.raises(RuntimeError, match="same device"):
+        a + torch.ones(2, device="openreg:1")
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ones(()).add_(torch.ones((), device="openreg"))

@@ -35,7 +35,7 @@ class OpenRegIpcHooks(IpcHooks):
             return b""
         event = _runtime.event_create(interprocess=True, timing=False)
         try:
-            _runtime.event_record(event, _runtime_stream(torch.accelerator.current_stream(device)))
+            _runtime.event_record(event, _runtime_stream(torch.openreg.current_stream(device)))
             return _runtime.ipc_get_event_handle(event)
         finally:
             _runtime.event_destroy(event)  # the handle keeps the record, not the event object

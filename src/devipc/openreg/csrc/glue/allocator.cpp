@@ -51,8 +51,13 @@ struct OpenRegAllocator final : c10::DeviceAllocator {
     return &free_device_memory;
   }
 
-  // Used by clone() of storages; the copy is ordered after the current device's default stream.
+  // Used by clone() of storages: blocking, after all work queued on the source's device.
   void copy_data(void* dest, const void* src, size_t count) const override {
+    if (count == 0) return;
+    orPointerAttributes attributes{};
+    OR_CHECK(orPointerGetAttributes(&attributes, src));
+    const c10::DeviceGuard guard(c10::Device(kDeviceType, attributes.device));
+    OR_CHECK(orDeviceSynchronize());
     OR_CHECK(orMemcpy(dest, src, count, orMemcpyDeviceToDevice));
   }
 

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_local_scalar_dense_native.h>
@@ -20,6 +21,8 @@
 #include <torch/library.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -260,7 +263,9 @@ c10::DeviceIndex device_of_arguments(const torch::jit::Stack& stack, size_t firs
 
 // CPU kernels draw from CPU generators. For the call, an openreg generator (the one passed, or
 // the default one of the op's device) lends its state to a CPU twin and takes the advanced state
-// back, so seeding openreg (torch.manual_seed) makes its random ops reproducible.
+// back, so seeding openreg (torch.manual_seed) makes its random ops reproducible. The owner stays
+// locked for the whole call, as CPU and CUDA kernels hold theirs: two threads never draw the same
+// numbers.
 class GeneratorLoan {
  public:
   GeneratorLoan(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
@@ -274,38 +279,105 @@ class GeneratorLoan {
                                            : value.toGenerator();
       if (owner.device().type() != kDeviceType) continue;
       at::Generator twin = at::make_generator<at::CPUGeneratorImpl>();
-      {
-        const std::lock_guard<std::mutex> lock(owner.mutex());
-        twin.set_state(owner.get_state());
-      }
+      std::unique_lock<std::mutex> lock(owner.mutex());
+      twin.set_state(owner.get_state());
       value = c10::IValue(twin);
-      loans_.emplace_back(std::move(owner), std::move(twin));
+      loans_.push_back(Loan{std::move(owner), std::move(twin), std::move(lock)});
     }
   }
 
   ~GeneratorLoan() {
-    for (auto& [owner, twin] : loans_) {
-      const std::lock_guard<std::mutex> lock(owner.mutex());
-      owner.set_state(twin.get_state());
-    }
+    for (Loan& loan : loans_) loan.owner.set_state(loan.twin.get_state());
   }
 
   GeneratorLoan(const GeneratorLoan&) = delete;
   GeneratorLoan& operator=(const GeneratorLoan&) = delete;
 
  private:
-  std::vector<std::pair<at::Generator, at::Generator>> loans_;
+  struct Loan {
+    at::Generator owner;
+    at::Generator twin;
+    std::unique_lock<std::mutex> lock;  // of owner, released after the state went back
+  };
+  std::vector<Loan> loans_;
 };
 
+// The one openreg device of an op's tensor arguments (lists aside), as a device kernel requires:
+// a CPU kernel would happily mix openreg:0 and openreg:1, or write into a CPU tensor (which the
+// fallback cannot copy back to).
+void check_one_device(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                      size_t first) {
+  const auto& arguments = op.schema().arguments();
+  std::optional<at::Device> device;
+  std::optional<at::Device> written_on_cpu;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = stack[first + i];
+    if (!value.isTensor() || !value.toTensor().defined()) continue;
+    const at::Device here = value.toTensor().device();
+    if (!on_openreg(value.toTensor())) {
+      const c10::AliasInfo* alias = arguments[i].alias_info();
+      if (alias != nullptr && alias->isWrite()) written_on_cpu = here;
+      continue;
+    }
+    TORCH_CHECK(!device || *device == here,
+                "Expected all tensors to be on the same device, but found at least two devices, ",
+                *device, " and ", here, "! (when running ", op.schema().operator_name(), ")");
+    device = here;
+  }
+  TORCH_CHECK(!device || !written_on_cpu,
+              "Expected all tensors to be on the same device, but found at least two devices, ",
+              *device, " and ", written_on_cpu.value_or(at::kCPU), "! (", op.schema().operator_name(),
+              " writes to a ", written_on_cpu.value_or(at::kCPU), " tensor)");
+}
+
+at::IValue to_device(const at::IValue& value, const at::Device& device) {
+  if (value.isTensor()) {
+    const Tensor& t = value.toTensor();
+    return t.defined() && t.is_cpu() ? at::IValue(t.to(device)) : value;
+  }
+  if (value.isTensorList()) {
+    c10::List<Tensor> list = value.toTensorList();
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Tensor t = list.get(i);
+      if (t.defined() && t.is_cpu()) list.set(i, t.to(device));
+    }
+    return at::IValue(list);
+  }
+  return value;
+}
+
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t first = stack->size() - schema.arguments().size();
+  check_one_device(op, *stack, first);
+  const c10::DeviceIndex op_device = device_of_arguments(*stack, first);
   // The CPU reads inputs through blocking copies on their devices' current streams; syncing the
-  // current stream first also orders the op after work queued on it without an input of this op.
-  int device = 0;
-  OR_CHECK(orGetDevice(&device));
-  OR_CHECK(orStreamSynchronize(current_stream(static_cast<c10::DeviceIndex>(device))));
-  const GeneratorLoan loan(op, *stack);
-  // Views must alias their base, which a CPU copy cannot: an unregistered view op is an error.
-  at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
+  // op's device's current stream first also orders the op after work queued there that has no
+  // input of this op (an output written by an earlier asynchronous copy, say).
+  c10::DeviceIndex sync_device = op_device;
+  if (sync_device < 0) {
+    int current = 0;
+    OR_CHECK(orGetDevice(&current));
+    sync_device = static_cast<c10::DeviceIndex>(current);
+  }
+  OR_CHECK(orStreamSynchronize(current_stream(sync_device)));
+  {
+    const GeneratorLoan loan(op, *stack);
+    // Views must alias their base, which a CPU copy cannot: an unregistered view op is an error.
+    at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
+  }
+  // at::native::cpu_fallback puts new outputs on the device of the first tensor argument, which
+  // is the CPU for torch.where(cpu_mask, x, y) or cpu_scalar * x: as on CUDA, they belong on the
+  // op's openreg device.
+  if (op_device < 0) return;
+  const at::Device target(kDeviceType, op_device);
+  const auto& returns = schema.returns();
+  const size_t returns_begin = stack->size() - returns.size();
+  for (size_t i = 0; i < returns.size(); ++i) {
+    if (returns[i].alias_info() != nullptr) continue;  // an argument, already where it was
+    at::IValue& value = (*stack)[returns_begin + i];
+    value = to_device(value, target);
+  }
 }
 
 }  // namespace
@@ -341,6 +413,27 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage));
   m.impl("set_.source_Tensor", TORCH_FN(at::native::set_tensor_));
   m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+
+  // Structured ops (mse_loss, sum.dim_IntList, add_.Tensor, ...) have CPU kernels for each variant
+  // but, for other devices, only CompositeExplicitAutogradNonFunctional ones for the functional and
+  // in-place variants: these run the meta function on openreg, then call the .out variant with the
+  // output it sized. Through the fallback, the CPU .out kernel then runs its meta function again on
+  // a copy of that output, which is not always idempotent: mse_loss's first sizes the output like
+  // the inputs and then to [] for a reduction, so a [] output draws "An output with one or more
+  // elements was resized" and a needless device allocation and copy back. Running the CPU kernel
+  // of the variant called, as the CPU itself does, avoids both.
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    const std::optional<c10::OperatorHandle> op = dispatcher.findOp(name);
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
+      continue;
+    const std::string full = name.overload_name.empty() ? name.name
+                                                        : name.name + "." + name.overload_name;
+    m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
