@@ -12,6 +12,8 @@ from conftest import TIMEOUT
 
 import _workers
 
+pytestmark = pytest.mark.usefixtures("ipc_mode")
+
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
           torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
           torch.bool]
@@ -42,7 +44,6 @@ def _roundtrip(children, items):
     return reports
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_views_dtypes_and_empty_tensors_round_trip(children):
     names, items = [], []
     for name, cpu in _cases():
@@ -61,7 +62,6 @@ def test_views_dtypes_and_empty_tensors_round_trip(children):
         assert report["received"] == (tensor.numel() > 0), name
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_work_queued_before_sending_is_complete_when_the_consumer_reads(children):
     source = torch.full((8 << 20,), 7, dtype=torch.int32)
     target = torch.zeros(8 << 20, dtype=torch.int32, device="openreg")
@@ -71,7 +71,6 @@ def test_work_queued_before_sending_is_complete_when_the_consumer_reads(children
     assert report["equal"]
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_producer_may_exit_before_the_consumer_reads(children):
     outbox = children.ctx.Queue()
     producer = children.start(_workers.produce_and_exit, outbox)
@@ -83,7 +82,6 @@ def test_producer_may_exit_before_the_consumer_reads(children):
     assert tensor.cpu().tolist() == [1.0, 11.0, 21.0, 31.0]
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_no_descriptor_is_left_open_on_either_side(children):
     from conftest import open_fds
 
@@ -104,7 +102,6 @@ def test_no_descriptor_is_left_open_on_either_side(children):
     assert open_fds() <= before
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_parameter_keeps_requires_grad(children):
     parameter = torch.nn.Parameter(torch.ones(3, device="openreg"))
     frozen = torch.nn.Parameter(torch.ones(3, device="openreg"), requires_grad=False)
@@ -113,7 +110,6 @@ def test_parameter_keeps_requires_grad(children):
         [("Parameter", True), ("Parameter", False)]
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_writes_cross_both_ways(children):
     inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
     children.start(_workers.mutate_both_ways, inbox, outbox)
@@ -128,7 +124,6 @@ def test_writes_cross_both_ways(children):
     children.join_ok()
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_views_of_one_storage_arrive_as_views_of_one_storage(children):
     inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
     children.start(_workers.views_of_one_storage, inbox, outbox)
@@ -139,7 +134,6 @@ def test_views_of_one_storage_arrive_as_views_of_one_storage(children):
     children.join_ok()
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_resending_a_received_tensor_is_refused_clearly(children):
     inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
     children.start(_workers.try_to_reshare, inbox, outbox)
@@ -149,7 +143,6 @@ def test_resending_a_received_tensor_is_refused_clearly(children):
     children.join_ok()
 
 
-@pytest.mark.usefixtures("ipc_mode")
 def test_handle_survives_plain_pickle_over_a_socket(children):
     tensor = torch.arange(5, dtype=torch.float32, device="openreg")
     rebuild, args = torch_reductions.reduce_tensor(tensor)
@@ -273,6 +266,7 @@ class _FakeCudaTensor(torch.Tensor):
 def test_cuda_tensors_still_reach_torchs_rebuild_cuda_tensor():
     """With devipc installed, a CUDA tensor goes through torch's own reduce_tensor and comes
     back as rebuild_cuda_tensor."""
+    _FakeCudaStorage.calls.clear()
     tensor = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(2))
     reducer = ForkingPickler._extra_reducers[torch.Tensor]
     assert reducer is devipc._reductions.reduce_tensor
