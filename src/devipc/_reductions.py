@@ -89,14 +89,6 @@ def reduce_storage(storage):
     return (rebuild_device_storage, (type(storage), *share_device(storage)))
 
 
-def _device_supports_ipc(device_type: str) -> bool:
-    return device_supports_ipc(device_type)
-
-
-def _share_device_(self):
-    return share_device(self)
-
-
 @classmethod
 def _new_shared_device(cls, *shared):
     return new_shared_device(*shared)
@@ -110,8 +102,8 @@ def _release_ipc_counter_device(cls, ref_counter_handle, ref_counter_offset, dev
 # The RFC's names, where the RFC puts them.
 _MODULE_NAMES = {"reduce_tensor": reduce_tensor, "reduce_storage": reduce_storage,
                  "rebuild_device_tensor": rebuild_device_tensor,
-                 "_device_supports_ipc": _device_supports_ipc}
-_STORAGE_METHODS = {"_share_device_": _share_device_, "_new_shared_device": _new_shared_device,
+                 "_device_supports_ipc": device_supports_ipc}
+_STORAGE_METHODS = {"_share_device_": share_device, "_new_shared_device": _new_shared_device,
                     "_release_ipc_counter_device": _release_ipc_counter_device}
 _MISSING = object()
 

@@ -156,7 +156,7 @@ def _as_int64(seed: int) -> int:
 
 
 def _is_in_bad_fork() -> bool:
-    """True in a child forked after its parent used openreg: the runtime refuses it, as CUDA does."""
+    """True in a child forked after its parent used openreg: the runtime refuses it, like CUDA."""
     try:
         current_device()
     except RuntimeError:

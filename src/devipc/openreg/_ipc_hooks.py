@@ -8,8 +8,8 @@ import os
 
 import torch
 
-# From the submodule, not from the package namespace: torch's autoload may run this while the `devipc`
-# package itself is still importing torch.
+# From the submodule, not from the package namespace: torch's autoload may run this while the
+# `devipc` package itself is still importing torch.
 from devipc._hooks import IpcHooks, OpenedMemory, register_ipc_hooks
 
 from . import _runtime
@@ -43,7 +43,7 @@ class OpenRegIpcHooks(IpcHooks):
     def open_ipc_mem_handle(self, handle: bytes) -> OpenedMemory:
         base, size, device = _runtime.ipc_open_mem_handle(handle)
         return OpenedMemory(base, size, torch.device("openreg", device),
-                                   lambda: _runtime.ipc_close_mem_handle(base))
+                            lambda: _runtime.ipc_close_mem_handle(base))
 
     def wait_ipc_event(self, event_handle: bytes, stream: torch.Stream) -> None:
         if not event_handle:
