@@ -1,5 +1,7 @@
 """share_device / new_shared_device / release_ipc_counter_device and the sent-data collector,
 in one process and across processes, in both openreg IPC modes."""
+from multiprocessing.reduction import ForkingPickler
+
 import pytest
 import torch
 
@@ -123,6 +125,9 @@ def test_unsupported_device_is_an_error_not_a_copy():
         tensor = torch.ones(4, device="openreg")
         with pytest.raises(devipc.UnsupportedDeviceError, match="openreg:0"):
             devipc.share_device(tensor.untyped_storage())
+        # torch's own path, which devices without hooks take, gets the same clear error
+        with pytest.raises(devipc.UnsupportedDeviceError, match="register_ipc_hooks"):
+            ForkingPickler.dumps(tensor)
     finally:
         devipc.register_ipc_hooks("openreg", hooks)
 

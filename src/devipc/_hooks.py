@@ -70,7 +70,7 @@ def register_ipc_hooks(device_type: str, hooks: IpcHooks) -> None:
     """Make `device_type` tensors share through `hooks`; installs the reductions (idempotent)."""
     if not isinstance(hooks, IpcHooks):
         raise TypeError(f"hooks must be an IpcHooks instance, got {type(hooks).__name__}")
-    if device_type in _TORCH_OWNED:
+    if torch_shares(device_type):
         raise ValueError(f"torch shares {device_type!r} tensors itself; devipc does not take "
                          f"them over")
     with _lock:
@@ -104,10 +104,19 @@ def hooks_for(device: torch.device) -> IpcHooks:
     """The hooks of a device that can share, or an error that says what to do."""
     if device_supports_ipc(device.type):
         return _registry[device.type]
+    raise unsupported_device(device)
+
+
+def unsupported_device(device: torch.device) -> UnsupportedDeviceError:
     known = ", ".join(sorted(_registry)) or "none"
-    raise UnsupportedDeviceError(
+    return UnsupportedDeviceError(
         f"cannot share a tensor on {device} between processes: no IPC hooks able to share are "
         f"registered for device type {device.type!r} (registered: {known}). Implement "
         f"devipc.IpcHooks for the device and call devipc.register_ipc_hooks({device.type!r}, "
         f"hooks), or move the tensor to the CPU explicitly. devipc never copies silently."
     )
+
+
+def torch_shares(device_type: str) -> bool:
+    """Whether torch itself shares this device's tensors (devipc leaves those alone)."""
+    return device_type in _TORCH_OWNED

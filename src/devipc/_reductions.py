@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
-from ._hooks import device_supports_ipc
+from ._hooks import device_supports_ipc, torch_shares, unsupported_device
 from ._sharing import (
     new_shared_device,
     release_ipc_counter_device,
@@ -84,9 +84,17 @@ def reduce_tensor(tensor):
 
 
 def reduce_storage(storage):
-    if not device_supports_ipc(storage.device.type):
+    device = storage.device
+    if device_supports_ipc(device.type):
+        return (rebuild_device_storage, (type(storage), *share_device(storage)))
+    try:
         return _saved["reduce_storage"](storage)
-    return (rebuild_device_storage, (type(storage), *share_device(storage)))
+    except RuntimeError as error:
+        # torch can only share CPU memory here ("_share_fd_: only available on CPU"): for a
+        # device without hooks, say which device and what to do instead.
+        if torch_shares(device.type):
+            raise
+        raise unsupported_device(device) from error
 
 
 @classmethod
