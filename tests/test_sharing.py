@@ -142,3 +142,18 @@ def test_many_held_storages_warn_and_are_freed_once_released():
         devipc.release_ipc_counter_device(shared[4], shared[5])
     assert devipc.ipc_collect() >= len(sends)
     assert _sharing.stats()["sent"] < _sharing.LIMBO_WARN_BLOCKS
+
+
+def test_dropping_received_memory_waits_for_copies_queued_on_it():
+    source = torch.full((8 << 20,), 3, dtype=torch.int32, device="openreg")
+    shared = devipc.share_device(source.untyped_storage())
+    received = torch.tensor([], dtype=torch.int32, device="openreg").set_(
+        devipc.new_shared_device(*shared))
+    out = torch.zeros(8 << 20, dtype=torch.int32)
+    for _ in range(4):
+        out.copy_(received, non_blocking=True)  # queued reads of the mapping
+    del received  # the last storage: its mapping is closed now, while the copies may be queued
+    torch.openreg.synchronize()
+    assert int(out[0]) == int(out[-1]) == 3
+    del source
+    _drain()

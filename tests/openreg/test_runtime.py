@@ -143,6 +143,16 @@ def test_malloc_free_stats_and_empty_cache():
     assert rt.mem_stats(1)["num_allocs"] == 0
 
 
+def test_malloc_of_a_size_rounding_would_wrap_fails_cleanly():
+    before = rt.mem_stats(0)
+    for size in (2**64 - 1, 2**64 - 512, 2**64 - 2 * MIB):  # rounded up, these wrapped to ~0 bytes
+        with pytest.raises(rt.OpenRegError) as e:
+            rt.malloc(size, 0)
+        assert e.value.code == rt.MEMORY_ALLOCATION
+    after = rt.mem_stats(0)
+    assert (after["allocated"], after["reserved"]) == (before["allocated"], before["reserved"])
+
+
 def test_free_blocks_split_and_merge():
     a, b, c = (rt.malloc(4096, 0) for _ in range(3))
     assert b == a + 4096 and c == b + 4096  # carved from one segment
@@ -277,6 +287,26 @@ def test_events_query_synchronize_and_elapsed(stream, gate):
         rt.event_create(interprocess=True)  # needs timing=False, as in CUDA
     for ev in (start, end, untimed):
         rt.event_destroy(ev)
+
+
+def test_a_synchronized_stream_has_its_events_done():
+    # On one CPU the woken synchronizer used to run before the worker marked the event done.
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(previous)})  # this thread only; the new worker inherits it
+    try:
+        s = rt.stream_create(0)
+        try:
+            for _ in range(2000):
+                e = rt.event_create()
+                rt.event_record(e, s)
+                rt.stream_synchronize(s)
+                done = rt.event_query(e)
+                rt.event_destroy(e)
+                assert done
+        finally:
+            rt.stream_destroy(s)
+    finally:
+        os.sched_setaffinity(0, previous)
 
 
 def test_stream_wait_event_orders_two_streams(stream, gate):

@@ -7,6 +7,7 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import struct
 import threading
 
 import pytest
@@ -224,6 +225,29 @@ def test_bad_handles_are_rejected():
     with pytest.raises(InvalidHandleError, match="no longer open|token"):
         rt.ipc_open_mem_handle(handle)  # stale: the segment is gone
     rt.event_destroy(ev)
+
+
+def test_a_real_token_under_a_forged_kind_or_device_is_rejected():
+    p = rt.malloc(4096, 0)
+    handle = bytearray(rt.ipc_get_mem_handle(p)[0])
+    ev = rt.event_create(interprocess=True, timing=False)
+    event_handle = bytearray(rt.ipc_get_event_handle(ev))
+    # The event's progress page passed off as device memory (kind 1, physical 0, no slot).
+    struct.pack_into("=H", event_handle, 6, 1)
+    struct.pack_into("=iiI", event_handle, 24, 0, -1, 0)
+    # Device 0's segment passed off as device 1's.
+    struct.pack_into("=i", handle, 24, 1)
+    for h in (event_handle, handle):
+        with pytest.raises(InvalidHandleError):
+            rt.ipc_open_mem_handle(bytes(h))
+    base = rt.ipc_open_mem_handle(rt.ipc_get_mem_handle(p)[0])[0]  # the same, already mapped
+    with pytest.raises(InvalidHandleError):
+        rt.ipc_open_mem_handle(bytes(handle))
+    rt.ipc_close_mem_handle(base)
+    with pytest.raises(rt.OpenRegError):
+        rt.ipc_close_mem_handle(base)  # the forgery took no reference
+    rt.event_destroy(ev)
+    rt.free(p)
 
 
 def test_handles_of_an_exited_process_raise_peer_gone():

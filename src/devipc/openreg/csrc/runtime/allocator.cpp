@@ -59,6 +59,10 @@ struct DeviceAllocator {
   std::set<Block*, BySize>& pool(bool small) { return small ? freeSmall : freeLarge; }
 
   orError_t allocate(size_t request, void** out) {
+    // Rounding a size this close to SIZE_MAX would wrap to a tiny (even 0-byte) block.
+    if (request > SIZE_MAX - kSegmentAlign)
+      return fail(orErrorMemoryAllocation, "orMalloc: device %d cannot allocate %zu bytes", device,
+                  request);
     size_t size = (request + kBlockAlign - 1) / kBlockAlign * kBlockAlign;
     bool small = size <= kSmallLimit;
     std::lock_guard<std::mutex> lock(mutex);

@@ -123,6 +123,9 @@ orError_t resolveStream(orStream_t stream, const char* call, orStream_t* out);
 void enqueue(orStream_t stream, std::function<void()> task,
              std::function<void()> after = nullptr);
 orError_t synchronizeStream(orStream_t stream, const char* call);
+// Waits for the work queued on every stream of `device`, except the stream whose worker is the
+// calling thread (memory released from a host function must not wait for itself).
+void drainDevice(int device);
 orError_t reserveProgressMark(orStream_t stream, ProgressMark* mark);
 void publishProgress(const ProgressMark& mark);  // runs on the stream worker
 void releaseProgressSlot(int slot);             // the stream is gone; its slot may be reused

@@ -125,8 +125,16 @@ orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
   link[n > 0 ? n : 0] = '\0';
   char hex[2 * kTokenSize + 1];
   tokenHex(h.token, hex);
+  // The whole name, tag included (the physical device of a segment, "progress" for an event
+  // page): a forged kind or device must not map the right token as the wrong thing.
+  char expected[128];
+  if (h.kind == kMemHandle)
+    snprintf(expected, sizeof(expected), "/memfd:openreg:%d:%s", (int)h.physical, hex);
+  else
+    snprintf(expected, sizeof(expected), "/memfd:openreg:progress:%s", hex);
+  size_t len = strlen(expected);
   struct stat st;
-  bool sameFile = strstr(link, "openreg:") && strstr(link, hex);
+  bool sameFile = strncmp(link, expected, len) == 0 && (link[len] == '\0' || link[len] == ' ');
   if (!sameFile || fstat(fd, &st) != 0 || (uint64_t)st.st_size != h.size) {
     close(fd);
     return fail(orErrorInvalidHandle,
@@ -193,6 +201,10 @@ orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHan
     it = imports().byToken.emplace(token, Import{p, h.size, local, 0}).first;
     imports().tokenOf[r.base] = token;
   }
+  else if (it->second.size != h.size || it->second.device != local)
+    return fail(orErrorInvalidHandle,
+                "%s: the handle's size or device does not match the segment its token names: the "
+                "handle is forged", call);
   it->second.refs++;
   *base = it->second.base;
   *size = it->second.size;
@@ -201,19 +213,26 @@ orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHan
 }
 
 orError_t orIpcCloseMemHandle(void* base) {
-  std::lock_guard<std::mutex> lock(imports().mutex);
-  auto t = imports().tokenOf.find((uintptr_t)base);
-  if (t == imports().tokenOf.end())
-    return fail(orErrorInvalidValue,
-                "orIpcCloseMemHandle(%p): not a base returned by orIpcOpenMemHandle (or closed "
-                "more often than opened)",
-                base);
-  Import& imp = imports().byToken.at(t->second);
-  if (--imp.refs > 0) return orSuccess;
-  unregisterRegion((uintptr_t)base);
-  munmap(imp.base, imp.size);
-  imports().byToken.erase(t->second);
-  imports().tokenOf.erase(t);
+  Import last{};
+  {
+    std::lock_guard<std::mutex> lock(imports().mutex);
+    auto t = imports().tokenOf.find((uintptr_t)base);
+    if (t == imports().tokenOf.end())
+      return fail(orErrorInvalidValue,
+                  "orIpcCloseMemHandle(%p): not a base returned by orIpcOpenMemHandle (or closed "
+                  "more often than opened)",
+                  base);
+    Import& imp = imports().byToken.at(t->second);
+    if (--imp.refs > 0) return orSuccess;
+    last = imp;
+    unregisterRegion((uintptr_t)base);
+    imports().byToken.erase(t->second);
+    imports().tokenOf.erase(t);
+  }
+  // Queued copies may still read or write the mapping: unmap only after they ran. Outside the
+  // lock, since that work may itself close a handle.
+  drainDevice(last.device);
+  munmap(last.base, last.size);
   return orSuccess;
 }
 

@@ -47,13 +47,11 @@ void workerLoop(orStream* s) {
     task = nullptr;  // release what the task captured before reporting it done
     lock.lock();
     s->completed++;
+    // Under the stream's lock, together with `completed`: a synchronize or query that sees the
+    // task done also sees the event it records done (`after` is internal, never user code).
+    if (after) after();
+    after = nullptr;
     s->workDone.notify_all();
-    if (after) {
-      lock.unlock();
-      after();
-      after = nullptr;
-      lock.lock();
-    }
   }
 }
 
@@ -136,6 +134,17 @@ orError_t synchronizeStream(orStream_t s, const char* call) {
   uint64_t target = s->enqueued;
   s->workDone.wait(lock, [&] { return s->completed >= target; });
   return orSuccess;
+}
+
+void drainDevice(int device) {
+  std::vector<std::shared_ptr<orStream>> streams;
+  {
+    std::lock_guard<std::mutex> lock(table().mutex);
+    for (auto& [ptr, owner] : table().live)
+      if (ptr->device == device && ptr->worker.get_id() != std::this_thread::get_id())
+        streams.push_back(owner);
+  }
+  for (auto& s : streams) synchronizeStream(s.get(), "drainDevice");
 }
 
 }  // namespace openreg
