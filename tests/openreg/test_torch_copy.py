@@ -174,3 +174,43 @@ def test_wait_stream_orders_side_stream_work(gate):
     gate.open()
     main.synchronize()
     assert x.sum().item() == 768
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_pending_non_blocking_copy_keeps_host_storage_from_being_resized(gate, direction):
+    """Resizing the host tensor of a queued copy would free the memory the copy reads or writes:
+    until the copy ran, the storage refuses to resize, then it resizes as before."""
+    dev = torch.full((1024,), 7.0, device="openreg")
+    host = torch.zeros(1024)
+    hold(gate, torch.accelerator.current_stream())
+    if direction == "h2d":
+        host.fill_(7.0)
+        dev = host.to("openreg", non_blocking=True)
+    else:
+        host.copy_(dev, non_blocking=True)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        host.untyped_storage().resize_(1 << 20)
+    gate.open()
+    torch.accelerator.synchronize()
+    assert torch.equal(host, torch.full((1024,), 7.0)) and torch.equal(dev.cpu(), host)
+    host.resize_(1 << 18)  # resizable again
+    assert host.untyped_storage().nbytes() == 4 << 18
+
+
+def test_failed_resize_of_borrowed_memory_leaves_the_tensor_unchanged():
+    """Memory that is not openreg's to reallocate (as from another process) cannot grow: resize_
+    and set_ raise, and the tensor keeps sizes within its memory."""
+    from devipc._memory import storage_from_memory
+    base = torch.arange(16.0, device="openreg")
+    borrowed = storage_from_memory(base.data_ptr(), 64, base.device, lambda: None)
+    t = torch.empty(0, device="openreg").set_(borrowed)
+    with pytest.raises(RuntimeError, match="cannot be resized"):
+        t.resize_(32)
+    assert t.shape == (16,) and t.untyped_storage().data_ptr() == base.data_ptr()
+    u = torch.zeros(2, device="openreg")
+    with pytest.raises(RuntimeError, match="cannot be resized"):
+        u.set_(borrowed, 0, (32,), (1,))
+    assert u.shape == (2,) and u.untyped_storage().nbytes() == 8
+    assert torch.equal(t.cpu(), torch.arange(16.0)) and torch.equal(u.cpu(), torch.zeros(2))
+    t.resize_(4)  # shrinking needs no new memory
+    assert torch.equal(t.cpu(), torch.arange(4.0))

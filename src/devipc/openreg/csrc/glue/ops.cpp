@@ -22,8 +22,9 @@
 
 #include <memory>
 #include <optional>
-#include <string>
 #include <mutex>
+#include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -74,12 +75,60 @@ Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride,
 // ---- copies -------------------------------------------------------------------------------------
 using HostStorages = std::vector<c10::Storage>;
 
+// Host storages with queued copies, made non-resizable meanwhile: resize_ (or storage resize_)
+// would free the buffer under the copy. Value: pending copies and the resizability to restore.
+struct HostPins {
+  std::mutex mutex;
+  std::unordered_map<c10::StorageImpl*, std::pair<int, bool>> pins;
+};
+
+HostPins& host_pins() {
+  static auto* pins = new HostPins();  // never destroyed: host functions may run at exit
+  return *pins;
+}
+
+void pin_host(const HostStorages& storages) {
+  HostPins& h = host_pins();
+  const std::lock_guard<std::mutex> lock(h.mutex);
+  for (const c10::Storage& s : storages) {
+    c10::StorageImpl* impl = s.unsafeGetStorageImpl();
+    auto it = h.pins.try_emplace(impl, 0, impl->resizable()).first;
+    if (it->second.first++ == 0) impl->set_resizable(false);
+  }
+}
+
+void unpin_host(const HostStorages& storages) noexcept {
+  HostPins& h = host_pins();
+  const std::lock_guard<std::mutex> lock(h.mutex);
+  for (const c10::Storage& s : storages) {
+    c10::StorageImpl* impl = s.unsafeGetStorageImpl();
+    auto it = h.pins.find(impl);
+    if (it == h.pins.end() || --it->second.first > 0) continue;
+    if (it->second.second && impl->allocator() != nullptr) impl->set_resizable(true);
+    h.pins.erase(it);
+  }
+}
+
 // Host memory a queued copy reads or writes must outlive the copy: the stream drops these
-// references once the work queued before has run.
+// references once the work queued before has run. Until then the storages cannot be resized
+// (that would free the memory the copy uses): resize_ raises instead.
 void hold_until_done(orStream_t stream, HostStorages storages) {
   auto held = std::make_unique<HostStorages>(std::move(storages));
-  OR_CHECK(orLaunchHostFunc(
-      stream, [](void* p) { delete static_cast<HostStorages*>(p); }, held.get()));
+  pin_host(*held);
+  const orError_t err = orLaunchHostFunc(
+      stream,
+      [](void* p) {
+        // Runs on the stream's worker thread, behind a C callback: nothing may escape.
+        auto* storages = static_cast<HostStorages*>(p);
+        unpin_host(*storages);
+        try {
+          delete storages;
+        } catch (...) {
+        }
+      },
+      held.get());
+  if (err != orSuccess) unpin_host(*held);
+  OR_CHECK(err);
   held.release();  // owned by the host function now
 }
 
@@ -195,17 +244,26 @@ Tensor copy_from(const Tensor& self, const Tensor& dst, bool non_blocking) {
 }
 
 // ---- storage and shape --------------------------------------------------------------------------
-void grow_storage(const Tensor& self, size_t nbytes) {
-  if (self.numel() > 0 && nbytes > self.storage().nbytes())
-    resize_storage_bytes(self.storage(), nbytes);
+// Grows `storage` to hold a tensor of `size` (and `stride`, if given) at `offset`. Called before
+// the tensor changes, so that a storage that cannot grow (memory from another process) leaves the
+// tensor as it was rather than with sizes beyond its memory.
+void grow_storage_for(const c10::Storage& storage, at::IntArrayRef size,
+                      at::OptionalIntArrayRef stride, int64_t offset, size_t itemsize) {
+  if (offset < 0 || (stride && stride->size() != size.size())) return;  // the callers raise
+  for (const int64_t s : size) {
+    if (s <= 0) return;  // empty, or invalid: the callers raise
+  }
+  const size_t nbytes =
+      stride ? at::detail::computeStorageNbytes(size, *stride, itemsize, offset)
+             : at::detail::computeStorageNbytesContiguous(size, itemsize, offset);
+  if (nbytes > storage.nbytes()) resize_storage_bytes(storage, nbytes);
 }
 
 const Tensor& resize_(const Tensor& self, at::IntArrayRef size,
                       std::optional<at::MemoryFormat> memory_format) {
+  grow_storage_for(self.storage(), size, std::nullopt, self.storage_offset(), self.itemsize());
   at::native::resize_impl_cpu_(self.unsafeGetTensorImpl(), size, std::nullopt,
                                /*resize_storage=*/false);  // the CPU resize would allocate on CPU
-  grow_storage(self, at::detail::computeStorageNbytesContiguous(size, self.itemsize(),
-                                                                self.storage_offset()));
   if (memory_format) {
     TORCH_CHECK(*memory_format != at::MemoryFormat::Preserve,
                 "openreg: unsupported memory format ", *memory_format);
@@ -221,16 +279,14 @@ Tensor copy_from_and_resize(const Tensor& self, const Tensor& dst) {
 
 Tensor& set_storage(Tensor& self, c10::Storage source, int64_t offset, at::IntArrayRef size,
                     at::IntArrayRef stride) {
-  at::native::checkSetStorage(self, source, offset, size, stride);
-  self.unsafeGetTensorImpl()->set_storage_offset(offset);
   const at::OptionalIntArrayRef strides =
       stride.data() != nullptr ? at::OptionalIntArrayRef(stride) : std::nullopt;
+  if (source.device() == self.storage().device())  // else checkSetStorage raises
+    grow_storage_for(source, size, strides, offset, self.itemsize());
+  at::native::checkSetStorage(self, source, offset, size, stride);
+  self.unsafeGetTensorImpl()->set_storage_offset(offset);
   at::native::resize_impl_cpu_(self.unsafeGetTensorImpl(), size, strides,
                                /*resize_storage=*/false);
-  grow_storage(self, strides ? at::detail::computeStorageNbytes(size, *strides, self.itemsize(),
-                                                                offset)
-                             : at::detail::computeStorageNbytesContiguous(size, self.itemsize(),
-                                                                          offset));
   return self;
 }
 
