@@ -33,7 +33,7 @@ def consumer(inbox, outbox):
 
 
 def _iterations(nbytes: int, quick: bool) -> int:
-    n = 200 if nbytes <= (1 << 20) else 40 if nbytes <= (16 << 20) else 12
+    n = 200 if nbytes <= (1 << 20) else 40
     return max(3, n // 4) if quick else n
 
 
