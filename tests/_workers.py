@@ -134,3 +134,10 @@ def reduce_and_exit(outbox):
     outbox.put(pickle.dumps(reductions.reduce_tensor(tensor)))
     outbox.close()
     outbox.join_thread()
+
+
+def produce_and_wait(outbox, inbox):
+    """A producer that stays until it is killed."""
+    tensor = torch.arange(4, dtype=torch.float32, device="openreg") * 10
+    outbox.put(tensor)
+    inbox.get(timeout=TIMEOUT)

@@ -82,6 +82,19 @@ def test_producer_may_exit_before_the_consumer_reads(children):
     assert tensor.cpu().tolist() == [1.0, 11.0, 21.0, 31.0]
 
 
+def test_a_killed_producer_leaves_the_consumer_its_memory(children):
+    outbox, inbox = children.ctx.Queue(), children.ctx.Queue()
+    producer = children.start(_workers.produce_and_wait, outbox, inbox)
+    tensor = outbox.get(timeout=TIMEOUT)
+    producer.kill()
+    producer.join(TIMEOUT)
+    assert producer.exitcode == -9
+    assert tensor.cpu().tolist() == [0.0, 10.0, 20.0, 30.0]
+    tensor.mul_(2)
+    assert tensor.cpu().tolist() == [0.0, 20.0, 40.0, 60.0]
+    del tensor  # releasing into a dead producer's counter file is harmless
+
+
 def test_no_descriptor_is_left_open_on_either_side(children):
     from conftest import open_fds
 

@@ -118,3 +118,14 @@ def test_mixing_devices_raises():
         a + torch.ones(2, device="openreg:1")
     with pytest.raises(RuntimeError, match="same device"):
         torch.ones(()).add_(torch.ones((), device="openreg"))
+
+
+def test_a_cpu_generator_is_refused_as_cuda_refuses_it():
+    x = torch.empty(3, device="openreg")
+    with pytest.raises(RuntimeError, match="Expected a 'openreg' device type for generator"):
+        x.normal_(generator=torch.Generator())
+    generator = torch.Generator(device="openreg")
+    generator.manual_seed(1)
+    first = torch.randn(3, device="openreg", generator=generator).cpu()
+    generator.manual_seed(1)
+    assert torch.equal(torch.randn(3, device="openreg", generator=generator).cpu(), first)

@@ -333,7 +333,9 @@ class GeneratorLoan {
       at::Generator owner = value.isNone() ? at::detail::getPrivateUse1Hooks().getDefaultGenerator(
                                                  device_of_arguments(stack, first))
                                            : value.toGenerator();
-      if (owner.device().type() != kDeviceType) continue;
+      TORCH_CHECK(owner.device().type() == kDeviceType, "Expected a 'openreg' device type for ",
+                  "generator but found '", owner.device().type(), "' (when running ",
+                  op.schema().operator_name(), ")");
       at::Generator twin = at::make_generator<at::CPUGeneratorImpl>();
       std::unique_lock<std::mutex> lock(owner.mutex());
       twin.set_state(owner.get_state());
