@@ -1,5 +1,5 @@
 # Two entry points: `make demo` and `make test`. Each sets up .venv first when needed.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.devipc-installed
