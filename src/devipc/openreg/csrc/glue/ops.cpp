@@ -309,12 +309,13 @@ bool takes_generator(const c10::Argument& argument) {
   return type->kind() == c10::TypeKind::GeneratorType;
 }
 
+// The device of the op's first openreg tensor argument, -1 if it has none.
 c10::DeviceIndex device_of_arguments(const torch::jit::Stack& stack, size_t first) {
   for (size_t i = first; i < stack.size(); ++i) {
     if (stack[i].isTensor() && on_openreg(stack[i].toTensor()))
       return stack[i].toTensor().device().index();
   }
-  return -1;  // the current device
+  return -1;
 }
 
 // CPU kernels draw from CPU generators. For the call, an openreg generator (the one passed, or
@@ -324,15 +325,16 @@ c10::DeviceIndex device_of_arguments(const torch::jit::Stack& stack, size_t firs
 // numbers.
 class GeneratorLoan {
  public:
-  GeneratorLoan(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  GeneratorLoan(const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                c10::DeviceIndex device) {
     const auto& arguments = op.schema().arguments();
     const size_t first = stack.size() - arguments.size();
     for (size_t i = 0; i < arguments.size(); ++i) {
       if (!takes_generator(arguments[i])) continue;
       c10::IValue& value = stack[first + i];
-      at::Generator owner = value.isNone() ? at::detail::getPrivateUse1Hooks().getDefaultGenerator(
-                                                 device_of_arguments(stack, first))
-                                           : value.toGenerator();
+      at::Generator owner = value.isNone()
+                                ? at::detail::getPrivateUse1Hooks().getDefaultGenerator(device)
+                                : value.toGenerator();
       TORCH_CHECK(owner.device().type() == kDeviceType, "Expected a 'openreg' device type for ",
                   "generator but found '", owner.device().type(), "' (when running ",
                   op.schema().operator_name(), ")");
@@ -412,15 +414,15 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // The CPU reads inputs through blocking copies on their devices' current streams; syncing the
   // op's device's current stream first also orders the op after work queued there that has no
   // input of this op (an output written by an earlier asynchronous copy, say).
-  c10::DeviceIndex sync_device = op_device;
-  if (sync_device < 0) {
+  c10::DeviceIndex device = op_device;  // an op without openreg tensors runs on the current one
+  if (device < 0) {
     int current = 0;
     OR_CHECK(orGetDevice(&current));
-    sync_device = static_cast<c10::DeviceIndex>(current);
+    device = static_cast<c10::DeviceIndex>(current);
   }
-  OR_CHECK(orStreamSynchronize(current_stream(sync_device)));
+  OR_CHECK(orStreamSynchronize(current_stream(device)));
   {
-    const GeneratorLoan loan(op, *stack);
+    const GeneratorLoan loan(op, *stack, device);
     // Views must alias their base, which a CPU copy cannot: an unregistered view op is an error.
     at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
   }

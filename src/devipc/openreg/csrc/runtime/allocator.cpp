@@ -139,21 +139,23 @@ struct DeviceAllocator {
     auto& free = pool(block->segment->small);
     if (Block* next = block->next; next && !next->allocated) {
       free.erase(next);
-      block->size += next->size;
-      block->next = next->next;
-      if (next->next) next->next->prev = block;
-      delete next;
+      absorb(block, next);
     }
     if (Block* prev = block->prev; prev && !prev->allocated) {
       free.erase(prev);
-      prev->size += block->size;
-      prev->next = block->next;
-      if (block->next) block->next->prev = prev;
-      delete block;
+      absorb(prev, block);
       block = prev;
     }
     free.insert(block);
     return true;
+  }
+
+  // `left` takes over its right neighbour `right`, which is deleted.
+  static void absorb(Block* left, Block* right) {
+    left->size += right->size;
+    left->next = right->next;
+    if (right->next) right->next->prev = left;
+    delete right;
   }
 
   void emptyCache() {
