@@ -1,11 +1,16 @@
-# Two entry points: `make demo` and `make test`. Each sets up .venv first when needed.
+# Two entry points: `make demo` and `make test`. Each sets up .venv first when needed:
+# torch (pinned, alone first: an unpinned resolve would fetch a CUDA build), then both
+# distributions of this repository, editable, with their test extras.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
 STAMP := $(VENV)/.devipc-installed
-SOURCES := setup.py pyproject.toml $(wildcard src/devipc/openreg/csrc/*/*)
+SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/*)
 
-.PHONY: demo test bench setup
+.PHONY: demo test lint check-install bench setup
 
 demo: $(STAMP)
 	$(PY) examples/ipc_demo.py
@@ -13,15 +18,26 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# Wheels of both packages, installed into a fresh venv (no editable paths), then used there.
+check-install: $(STAMP)
+	$(PY) tests/packaging/check_install.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/ipc_latency.py
 
 setup: $(STAMP)
 
-# torch is pinned and installed first, alone: an unpinned resolve would fetch a CUDA build.
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q ninja setuptools wheel pytest numpy
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q setuptools wheel ninja
+	$(PIP) install -q --no-build-isolation -e '.[test,lint]'
+	@echo "building devipc-openreg: C++ runtime and PyTorch glue (full log: $(VENV)/openreg-build.log)"
+	$(PIP) install --no-build-isolation -e './openreg[test]' -v 2>&1 | tee $(VENV)/openreg-build.log \
+	  | sed -un 's/^ *\(\[[0-9]*\/[0-9]*\]\) .* -c \([^ ]*\) .*/  \1 \2/p; /runtime: /p' \
+	  || { tail -40 $(VENV)/openreg-build.log; exit 1; }
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c "import devipc_openreg"
 	touch $(STAMP)

@@ -5,8 +5,7 @@ import socket
 import torch
 
 import devipc
-
-TIMEOUT = 60
+from _support import TIMEOUT
 
 
 # -- _memfd / _refcount ----------------------------------------------------------------------------

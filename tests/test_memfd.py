@@ -3,7 +3,7 @@ import struct
 
 import pytest
 
-from conftest import TIMEOUT, open_fds
+from _support import TIMEOUT, open_fds
 from devipc import InvalidHandleError, PeerGoneError
 from devipc._memfd import HANDLE_SIZE, SharedFile, open_shared_file
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import TIMEOUT
+from _support import TIMEOUT
 
 import _workers
 

@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 
 import devipc
-from conftest import TIMEOUT
+from _support import TIMEOUT
 
 import _workers
 
@@ -96,7 +96,7 @@ def test_a_killed_producer_leaves_the_consumer_its_memory(children):
 
 
 def test_no_descriptor_is_left_open_on_either_side(children):
-    from conftest import open_fds
+    from _support import open_fds
 
     tensor = torch.ones(1024, device="openreg")
     shared = devipc.share_device(tensor.untyped_storage())  # the counter file now exists

@@ -1,14 +1,14 @@
 import pytest
 
-from conftest import TIMEOUT
+from _support import TIMEOUT
 from devipc import InvalidHandleError
-from devipc._refcount import SLOTS_PER_FILE, ConsumerCounters, ProducerPool, check_index
+from devipc._refcount import SLOTS_PER_FILE, ConsumerCounters, ProducerCounters, check_index
 
 import _workers
 
 
 def test_slot_starts_at_one_and_a_peer_release_brings_it_to_zero(children):
-    pool = ProducerPool()
+    pool = ProducerCounters()
     slot = pool.allocate()
     assert slot.value() == 1
     done = children.ctx.Queue()
@@ -19,7 +19,7 @@ def test_slot_starts_at_one_and_a_peer_release_brings_it_to_zero(children):
 
 
 def test_same_process_release_maps_nothing():
-    pool = ProducerPool()
+    pool = ProducerCounters()
     counters = ConsumerCounters(pool)
     slot = pool.allocate()
     counters.hold(slot.handle)
@@ -31,7 +31,7 @@ def test_same_process_release_maps_nothing():
 
 
 def test_a_full_file_is_closed_once_every_slot_is_freed():
-    pool = ProducerPool()
+    pool = ProducerCounters()
     slots = [pool.allocate() for _ in range(SLOTS_PER_FILE + 1)]
     assert pool.open_files() == 2
     assert len({s.handle for s in slots[:SLOTS_PER_FILE]}) == 1

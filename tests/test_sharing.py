@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import devipc
-from conftest import TIMEOUT
+from _support import TIMEOUT
 from devipc import _sharing
 
 import _workers

@@ -4,10 +4,10 @@ A device implements `IpcHooks` and calls `register_ipc_hooks`; from then on its 
 `torch.multiprocessing` queues, pipes and DataLoader workers without a copy. CUDA, CPU and devices
 without hooks keep torch's own path. This package never imports a device.
 """
-# torch first: importing torch may autoload a device package that registers its hooks with us,
-# and that package must find devipc's submodules complete (see devipc/openreg/_ipc_hooks.py).
-import torch  # noqa: F401
+__version__ = "0.1.0"
 
+# The torch-free layers first: importing torch (below) may autoload a device package that
+# registers its hooks through these names while this package is still importing.
 from ._errors import (
     DevIpcError,
     InvalidHandleError,

@@ -2,14 +2,22 @@
 
 Mirrors the six methods of the RFC "Adding IPC Support for Third-Party Devices". The core calls
 only these; it never imports a device. A device registers itself with `register_ipc_hooks`.
-"""
-import threading
-from dataclasses import dataclass
-from typing import Callable
 
-import torch
+The bottom layer of the core: it imports no other layer (the reductions subscribe to registrations
+with `on_register`), and not even torch, so that a device that torch autoloads while `devipc` is
+still importing can already register through `devipc`'s public names.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._errors import UnsupportedDeviceError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class IpcHooks:
 
 _lock = threading.Lock()
 _registry: dict[str, IpcHooks] = {}
+_listeners: list[Callable[[], None]] = []
 
 # Devices whose sharing torch already does itself: their path is never touched.
 _TORCH_OWNED = frozenset({"cpu", "cuda", "meta"})
@@ -75,9 +84,18 @@ def register_ipc_hooks(device_type: str, hooks: IpcHooks) -> None:
                          f"them over")
     with _lock:
         _registry[device_type] = hooks
-    from ._reductions import install
+        listeners = list(_listeners)
+    for listener in listeners:
+        listener()
 
-    install()
+
+def on_register(listener: Callable[[], None]) -> None:
+    """Call `listener` after every registration, and now if hooks are registered already."""
+    with _lock:
+        _listeners.append(listener)
+        registered = bool(_registry)
+    if registered:
+        listener()
 
 
 def unregister_ipc_hooks(device_type: str) -> None:

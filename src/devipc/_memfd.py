@@ -25,7 +25,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-class Mapping:
+class MappedFile:
     """A MAP_SHARED mapping that, unlike mmap.mmap, keeps no duplicate of the file descriptor."""
 
     __slots__ = ("address", "size")
@@ -64,7 +64,7 @@ class SharedFile:
         self.size = size
         try:
             os.ftruncate(self.fd, size)
-            self.buffer = Mapping(self.fd, size)
+            self.buffer = MappedFile(self.fd, size)
         except BaseException:
             os.close(self.fd)
             raise
@@ -83,7 +83,7 @@ class SharedFile:
         return f"<SharedFile {self.size} bytes {state}>"
 
 
-def open_shared_file(handle: bytes, magic: bytes) -> Mapping:
+def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
     """Map the file a peer's handle names; InvalidHandleError or PeerGoneError otherwise."""
     if not isinstance(handle, bytes) or len(handle) != HANDLE_SIZE:
         raise InvalidHandleError(f"a devipc {magic.decode()} handle has {HANDLE_SIZE} bytes, "
@@ -107,7 +107,7 @@ def open_shared_file(handle: bytes, magic: bytes) -> Mapping:
         if token.hex() not in name or os.fstat(peer_fd).st_size != size:
             raise InvalidHandleError(f"{path} is not the file this {magic.decode()} handle names "
                                      f"(the handle is stale or forged)")
-        return Mapping(peer_fd, size)
+        return MappedFile(peer_fd, size)
     finally:
         os.close(peer_fd)
 

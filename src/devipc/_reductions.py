@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
-from ._hooks import device_supports_ipc, torch_shares, unsupported_device
+from ._hooks import device_supports_ipc, on_register, torch_shares, unsupported_device
 from ._sharing import (
     new_shared_device,
     release_ipc_counter_device,
@@ -151,3 +151,6 @@ def _restore(owner, name, value) -> None:
         delattr(owner, name)
     else:
         setattr(owner, name, value)
+
+
+on_register(install)  # a device's registration puts its tensors on devipc's path

@@ -47,7 +47,7 @@ class ProducerSlot:
         self._pool._free(self._counter)
 
 
-class ProducerPool:
+class ProducerCounters:
     """The producer's counter files. Thread-safe: Queue feeder threads share tensors too."""
 
     def __init__(self):
@@ -95,7 +95,7 @@ class ConsumerCounters:
 
     IDLE_KEPT = 8
 
-    def __init__(self, producer: ProducerPool):
+    def __init__(self, producer: ProducerCounters):
         self._producer = producer
         self._lock = threading.Lock()
         self._held: dict[bytes, list] = {}  # handle -> [mapping, held slots]

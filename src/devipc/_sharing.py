@@ -14,11 +14,11 @@ import torch
 from ._errors import InvalidHandleError, ReshareError
 from ._hooks import OpenedMemory, hooks_for
 from ._memory import storage_from_memory
-from ._refcount import ConsumerCounters, ProducerPool, ProducerSlot, check_index
+from ._refcount import ConsumerCounters, ProducerCounters, ProducerSlot, check_index
 
 LIMBO_WARN_BLOCKS = 1_000
 
-_pool = ProducerPool()
+_pool = ProducerCounters()
 _counters = ConsumerCounters(_pool)
 
 
@@ -64,8 +64,9 @@ class _SentData:
 _sent = _SentData()
 
 
-class _Mappings:
-    """The consumer's opened base allocations: opened once, closed with their last storage."""
+class _OpenedAllocations:
+    """The consumer's opened base allocations (the hooks' OpenedMemory): each opened once per
+    process, closed with its last storage."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -101,7 +102,7 @@ class _Mappings:
             return len(self._by_handle)
 
 
-_mappings = _Mappings()
+_opened = _OpenedAllocations()
 
 
 def received_via_ipc(storage) -> bool:
@@ -110,7 +111,7 @@ def received_via_ipc(storage) -> bool:
         storage = storage.untyped_storage()
     if isinstance(storage, torch.TypedStorage):
         storage = storage._untyped_storage
-    return storage.nbytes() > 0 and _mappings.contains(storage.device, storage.data_ptr())
+    return storage.nbytes() > 0 and _opened.contains(storage.device, storage.data_ptr())
 
 
 def share_device(storage: torch.UntypedStorage) -> tuple:
@@ -156,7 +157,7 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
     index = check_index(ref_counter_offset)
     _counters.hold(ref_counter_handle)
     try:
-        memory = _mappings.acquire(hooks, handle)
+        memory = _opened.acquire(hooks, handle)
         try:
             if offset_bytes + size_bytes > memory.size:
                 raise InvalidHandleError(f"shared storage of {size_bytes} bytes at offset "
@@ -166,12 +167,12 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
 
             def on_free():
                 _counters.release(ref_counter_handle, index)
-                _mappings.release(handle)
+                _opened.release(handle)
 
             return storage_from_memory(memory.ptr + offset_bytes, size_bytes, memory.device,
                                        on_free)
         except BaseException:
-            _mappings.release(handle)
+            _opened.release(handle)
             raise
     except BaseException:
         _counters.release(ref_counter_handle, index)  # the producer must not wait for us forever
@@ -199,5 +200,5 @@ def ipc_collect() -> int:
 
 def stats() -> dict:
     """Counts for tests and diagnostics: what this process holds for IPC right now."""
-    return {"sent": len(_sent), "mapped": len(_mappings),
+    return {"sent": len(_sent), "mapped": len(_opened),
             "counter_files": _pool.open_files(), "mapped_counter_files": _counters.mapped_files()}

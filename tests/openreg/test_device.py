@@ -2,7 +2,6 @@
 
 Environment variables are read once per process, so those tests run fresh interpreters.
 """
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -12,79 +11,11 @@ import textwrap
 import pytest
 import torch
 
-import devipc.openreg  # noqa: F401  (registers the device where autoload is off)
-from devipc.openreg import _runtime
+import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
+from _support import json_of
+from devipc_openreg import _runtime
 
-SRC = os.path.abspath(os.path.join(os.path.dirname(devipc.openreg.__file__), "..", ".."))
-TIMEOUT = 120  # seconds for a fresh interpreter that imports torch
-
-SEED_USAGE = '''\
-import torch
-
-if not torch.openreg.is_available():
-    print("OpenReg backend is not available in this build.")
-    exit()
-
-print("OpenReg backend is available!")
-
-device = torch.device("openreg")
-
-x = torch.tensor([[1., 2.], [3., 4.]], device=device)
-y = x + 2
-print("Result y:\\n", y)
-print(f"Device of y: {y.device}")
-
-z = y.cpu()
-print("Result z:\\n", z)
-print(f"Device of z: {z.device}")
-'''
-
-
-def run_python(code, **env):
-    """Runs `code` in a fresh interpreter whose OPENREG_* variables are exactly `env`."""
-    full = {k: v for k, v in os.environ.items()
-            if not k.startswith("OPENREG_") and k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
-    full.update(env)
-    full["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, full.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
-                          timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def json_of(code, **env):
-    return json.loads(run_python(code, **env).strip().splitlines()[-1])
-
-
-# ---- loading ----
-def test_seed_usage_runs_verbatim_with_only_torch_imported():
-    entry_points = importlib.metadata.entry_points(group="torch.backends")
-    assert any(ep.value == "devipc.openreg:_autoload" for ep in entry_points), \
-        "install devipc (pip install --no-build-isolation -e .) so that `import torch` loads openreg"
-    out = run_python(SEED_USAGE)
-    assert "OpenReg backend is available!" in out
-    assert "Device of y: openreg:0" in out
-    assert "Device of z: cpu" in out
-
-
-def test_direct_import_without_autoload():
-    out = json_of(textwrap.dedent("""
-        import json, torch
-        assert not hasattr(torch, "openreg")
-        import devipc.openreg
-        import devipc.openreg  # idempotent
-        devipc.openreg._autoload()
-        x = torch.ones(2, device="openreg") * 3
-        print(json.dumps({"device": str(x.device), "sum": x.sum().item()}))
-    """), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    assert out == {"device": "openreg:0", "sum": 6.0}
-
-
-def test_import_devipc_before_torch():
-    """devipc imports torch, whose autoload imports devipc.openreg while devipc is half done."""
-    assert "openreg:0" in run_python("import devipc, torch; print(torch.ones(1, device='openreg').device)")
-
-
+# ---- loading: tests/openreg/test_autoload.py ----
 def test_is_the_current_accelerator_with_two_devices():
     assert torch.accelerator.current_accelerator() == torch.device("openreg")
     assert torch.accelerator.device_count() == torch.openreg.device_count() == 2
@@ -139,11 +70,11 @@ def test_device_count_follows_environment(env, count):
 
 
 def test_visible_devices_renumber():
-    physical_1 = json_of("import json, torch; from devipc.openreg import _runtime as rt; "
+    physical_1 = json_of("import json, torch; from devipc_openreg import _runtime as rt; "
                          "print(json.dumps(rt.device_uuid(1)))")
     out = json_of(textwrap.dedent("""
         import json, torch
-        from devipc.openreg import _runtime as rt
+        from devipc_openreg import _runtime as rt
         x = torch.ones(4, device="openreg:0")
         print(json.dumps({"uuid": rt.device_uuid(x.device.index),
                           "device": str(x.device), "sum": x.sum().item()}))

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import devipc
-from conftest import TIMEOUT
-from devipc.openreg._ipc_hooks import OpenRegIpcHooks
+from _support import TIMEOUT
+from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 import _workers
 

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from devipc.openreg import _runtime as rt
+from devipc_openreg import _runtime as rt
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(rt.__file__), "..", ".."))
 MIB = 1 << 20
@@ -69,7 +69,7 @@ def result_of(proc):
 
 DEVICES = """
 import json
-from devipc.openreg import _runtime as rt
+from devipc_openreg import _runtime as rt
 n = rt.device_count()
 print(json.dumps({"count": n, "uuids": [rt.device_uuid(i) for i in range(n)]}))
 """
@@ -330,7 +330,7 @@ def test_stream_wait_event_orders_two_streams(stream, gate):
 
 EXIT_WITH_PENDING_WORK = """
 import ctypes, json, time
-from devipc.openreg import _runtime as rt
+from devipc_openreg import _runtime as rt
 usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
 s = rt.stream_create(0)
 p = rt.malloc(1 << 20, 0)
@@ -350,7 +350,7 @@ def test_process_exits_cleanly_with_pending_work():
 
 USE_AFTER_FORK = """
 import json, os
-from devipc.openreg import _runtime as rt
+from devipc_openreg import _runtime as rt
 rt.free(rt.malloc(4096, 0))
 pid = os.fork()
 if pid == 0:

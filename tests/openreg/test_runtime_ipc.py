@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from devipc import InvalidHandleError, PeerGoneError
-from devipc.openreg import _runtime as rt
+from devipc_openreg import _runtime as rt
 
 MIB = 1 << 20
 TIMEOUT = 30

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-import devipc.openreg  # noqa: F401  (registers the device where autoload is off)
-from devipc.openreg import _runtime
+import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
+from devipc_openreg import _runtime
 from test_runtime import Gate
 
 

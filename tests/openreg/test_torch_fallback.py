@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-import devipc.openreg  # noqa: F401  (registers the device where autoload is off)
+import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
 
 
 def both(make):

@@ -1,7 +1,7 @@
 """A two-layer MLP trained with Adam on openreg follows the CPU run step for step."""
 import torch
 
-import devipc.openreg  # noqa: F401  (registers the device where autoload is off)
+import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
 
 STEPS = 20
 

@@ -1,5 +1,5 @@
 """Builds the reference device: the torch-free runtime `libopenreg.so`, then the PyTorch glue `_C`
-linked against it (rpath $ORIGIN), both inside `devipc/openreg/`."""
+linked against it (rpath $ORIGIN), both inside the `devipc_openreg` package."""
 import glob
 import os
 import shutil
@@ -9,7 +9,7 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CSRC = os.path.join("src", "devipc", "openreg", "csrc")
+CSRC = "csrc"
 RUNTIME_SOURCES = sorted(glob.glob(os.path.join(CSRC, "runtime", "*.cpp")))
 GLUE_SOURCES = sorted(glob.glob(os.path.join(CSRC, "glue", "*.cpp")))
 WARNINGS = ["-Wall", "-Wextra", "-Wno-unused-parameter"]
@@ -49,7 +49,7 @@ class BuildWithRuntime(BuildExtension):
 setup(
     ext_modules=[
         CppExtension(
-            "devipc.openreg._C",
+            "devipc_openreg._C",
             GLUE_SOURCES,
             include_dirs=[os.path.join(HERE, CSRC, "runtime")],
             libraries=["openreg"],

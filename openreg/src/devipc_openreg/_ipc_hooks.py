@@ -8,9 +8,9 @@ import os
 
 import torch
 
-# From the submodule, not from the package namespace: torch's autoload may run this while the
-# `devipc` package itself is still importing torch.
-from devipc._hooks import IpcHooks, OpenedMemory, register_ipc_hooks
+# devipc binds these names before it imports torch, so this works also when torch's autoload runs
+# it while `devipc` itself is still importing.
+from devipc import IpcHooks, OpenedMemory, register_ipc_hooks
 
 from . import _runtime
 

@@ -7,7 +7,7 @@ OpenRegError, each with the runtime's message (which call, what to do).
 import ctypes
 import os
 
-from devipc._errors import InvalidHandleError, PeerGoneError
+from devipc import InvalidHandleError, PeerGoneError
 
 IPC_HANDLE_SIZE = 64
 

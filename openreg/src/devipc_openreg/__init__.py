@@ -3,8 +3,8 @@
 Layers, each using only the one below: the runtime (`libopenreg.so`, a CUDA-like C API without
 torch) <- the glue (`_C`: allocator, device guard, hooks, kernels, registered statically when it
 is loaded) <- this package (loads `_C`, names the backend, registers `torch.openreg`) <- the IPC
-hooks (`_ipc_hooks`). `import torch` loads it through the `torch.backends` entry point
-(`_autoload`); with TORCH_DEVICE_BACKEND_AUTOLOAD=0, `import devipc.openreg` does the same.
+hooks (`_ipc_hooks`). Importing this package loads the device on purpose; `import torch` loads it
+by itself only on a machine without another accelerator (`_devipc_openreg_autoload`).
 """
 import importlib.util
 
@@ -12,29 +12,34 @@ import torch
 
 from . import _device
 
+__version__ = "0.1.0"
+BACKEND = "openreg"
+
 
 def _load_glue() -> None:
     spec = importlib.util.find_spec(__name__ + "._C")
     if spec is None or spec.origin is None:
-        raise ImportError("devipc.openreg._C is not built; run "
-                          "`pip install --no-build-isolation -e .` (or `python setup.py "
-                          "build_ext --inplace`) in the devipc checkout")
+        raise ImportError("devipc_openreg._C is not built; run `make setup` in the devipc "
+                          "checkout, or `pip install ./openreg`")
     torch.ops.load_library(spec.origin)  # static registrations in _C do the rest
 
 
 def _register() -> None:
     """Idempotent: torch refuses a second rename or module registration."""
-    if getattr(torch, "openreg", None) is _device:
+    if getattr(torch, BACKEND, None) is _device:
         return
+    taken = torch._C._get_privateuse1_backend_name()
+    if taken != "privateuseone":
+        raise RuntimeError(
+            f"cannot load openreg: torch's one PrivateUse1 slot is already taken by the "
+            f"{taken!r} backend. openreg is devipc's reference device for machines without an "
+            f"accelerator; use the {taken!r} device with devipc instead (its IPC hooks come with "
+            f"its own package)")
     _load_glue()
-    torch.utils.rename_privateuse1_backend("openreg")
-    torch._register_device_module("openreg", _device)
+    torch.utils.rename_privateuse1_backend(BACKEND)
+    torch._register_device_module(BACKEND, _device)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-
-
-def _autoload() -> None:
-    """Entry point of `torch.backends`: importing this package already registered the device."""
 
 
 _register()

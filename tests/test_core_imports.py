@@ -1,0 +1,45 @@
+"""The core is safe to install next to any accelerator: it imports no device and registers none."""
+import ast
+import pathlib
+import textwrap
+
+import devipc
+from _support import json_of
+
+CORE = pathlib.Path(devipc.__file__).parent
+
+
+def imported_modules(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module
+
+
+def test_core_sources_import_only_torch_and_the_standard_library():
+    allowed_roots = {"torch", "devipc"}
+    for path in sorted(CORE.rglob("*.py")):
+        for name in imported_modules(path):
+            root = name.split(".")[0]
+            assert root in allowed_roots or root in __import__("sys").stdlib_module_names, \
+                f"{path.name} imports {name}: the core imports no device or third-party package"
+
+
+def test_importing_devipc_registers_no_device():
+    # DEVIPC_OPENREG=0 keeps this checkout's installed reference device out, as if only the core
+    # were installed (the packaging check in .ci/run tests a venv holding devipc alone).
+    state = json_of(textwrap.dedent("""
+        import json, sys, torch
+        before = (str(torch.accelerator.current_accelerator()),
+                  torch._C._get_privateuse1_backend_name())
+        import devipc, devipc._reductions, devipc._sharing, devipc._memory
+        after = (str(torch.accelerator.current_accelerator()),
+                 torch._C._get_privateuse1_backend_name())
+        print(json.dumps({"before": before, "after": after,
+                          "device_modules": sorted(m for m in sys.modules if "openreg" in m),
+                          "installed": devipc.installed()}))
+    """), DEVIPC_OPENREG="0")
+    assert state["before"] == state["after"] == ["None", "privateuseone"]
+    assert state["device_modules"] == ["_devipc_openreg_autoload"]  # the entry point ran, stepped aside
+    assert state["installed"] is False  # no device registered hooks: torch's reducers untouched
