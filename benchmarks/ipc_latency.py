@@ -14,6 +14,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
+
 TIMEOUT = 120
 WARM_UP = 10  # untimed round trips per mode and size
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -73,9 +75,9 @@ def main():
             device = torch.full((n,), 7, dtype=torch.int32, device="openreg")
             host = torch.full((n,), 7, dtype=torch.int32).share_memory_()
             iterations = _iterations(nbytes, args.quick)
-            ours = _measure(inbox, outbox, "devipc", lambda: device, iterations)
-            shm = _measure(inbox, outbox, "cpu-shm", lambda: host, iterations)
-            via = _measure(inbox, outbox, "via-cpu", lambda: device.cpu(), iterations)
+            ours = _measure(inbox, outbox, "devipc", lambda t=device: t, iterations)
+            shm = _measure(inbox, outbox, "cpu-shm", lambda t=host: t, iterations)
+            via = _measure(inbox, outbox, "via-cpu", lambda t=device: t.cpu(), iterations)
             rows.append((nbytes, ours, shm, via))
             print(f"{_size(nbytes):>8}  devipc {ours:10.0f} us  cpu-shm {shm:10.0f} us  "
                   f"via-cpu {via:10.0f} us", flush=True)

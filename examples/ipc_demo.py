@@ -7,6 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 import devipc
+import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
 
 TIMEOUT = 60
 

@@ -49,7 +49,7 @@ def shm_entries() -> set[str]:
 
 
 def fresh_env(**env) -> dict:
-    """This process's environment without OPENREG_*, DEVIPC_* and the autoload switch, plus `env`."""
+    """This process's environment less OPENREG_*, DEVIPC_* and the autoload switch, plus `env`."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("OPENREG_", "DEVIPC_"))
             and k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
     full.update(env)

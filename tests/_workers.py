@@ -3,9 +3,9 @@ import pickle
 import socket
 
 import torch
+from _support import TIMEOUT
 
 import devipc
-from _support import TIMEOUT
 
 
 # -- _memfd / _refcount ----------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Shared fixtures: spawned children that are always reaped, both openreg IPC modes, leak checks."""
 import pytest
-
 from _support import Children, shm_entries
 
 

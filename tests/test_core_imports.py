@@ -3,8 +3,9 @@ import ast
 import pathlib
 import textwrap
 
-import devipc
 from _support import json_of
+
+import devipc
 
 CORE = pathlib.Path(devipc.__file__).parent
 
@@ -41,5 +42,6 @@ def test_importing_devipc_registers_no_device():
                           "installed": devipc.installed()}))
     """), DEVIPC_OPENREG="0")
     assert state["before"] == state["after"] == ["None", "privateuseone"]
-    assert state["device_modules"] == ["_devipc_openreg_autoload"]  # the entry point ran, stepped aside
+    # the entry point of the installed reference device ran, and stepped aside
+    assert state["device_modules"] == ["_devipc_openreg_autoload"]
     assert state["installed"] is False  # no device registered hooks: torch's reducers untouched

@@ -1,13 +1,12 @@
 import os
 import struct
 
+import _workers
 import pytest
-
 from _support import TIMEOUT, open_fds
+
 from devipc import InvalidHandleError, PeerGoneError
 from devipc._memfd import HANDLE_SIZE, SharedFile, open_shared_file
-
-import _workers
 
 
 def test_peer_maps_the_same_memory(children):

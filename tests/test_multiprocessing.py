@@ -1,10 +1,8 @@
 """torch's own multiprocessing tools on openreg tensors: DataLoader workers and Hogwild."""
+import _workers
 import pytest
 import torch
-
 from _support import TIMEOUT
-
-import _workers
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 

@@ -3,14 +3,13 @@ import pickle
 import socket
 from multiprocessing.reduction import ForkingPickler
 
+import _workers
 import pytest
 import torch
 import torch.multiprocessing.reductions as torch_reductions
-
-import devipc
 from _support import TIMEOUT
 
-import _workers
+import devipc
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 

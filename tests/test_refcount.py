@@ -1,10 +1,9 @@
+import _workers
 import pytest
-
 from _support import TIMEOUT
+
 from devipc import InvalidHandleError
 from devipc._refcount import SLOTS_PER_FILE, ConsumerCounters, ProducerCounters, check_index
-
-import _workers
 
 
 def test_slot_starts_at_one_and_a_peer_release_brings_it_to_zero(children):

@@ -2,14 +2,13 @@
 in one process and across processes, in both openreg IPC modes."""
 from multiprocessing.reduction import ForkingPickler
 
+import _workers
 import pytest
 import torch
+from _support import TIMEOUT
 
 import devipc
-from _support import TIMEOUT
 from devipc import _sharing
-
-import _workers
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 

@@ -29,7 +29,8 @@ def privateuse1_claim() -> str | None:
     taken = torch._C._get_privateuse1_backend_name()
     if taken not in ("privateuseone", "openreg"):
         return f"the PrivateUse1 backend {taken!r} is registered"
-    others = [ep.name for ep in entry_points(group="torch.backends") if ep.value != _OWN_ENTRY_POINT]
+    others = [ep.name for ep in entry_points(group="torch.backends")
+              if ep.value != _OWN_ENTRY_POINT]
     if others:  # an out-of-tree backend that autoloads (before or after us) claims the slot
         return f"another torch.backends entry point is installed ({', '.join(sorted(others))})"
     return None

@@ -7,7 +7,7 @@ torch maps DLPack's kDLExtDev to PrivateUse1 and kDLOneAPI to XPU.
 import ctypes
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -9,7 +9,6 @@ import textwrap
 
 from _support import json_of, run_python
 
-
 SEED_USAGE = '''\
 import torch
 

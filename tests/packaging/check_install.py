@@ -1,0 +1,131 @@
+"""Installs both distributions as a user would, into a fresh venv, and uses them there.
+
+`pip wheel` builds each package in pip's build isolation (build requirements from the
+pyproject files: setuptools, ninja, torch==2.13.0), the wheels are checked (the runtime library
+inside, no sources, stripped, metadata with readme and license), then installed into a new venv:
+devipc alone first (importing it must register no device), then devipc-openreg beside it (`import
+torch` loads openreg, and a tensor crosses processes without LD_LIBRARY_PATH). `make check-install`.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TIMEOUT = 900  # seconds for one pip command: the openreg wheel compiles C++
+
+CORE_ONLY = """
+import json, sys, torch
+before = (str(torch.accelerator.current_accelerator()), torch._C._get_privateuse1_backend_name())
+import devipc
+after = (str(torch.accelerator.current_accelerator()), torch._C._get_privateuse1_backend_name())
+assert before == after == ("None", "privateuseone"), (before, after)
+assert not devipc.installed() and not hasattr(torch, "openreg")
+assert not any("openreg" in name for name in sys.modules), sorted(sys.modules)
+print("devipc", devipc.__version__, "alone: no device registered, torch.accelerator unchanged")
+"""
+
+WITH_OPENREG = """
+import os
+import torch, torch.multiprocessing as mp
+import devipc, devipc_openreg
+
+def consumer(queue, done):
+    t = queue.get(timeout=60)
+    t.fill_(7)  # writes into the producer's memory
+    torch.accelerator.synchronize()
+    done.put(devipc.received_via_ipc(t))
+
+if __name__ == "__main__":
+    assert "LD_LIBRARY_PATH" not in os.environ
+    assert torch.accelerator.current_accelerator() == torch.device("openreg")
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=consumer, args=(queue, done), daemon=True)
+    proc.start()
+    try:
+        t = torch.zeros(1024, device="openreg")
+        queue.put(t)
+        assert done.get(timeout=60) is True
+        assert t.sum().item() == 7 * 1024, "the consumer's write is not visible: not zero-copy"
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+    where = os.path.dirname(devipc_openreg.__file__)
+    print("devipc-openreg", devipc_openreg.__version__, "in", where)
+    print("openreg tensor shared zero-copy with a spawned process")
+"""
+
+
+def run(*cmd, **kwargs):
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, timeout=TIMEOUT, **kwargs)
+
+
+def check_wheel(path, must_have, must_not_end):
+    names = zipfile.ZipFile(path).namelist()
+    for needed in must_have:
+        assert any(name.endswith(needed) or needed in name for name in names), \
+            f"{os.path.basename(path)} lacks {needed}: {names}"
+    stray = [name for name in names if name.endswith(must_not_end)]
+    assert not stray, f"{os.path.basename(path)} holds sources: {stray}"
+    metadata = zipfile.ZipFile(path).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "License-Expression: BSD-3-Clause" in metadata and "Description-Content-Type" in metadata
+    return names
+
+
+def check_stripped(wheel, tmp):
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if name.endswith(".so"):
+                target = archive.extract(name, tmp)
+                sections = subprocess.run(["readelf", "-S", "-W", target], check=True,
+                                          capture_output=True, text=True).stdout
+                assert ".debug_info" not in sections, f"{name} carries debug info"
+                assert ".symtab" not in sections, f"{name} is not stripped"
+                print(f"  {name}: {os.path.getsize(target) / 1e6:.2f} MB, stripped")
+
+
+def main():
+    with tempfile.TemporaryDirectory(prefix="devipc-install-") as tmp:
+        wheels, venv = os.path.join(tmp, "wheels"), os.path.join(tmp, "venv")
+        pip = [sys.executable, "-m", "pip"]
+        start = time.monotonic()
+        run(*pip, "wheel", "-q", "--no-deps", "-w", wheels, ROOT)
+        core_built = time.monotonic()
+        run(*pip, "wheel", "-q", "--no-deps", "-w", wheels, os.path.join(ROOT, "openreg"))
+        openreg_built = time.monotonic()
+        print(f"wheels built in isolation: devipc {core_built - start:.0f} s, "
+              f"devipc-openreg {openreg_built - core_built:.0f} s")
+        core, = (os.path.join(wheels, w) for w in os.listdir(wheels) if w.startswith("devipc-"))
+        openreg, = (os.path.join(wheels, w) for w in os.listdir(wheels)
+                    if w.startswith("devipc_openreg-"))
+        names = check_wheel(core, ["devipc/__init__.py", "licenses/LICENSE"], (".so", ".cpp", ".h"))
+        assert not any("openreg" in name for name in names), "the core wheel holds the device"
+        assert "entry_points.txt" not in " ".join(names), "the core wheel has an entry point"
+        check_wheel(openreg, ["devipc_openreg/libopenreg.so", "devipc_openreg/_C",
+                              "_devipc_openreg_autoload.py", "entry_points.txt"], (".cpp", ".h"))
+        check_stripped(openreg, tmp)
+
+        run(sys.executable, "-m", "venv", venv)
+        python = os.path.join(venv, "bin", "python")
+        # torch pinned and alone first: an unpinned resolve would fetch a CUDA build
+        run(python, "-m", "pip", "install", "-q", "torch==2.13.0")
+        run(python, "-m", "pip", "install", "-q", core)
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")
+               and not k.startswith(("OPENREG_", "DEVIPC_"))}
+        run(python, "-c", CORE_ONLY, env=env, cwd=tmp)
+        run(python, "-m", "pip", "install", "-q", openreg)
+        script = os.path.join(tmp, "with_openreg.py")
+        with open(script, "w") as f:
+            f.write(WITH_OPENREG)
+        run(python, script, env=env, cwd=tmp)
+    print(f"check-install passed in {time.monotonic() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
