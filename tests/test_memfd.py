@@ -1,12 +1,15 @@
 import os
+import socket
 import struct
 
 import _workers
 import pytest
-from _support import TIMEOUT, open_fds
+from _support import TIMEOUT, open_fds, run_python, zombie_child
 
 from devipc import InvalidHandleError, PeerGoneError
 from devipc._memfd import HANDLE_SIZE, SharedFile, open_shared_file
+
+_FORMAT = "<4sHiiQ16s"  # docs/ipc-handles.md
 
 
 def test_peer_maps_the_same_memory(children):
@@ -40,8 +43,8 @@ def test_malformed_handles_are_refused(bad):
 def test_wrong_token_or_kind_is_refused():
     shared = SharedFile(b"TEST", 4096)
     try:
-        magic, version, pid, fd, size, token = struct.unpack("<4sHiiQ16s", shared.handle)
-        forged = struct.pack("<4sHiiQ16s", magic, version, pid, fd, size, bytes(16))
+        magic, version, pid, fd, size, token = struct.unpack(_FORMAT, shared.handle)
+        forged = struct.pack(_FORMAT, magic, version, pid, fd, size, bytes(16))
         with pytest.raises(InvalidHandleError, match="stale or forged"):
             open_shared_file(forged, b"TEST")
         with pytest.raises(InvalidHandleError, match="not a devipc"):
@@ -53,9 +56,9 @@ def test_wrong_token_or_kind_is_refused():
 def test_handle_of_an_exited_process_says_peer_gone():
     shared = SharedFile(b"TEST", 4096)
     try:
-        magic, version, _pid, fd, size, token = struct.unpack("<4sHiiQ16s", shared.handle)
+        magic, version, _pid, fd, size, token = struct.unpack(_FORMAT, shared.handle)
         dead = _exited_pid()
-        handle = struct.pack("<4sHiiQ16s", magic, version, dead, fd, size, token)
+        handle = struct.pack(_FORMAT, magic, version, dead, fd, size, token)
         with pytest.raises(PeerGoneError, match="has exited"):
             open_shared_file(handle, b"TEST")
     finally:
@@ -68,3 +71,93 @@ def _exited_pid() -> int:
         os._exit(0)
     os.waitpid(pid, 0)
     return pid
+
+
+def test_handle_of_an_exited_but_unreaped_producer_says_peer_gone():
+    # A zombie still answers kill(pid, 0), but its fds are closed: it is gone, not "another user".
+    code = "from devipc._memfd import SharedFile; print(SharedFile(b'TEST', 4096).handle.hex())"
+    with zombie_child(code) as (pid, out):
+        handle = bytes.fromhex(out.split()[-1])
+        assert struct.unpack(_FORMAT, handle)[2] == pid
+        with pytest.raises(PeerGoneError, match=f"process {pid} .* has exited"):
+            open_shared_file(handle, b"TEST")
+
+
+# (what the forged handle's fd is, its name); {hex} is the token of the forged handle.
+DECOYS = [
+    ("file", "{hex}"),
+    ("file", "devipc-TEST-{hex}"),
+    ("file", "memfd:devipc-TEST-{hex} (deleted)"),  # its link name ends like a memfd's
+    ("deleted file", "devipc-TEST-{hex}"),
+    ("memfd", "devipc-RCNT-{hex}"),  # the right token as another kind of file
+    ("memfd", "devipc-TEST-{hex}-x"),
+    ("memfd", "x-devipc-TEST-{hex}"),
+]
+
+
+@pytest.mark.parametrize("what, name", DECOYS)
+def test_only_the_exact_memfd_name_is_opened(tmp_path, what, name):
+    token = os.urandom(16)
+    name = name.format(hex=token.hex())
+    if what == "memfd":
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(fd, 4096)
+    else:
+        path = tmp_path / name
+        path.write_bytes(bytes(4096))
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        if what == "deleted file":
+            path.unlink()
+    try:
+        forged = struct.pack(_FORMAT, b"TEST", 1, os.getpid(), fd, 4096, token)
+        before = open_fds()
+        with pytest.raises(InvalidHandleError, match="stale or forged"):
+            open_shared_file(forged, b"TEST")
+        assert open_fds() == before
+        with open("/proc/self/maps") as maps:
+            assert name not in maps.read()  # never mapped, not even for a moment that leaked
+    finally:
+        os.close(fd)
+
+
+def test_the_exact_memfd_name_is_opened():
+    """The control for the decoys above: the same forging with the right name maps."""
+    token = os.urandom(16)
+    fd = os.memfd_create(f"devipc-TEST-{token.hex()}", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4096)
+        mapping = open_shared_file(struct.pack(_FORMAT, b"TEST", 1, os.getpid(), fd, 4096, token),
+                                   b"TEST")
+        mapping.write(0, b"abc")
+        assert os.pread(fd, 3, 0) == b"abc"
+        mapping.close()
+    finally:
+        os.close(fd)
+
+
+def test_an_fd_that_is_no_file_is_an_invalid_handle():
+    a, b = socket.socketpair()
+    with a, b:
+        forged = struct.pack(_FORMAT, b"TEST", 1, os.getpid(), a.fileno(), 4096, os.urandom(16))
+        with pytest.raises(InvalidHandleError, match="forged or stale"):
+            open_shared_file(forged, b"TEST")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a consumer as another user")
+def test_a_consumer_of_another_user_is_told_the_rules():
+    shared = SharedFile(b"TEST", 4096)
+    try:
+        out = run_python(f"""
+import os
+from devipc import InvalidHandleError
+from devipc._memfd import open_shared_file
+os.setgid(65534)
+os.setuid(65534)
+try:
+    open_shared_file(bytes.fromhex("{shared.handle.hex()}"), b"TEST")
+except InvalidHandleError as error:
+    print(error)
+""").stdout
+        assert "permission denied" in out and "same user" in out and "dumpable" in out
+    finally:
+        shared.close()

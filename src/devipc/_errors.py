@@ -10,7 +10,8 @@ class UnsupportedDeviceError(DevIpcError):
 
 
 class InvalidHandleError(DevIpcError, ValueError):
-    """A handle is forged, truncated, or names something that is not what it claims to be."""
+    """A handle is forged, truncated, stale, or names something that is not what it claims to be;
+    also a handle this process may not open (other user, PID namespace, non-dumpable producer)."""
 
 
 class PeerGoneError(DevIpcError):

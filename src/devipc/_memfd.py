@@ -3,6 +3,7 @@
 A memfd has no name in /dev/shm: it dies with the last process holding its fd or a mapping of it,
 also under SIGKILL. Another process of the same user opens it through /proc/<pid>/fd/<fd>; the
 random token in the memfd's name proves the fd is still the one the handle was made for.
+docs/ipc-handles.md specifies the protocol; the openreg runtime (ipc.cpp) follows it too.
 """
 import ctypes
 import errno
@@ -60,7 +61,7 @@ class SharedFile:
 
     def __init__(self, magic: bytes, size: int):
         self._token = secrets.token_bytes(16)
-        self.fd = os.memfd_create(f"devipc-{magic.decode()}-{self._token.hex()}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(_memfd_name(magic, self._token), os.MFD_CLOEXEC)
         self.size = size
         try:
             os.ftruncate(self.fd, size)
@@ -84,37 +85,76 @@ class SharedFile:
 
 
 def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
-    """Map the file a peer's handle names; InvalidHandleError or PeerGoneError otherwise."""
+    """Map the file a peer's handle names, by the open procedure of docs/ipc-handles.md.
+
+    PeerGoneError if the producer has exited (a zombie too: its fds are closed already),
+    InvalidHandleError for a malformed, forged or stale handle and for a denied open, OSError when
+    this process is out of fds or memory.
+    """
+    kind = magic.decode()
     if not isinstance(handle, bytes) or len(handle) != HANDLE_SIZE:
-        raise InvalidHandleError(f"a devipc {magic.decode()} handle has {HANDLE_SIZE} bytes, "
+        raise InvalidHandleError(f"a devipc {kind} handle has {HANDLE_SIZE} bytes, "
                                  f"got {len(handle) if isinstance(handle, bytes) else handle!r}")
     got_magic, version, pid, fd, size, token = struct.unpack(_FORMAT, handle)
     if got_magic != magic or version != _VERSION or pid <= 0 or fd < 0 or size <= 0:
-        raise InvalidHandleError(f"not a devipc {magic.decode()} handle (magic {got_magic!r}, "
+        raise InvalidHandleError(f"not a devipc {kind} handle (magic {got_magic!r}, "
                                  f"version {version})")
+    if not _alive(pid):
+        raise _peer_gone(pid, kind)
     path = f"/proc/{pid}/fd/{fd}"
     try:
         peer_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as error:
         if not _alive(pid):
-            raise PeerGoneError(f"process {pid} that exported this {magic.decode()} handle has "
-                                f"exited; keep the producer alive until consumers have opened "
-                                f"what it sent") from None
-        raise InvalidHandleError(f"cannot open {path} for a {magic.decode()} handle: {error}. "
-                                 f"Both processes must run as the same user.") from None
+            raise _peer_gone(pid, kind) from None
+        if error.errno in (errno.EACCES, errno.EPERM):
+            raise InvalidHandleError(
+                f"permission denied opening {path} for a {kind} handle: the consumer must run as "
+                f"the same user as process {pid}, in the same PID namespace, and process {pid} "
+                f"must be dumpable (one that dropped privileges or called "
+                f"prctl(PR_SET_DUMPABLE, 0) cannot be opened even by its own user)") from None
+        if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise
+        if error.errno == errno.ENOENT:
+            raise InvalidHandleError(f"fd {fd} is no longer open in process {pid}: the {kind} "
+                                     f"file was released there or the handle is stale") from None
+        raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened as a {kind} file "
+                                 f"({error.strerror}): the handle is forged or stale") from None
     try:
+        # What was opened, not the path again: the producer may reuse fd numbers. The exact name:
+        # a regular file that merely carries the token in its name is not our memfd.
         name = os.readlink(f"/proc/self/fd/{peer_fd}")
-        if token.hex() not in name or os.fstat(peer_fd).st_size != size:
-            raise InvalidHandleError(f"{path} is not the file this {magic.decode()} handle names "
+        if name != f"/memfd:{_memfd_name(magic, token)} (deleted)" \
+                or os.fstat(peer_fd).st_size != size:
+            raise InvalidHandleError(f"{path} is not the file this {kind} handle names "
                                      f"(the handle is stale or forged)")
         return MappedFile(peer_fd, size)
     finally:
         os.close(peer_fd)
 
 
+def _memfd_name(magic: bytes, token: bytes) -> str:
+    return f"devipc-{magic.decode()}-{token.hex()}"
+
+
+def _peer_gone(pid: int, kind: str) -> PeerGoneError:
+    return PeerGoneError(f"process {pid} that exported this {kind} handle has exited; keep the "
+                         f"producer alive until consumers have opened what it sent")
+
+
 def _alive(pid: int) -> bool:
+    """Exists and is not a zombie or dying (state Z or X): an exited process holds no fds even
+    before its parent reaps it, while kill(pid, 0) still succeeds on it."""
     try:
         os.kill(pid, 0)
-    except OSError as error:
-        return error.errno != errno.ESRCH
-    return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            line = stat.read()
+    except OSError:
+        return True  # no procfs view: trust kill()
+    # The state follows the command name, which may itself hold spaces and parentheses.
+    return line[line.rfind(b")") + 2:][:1] not in (b"Z", b"X")

@@ -48,6 +48,8 @@ orError_t peerGone(const char* call, pid_t pid) {
 
 }  // namespace
 
+// Exists (kill does not say ESRCH) and is not a zombie or dying (state Z or X after the last ')'
+// of /proc/<pid>/stat): an exited process holds no fds even before its parent reaps it.
 bool processAlive(pid_t pid) {
   if (kill(pid, 0) != 0 && errno != EPERM) return false;
   char path[64];
@@ -100,6 +102,7 @@ orError_t decodeHandle(const unsigned char* bytes, HandleKind kind, const char* 
   return orSuccess;
 }
 
+// The open procedure of docs/ipc-handles.md; src/devipc/_memfd.py follows the same steps.
 orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
   if (!processAlive(h.pid)) return peerGone(call, h.pid);
   char path[64];
@@ -108,38 +111,49 @@ orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
   if (fd < 0) {
     int e = errno;
     if (!processAlive(h.pid)) return peerGone(call, h.pid);
+    if (e == EACCES || e == EPERM)
+      // No error code of its own (yet): the message names the rules, the code says "this handle
+      // cannot be opened here".
+      return fail(orErrorInvalidHandle,
+                  "%s: permission denied opening %s: the importer must run as the same user as "
+                  "process %d, in the same PID namespace, and process %d must be dumpable (one "
+                  "that dropped privileges or called prctl(PR_SET_DUMPABLE, 0) cannot be opened "
+                  "even by its own user)",
+                  call, path, h.pid, h.pid);
+    if (e == EMFILE || e == ENFILE || e == ENOMEM)
+      return fail(orErrorOsCall, "%s: cannot open %s: %s", call, path, strerror(e));
     if (e == ENOENT)
       return fail(orErrorInvalidHandle,
                   "%s: fd %d is no longer open in process %d: the memory was released there "
                   "(freed and orEmptyCache) or the handle is stale",
                   call, h.fd, h.pid);
-    return fail(orErrorOsCall,
-                "%s: cannot open %s: %s (the importer must run as the same user as process %d, in "
-                "the same PID namespace, and be allowed to read its /proc entries)",
-                call, path, strerror(e), h.pid);
+    return fail(orErrorInvalidHandle,
+                "%s: fd %d of process %d cannot be opened as memory (%s): the handle is forged or "
+                "stale",
+                call, h.fd, h.pid, strerror(e));
   }
-  // Check what was actually opened, not the path again: the exporter may reuse fd numbers.
+  // Check what was actually opened, not the path again: the exporter may reuse fd numbers. The
+  // whole link name, tag included (the physical device of a segment, "progress" for an event
+  // page): a regular file that merely carries the token in its name is not a memfd, and a forged
+  // kind or device must not map the right token as the wrong thing.
   char self[64], link[256];
   snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
   ssize_t n = readlink(self, link, sizeof(link) - 1);
   link[n > 0 ? n : 0] = '\0';
   char hex[2 * kTokenSize + 1];
   tokenHex(h.token, hex);
-  // The whole name, tag included (the physical device of a segment, "progress" for an event
-  // page): a forged kind or device must not map the right token as the wrong thing.
   char expected[128];
   if (h.kind == kMemHandle)
-    snprintf(expected, sizeof(expected), "/memfd:openreg:%d:%s", (int)h.physical, hex);
+    snprintf(expected, sizeof(expected), "/memfd:openreg:%d:%s (deleted)", (int)h.physical, hex);
   else
-    snprintf(expected, sizeof(expected), "/memfd:openreg:progress:%s", hex);
-  size_t len = strlen(expected);
+    snprintf(expected, sizeof(expected), "/memfd:openreg:progress:%s (deleted)", hex);
   struct stat st;
-  bool sameFile = strncmp(link, expected, len) == 0 && (link[len] == '\0' || link[len] == ' ');
+  bool sameFile = strcmp(link, expected) == 0;
   if (!sameFile || fstat(fd, &st) != 0 || (uint64_t)st.st_size != h.size) {
     close(fd);
     return fail(orErrorInvalidHandle,
-                "%s: fd %d of process %d is not the memory this handle names (token or size "
-                "mismatch): the handle is forged or stale",
+                "%s: fd %d of process %d is not the memory this handle names (name, token or "
+                "size mismatch): the handle is forged or stale",
                 call, h.fd, h.pid);
   }
   void* p = mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -8,8 +8,8 @@ namespace openreg {
 
 enum HandleKind : uint16_t { kMemHandle = 1, kEventHandle = 2 };
 
-// Fixed layout, native byte order (handles never leave the host). Unused bytes stay zero, and a
-// handle with anything else there is rejected.
+// Fixed layout, native byte order (handles never leave the host), specified in docs/ipc-handles.md.
+// Unused bytes stay zero, and a handle with anything else there is rejected.
 struct HandleData {
   uint32_t magic;
   uint16_t version;
@@ -30,9 +30,10 @@ HandleData newHandle(HandleKind kind, pid_t pid, int fd, uint64_t size,
 // Checks the fixed fields of `bytes`; fails with orErrorInvalidHandle and a message naming `call`.
 orError_t decodeHandle(const unsigned char* bytes, HandleKind kind, const char* call,
                        HandleData* out);
-// Maps the memfd the handle names after checking that the exporter is alive (else
-// orErrorPeerGone) and that the file carries the handle's token and size (else
-// orErrorInvalidHandle). No fd stays open: the mapping keeps the memory.
+// Maps the memfd the handle names, following docs/ipc-handles.md: the exporter must be alive, not
+// a zombie (else orErrorPeerGone), the file must open (a permission failure is
+// orErrorInvalidHandle naming the rules) and be the memfd of exactly the handle's name and size
+// (else orErrorInvalidHandle). No fd stays open: the mapping keeps the memory.
 orError_t mapPeerFile(const HandleData& h, const char* call, void** base);
 
 }  // namespace openreg

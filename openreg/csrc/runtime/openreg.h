@@ -118,9 +118,11 @@ orError_t orStreamWaitEvent(orStream_t stream, orEvent_t event, unsigned int fla
 
 // ---- IPC ----------------------------------------------------------------------------------------
 // Handles are plain, opaque bytes: they name a memfd of the exporting process (opened by the
-// importer through /proc/<pid>/fd, so the importer must run as the same user) plus a random token
-// that the importer checks. Opening fails with orErrorPeerGone once the exporter has exited, and
-// with orErrorInvalidHandle for anything forged or truncated.
+// importer through /proc/<pid>/fd, so the importer must run as the same user, in the same PID
+// namespace, and the exporter must be dumpable) plus a random token that the importer checks.
+// Opening fails with orErrorPeerGone once the exporter has exited (a zombie included), and with
+// orErrorInvalidHandle for anything forged, truncated or stale, or when those rules deny access.
+// docs/ipc-handles.md specifies the bytes and the checks.
 #define OR_IPC_HANDLE_SIZE 64
 typedef struct orIpcMemHandle_t {
   unsigned char reserved[OR_IPC_HANDLE_SIZE];
