@@ -20,12 +20,21 @@ class Children:
     def __init__(self):
         self.ctx = multiprocessing.get_context("spawn")
         self.procs = []
+        self.conns = []
 
     def start(self, target, *args):
         proc = self.ctx.Process(target=target, args=args, daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
+
+    def start_piped(self, target, *args):
+        """Starts target(conn, *args); returns the process and our end of the Pipe to it."""
+        ours, theirs = self.ctx.Pipe()
+        proc = self.start(target, theirs, *args)
+        theirs.close()
+        self.conns.append(ours)
+        return proc, ours
 
     def join_ok(self, timeout=TIMEOUT):
         for proc in self.procs:
@@ -38,6 +47,14 @@ class Children:
             if proc.is_alive():
                 proc.kill()
             proc.join(10)
+        for conn in self.conns:
+            conn.close()
+
+
+def recv(conn, timeout=TIMEOUT):
+    """The next object from a Pipe, or a failed test if none comes in time."""
+    assert conn.poll(timeout), f"nothing came through the pipe within {timeout} s"
+    return conn.recv()
 
 
 def open_fds() -> int:
@@ -65,6 +82,23 @@ def run_python(code, **env) -> subprocess.CompletedProcess:
     return proc
 
 
+def start_python(code, **env) -> subprocess.Popen:
+    """Starts `code` as `run_python` does, without waiting: several can run at once."""
+    return subprocess.Popen([sys.executable, "-c", code], env=fresh_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def json_from(proc: subprocess.Popen):
+    """The JSON object a process from `start_python` prints last; fails the test on a non-zero
+    exit, and kills the process if it does not end in time."""
+    try:
+        out, err = proc.communicate(timeout=FRESH_TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def json_of(code, **env):
     """The JSON object `code` prints last, run as in `run_python`."""
-    return json.loads(run_python(code, **env).stdout.strip().splitlines()[-1])
+    return json_from(start_python(code, **env))

@@ -2,18 +2,16 @@
 
 Environment variables are read once per process, so those tests run fresh interpreters.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
+import _native as native
 import pytest
 import torch
+from _support import json_of
 
 import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
-from _support import json_of
 from devipc_openreg import _runtime
+
 
 # ---- loading: tests/openreg/test_autoload.py ----
 def test_is_the_current_accelerator_with_two_devices():
@@ -53,7 +51,7 @@ def test_invalid_device_index_is_a_clear_error():
 
 def test_pointer_names_its_device():
     x = torch.empty(8, device="openreg:1")
-    assert _runtime.pointer_attributes(x.data_ptr())[0] == 1  # runtime memory of device 1
+    assert native.pointer_attributes(x.data_ptr())[0] == 1  # runtime memory of device 1
 
 
 @pytest.mark.parametrize("env, count", [({"OPENREG_DEVICE_COUNT": "3"}, 3),
@@ -70,15 +68,14 @@ def test_device_count_follows_environment(env, count):
 
 
 def test_visible_devices_renumber():
-    physical_1 = json_of("import json, torch; from devipc_openreg import _runtime as rt; "
-                         "print(json.dumps(rt.device_uuid(1)))")
+    physical_1 = json_of("import json, torch, _native; print(json.dumps(_native.device_uuid(1)))",
+                         PYTHONPATH=native.PYTHONPATH)
     out = json_of(textwrap.dedent("""
-        import json, torch
-        from devipc_openreg import _runtime as rt
+        import json, torch, _native
         x = torch.ones(4, device="openreg:0")
-        print(json.dumps({"uuid": rt.device_uuid(x.device.index),
+        print(json.dumps({"uuid": _native.device_uuid(x.device.index),
                           "device": str(x.device), "sum": x.sum().item()}))
-    """), OPENREG_VISIBLE_DEVICES="1")
+    """), OPENREG_VISIBLE_DEVICES="1", PYTHONPATH=native.PYTHONPATH)
     assert out == {"uuid": physical_1, "device": "openreg:0", "sum": 4.0}
 
 
@@ -88,7 +85,7 @@ def test_stream_ids_name_device_streams_and_context_makes_current():
     assert default.stream_id == 0 and default.device == torch.device("openreg", 0)
     side = torch.Stream(device="openreg")
     assert side.stream_id != 0
-    assert _runtime.stream_id(_runtime.stream_from_id(0, side.stream_id)) == side.stream_id
+    assert native.stream_id(_runtime.stream_from_id(0, side.stream_id)) == side.stream_id
     with side:
         assert torch.accelerator.current_stream() == side
         assert torch.openreg.current_stream() == side
@@ -153,9 +150,18 @@ def test_memory_stats_follow_allocations_and_empty_cache_releases():
         assert torch.accelerator.memory_reserved() == 0
     torch.accelerator.reset_peak_memory_stats()
     assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated()
-    stats = torch.accelerator.memory_stats()
-    assert stats["allocated_bytes.all.current"] == torch.openreg.memory_stats()[
-        "allocated_bytes.all.current"]
+
+
+def test_memory_stats_agree_with_torch_accelerator():
+    """torch.openreg reads the runtime, torch.accelerator the glue's allocator: the same numbers."""
+    count = torch.openreg.device_count()
+    xs = [torch.empty(3 << 20, dtype=torch.uint8, device=f"openreg:{d}") for d in range(count)]
+    for device in range(count):
+        ours = torch.openreg.memory_stats(device)
+        theirs = torch.accelerator.memory_stats(device)
+        assert len(ours) == 7 and ours == {key: theirs[key] for key in ours}
+        assert ours["allocated_bytes.all.current"] >= 3 << 20
+    del xs
 
 
 def test_memory_stats_are_per_device():

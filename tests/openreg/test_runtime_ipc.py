@@ -1,42 +1,32 @@
 """openreg IPC between processes: zero-copy memory, interprocess events, bad handles, dead peers.
 
-Children are `spawn`ed; every handle crosses a Pipe as bytes; every wait has a timeout. Streams
-are held back by a process-shared semaphore living in openreg memory (`hold`), never by sleeps.
+Children are `spawn`ed (the `children` fixture); every handle crosses a Pipe as bytes; every wait
+has a timeout. Streams are held back by a process-shared Gate living in openreg memory (`hold`),
+never by sleeps.
 """
 import ctypes
-import multiprocessing
 import os
 import signal
 import struct
 import threading
 
+import _native as native
 import pytest
+from _support import TIMEOUT, open_fds, recv, shm_entries
 
 from devipc import InvalidHandleError, PeerGoneError
 from devipc_openreg import _runtime as rt
 
 MIB = 1 << 20
-TIMEOUT = 30
-libc = ctypes.CDLL(None, use_errno=True)
-SEM_WAIT = ctypes.cast(libc.sem_wait, ctypes.c_void_p).value
 
 
 def hold(stream, sem):
-    """Makes `stream` wait at a semaphore (in shared memory) until someone posts it."""
-    assert libc.sem_init(ctypes.c_void_p(sem), 1, 0) == 0
-    assert rt.lib.orLaunchHostFunc(stream, SEM_WAIT, sem) == 0
-
-
-def release(sem):
-    assert libc.sem_post(ctypes.c_void_p(sem)) == 0
+    """Makes `stream` wait at a process-shared Gate in openreg memory until someone opens it."""
+    native.Gate(sem, shared=True).hold(stream)
 
 
 def pattern(n, seed):
     return bytes((i * 7 + seed) & 0xFF for i in range(256)) * (n // 256)
-
-
-def fd_count():
-    return len(os.listdir("/proc/self/fd"))
 
 
 def within(fn, *args, timeout=TIMEOUT):
@@ -47,37 +37,9 @@ def within(fn, *args, timeout=TIMEOUT):
     assert not t.is_alive(), f"{fn.__name__} did not return within {timeout} s"
 
 
-class Child:
-    """A spawned worker and our end of its Pipe; killed on exit whatever happened."""
-
-    def __init__(self, target, *args):
-        self.conn, child_conn = multiprocessing.Pipe()
-        self.proc = multiprocessing.get_context("spawn").Process(target=target,
-                                                                 args=(child_conn, *args))
-        self.proc.start()
-        child_conn.close()
-
-    def recv(self):
-        assert self.conn.poll(TIMEOUT), "child sent nothing in time"
-        return self.conn.recv()
-
-    def join(self, exitcode=0):
-        self.proc.join(TIMEOUT)
-        assert self.proc.exitcode == exitcode
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(TIMEOUT)
-        self.conn.close()
-
-
 # ---- workers (module level, so spawn can find them) ---------------------------------------------
 def zero_copy_producer(conn):
-    p = rt.malloc(64 * 1024, 0) + 512  # an interior pointer: the handle names the whole segment
+    p = native.malloc(64 * 1024, 0) + 512  # an interior pointer: the handle names the whole segment
     ctypes.memmove(p, pattern(4096, 1), 4096)
     conn.send(rt.ipc_get_mem_handle(p))
     assert conn.recv() == "consumer wrote"
@@ -101,11 +63,11 @@ def remapping_consumer(conn, visible):
 
 
 def event_producer(conn, n):
-    stream = rt.stream_create(0)
-    data, sem = rt.malloc(n, 0), rt.malloc(64, 0)
+    stream = native.stream_create(0)
+    data, sem = native.malloc(n, 0), native.malloc(64, 0)
     final = ctypes.create_string_buffer(pattern(n, 5), n)
     hold(stream, sem)
-    rt.memcpy_async(data, ctypes.addressof(final), n, rt.HOST_TO_DEVICE, stream)
+    native.memcpy_async(data, ctypes.addressof(final), n, native.HOST_TO_DEVICE, stream)
     event = rt.event_create(interprocess=True, timing=False)
     rt.event_record(event, stream)
     conn.send((rt.ipc_get_mem_handle(data), rt.ipc_get_mem_handle(sem),
@@ -114,17 +76,17 @@ def event_producer(conn, n):
 
 
 def exiting_producer(conn):
-    p = rt.malloc(4096, 0)
+    p = native.malloc(4096, 0)
     event = rt.event_create(interprocess=True, timing=False)
     rt.event_record(event, None)
-    rt.event_synchronize(event)
+    native.event_synchronize(event)
     conn.send((rt.ipc_get_mem_handle(p)[0], rt.ipc_get_event_handle(event)))
 
 
 def killed_producer(conn):
-    p = rt.malloc(3 * MIB, 0)
+    p = native.malloc(3 * MIB, 0)
     ctypes.memmove(p, pattern(MIB, 9), MIB)
-    stream, sem = rt.stream_create(0), rt.malloc(64, 0)
+    stream, sem = native.stream_create(0), native.malloc(64, 0)
     hold(stream, sem)  # never released: the event below stays pending until the kill
     event = rt.event_create(interprocess=True, timing=False)
     rt.event_record(event, stream)
@@ -132,74 +94,74 @@ def killed_producer(conn):
     conn.recv()  # blocks until SIGKILL
 
 
-# ---- tests ----------------------------------------------------------------------------------------
-def test_opened_memory_is_zero_copy_both_ways():
-    with Child(zero_copy_producer) as child:
-        handle, offset = child.recv()
-        assert offset == 512
-        base, size, device = rt.ipc_open_mem_handle(handle)
-        assert device == 0 and size == 2 * MIB
-        p = base + offset
-        assert ctypes.string_at(p, 4096) == pattern(4096, 1)
-        assert rt.pointer_attributes(p + 10) == (0, base, size, offset + 10)
-        assert rt.ipc_open_mem_handle(handle)[0] == base  # same segment, same mapping, refcounted
-        assert rt.ipc_get_mem_handle(p) == (handle, offset)  # received memory can be re-shared
+# ---- tests ---------------------------------------------------------------------------------------
+def test_opened_memory_is_zero_copy_both_ways(children):
+    _, conn = children.start_piped(zero_copy_producer)
+    handle, offset = recv(conn)
+    assert offset == 512
+    base, size, device = rt.ipc_open_mem_handle(handle)
+    assert device == 0 and size == 2 * MIB
+    p = base + offset
+    assert ctypes.string_at(p, 4096) == pattern(4096, 1)
+    assert native.pointer_attributes(p + 10) == (0, base, size, offset + 10)
+    assert rt.ipc_open_mem_handle(handle)[0] == base  # same segment, same mapping, refcounted
+    assert rt.ipc_get_mem_handle(p) == (handle, offset)  # received memory can be re-shared
 
-        ctypes.memmove(p + 4096, pattern(4096, 2), 4096)
-        child.conn.send("consumer wrote")
-        assert child.recv() == pattern(4096, 2)
-        assert child.recv() == "producer wrote"
-        assert ctypes.string_at(p, 4096) == pattern(4096, 3)
+    ctypes.memmove(p + 4096, pattern(4096, 2), 4096)
+    conn.send("consumer wrote")
+    assert recv(conn) == pattern(4096, 2)
+    assert recv(conn) == "producer wrote"
+    assert ctypes.string_at(p, 4096) == pattern(4096, 3)
 
+    rt.ipc_close_mem_handle(base)
+    assert ctypes.string_at(p, 256) == pattern(256, 3)  # one open left: still mapped
+    rt.ipc_close_mem_handle(base)
+    assert native.pointer_attributes(p) is None
+    with pytest.raises(rt.OpenRegError):
         rt.ipc_close_mem_handle(base)
-        assert ctypes.string_at(p, 256) == pattern(256, 3)  # one open left: still mapped
-        rt.ipc_close_mem_handle(base)
-        assert rt.pointer_attributes(p) is None
-        with pytest.raises(rt.OpenRegError):
-            rt.ipc_close_mem_handle(base)
-        child.conn.send("bye")
-        child.join()
+    conn.send("bye")
+    children.join_ok()
 
 
-def test_open_maps_the_device_by_identity_across_visible_devices():
-    on0, on1 = rt.malloc(4096, 0), rt.malloc(4096, 1)
+def test_open_maps_the_device_by_identity_across_visible_devices(children):
+    on0, on1 = native.malloc(4096, 0), native.malloc(4096, 1)
     ctypes.memmove(on1, pattern(256, 4), 256)
-    with Child(remapping_consumer, "1") as child:  # physical device 1 is its device 0
-        child.conn.send([rt.ipc_get_mem_handle(on1)[0], rt.ipc_get_mem_handle(on0)[0]])
-        assert child.recv() == [(0, pattern(256, 4)), rt.INVALID_DEVICE]
-        child.join()
-    rt.free(on0)
-    rt.free(on1)
+    _, conn = children.start_piped(remapping_consumer, "1")  # physical device 1 is its device 0
+    conn.send([rt.ipc_get_mem_handle(on1)[0], rt.ipc_get_mem_handle(on0)[0]])
+    assert recv(conn) == [(0, pattern(256, 4)), native.INVALID_DEVICE]
+    children.join_ok()
+    native.free(on0)
+    native.free(on1)
 
 
-def test_interprocess_event_orders_a_stream_of_another_process():
+def test_interprocess_event_orders_a_stream_of_another_process(children):
     n = 32 * MIB
-    with Child(event_producer, n) as child:
-        (data_h, data_off), (sem_h, sem_off), event_h = child.recv()
-        data, sem = rt.ipc_open_mem_handle(data_h)[0], rt.ipc_open_mem_handle(sem_h)[0]
-        event = rt.ipc_open_event_handle(event_h)
-        again = rt.ipc_open_event_handle(event_h)  # shares the mapped progress page
-        stream = rt.stream_create(1)
-        out = ctypes.create_string_buffer(n)
-        rt.stream_wait_event(stream, event)
-        rt.memcpy_async(ctypes.addressof(out), data + data_off, n, rt.DEVICE_TO_HOST, stream)
-        assert not rt.stream_query(stream) and not rt.event_query(again)
-        release(sem + sem_off)  # the producer's stream may now copy, then record
-        within(rt.stream_synchronize, stream)
-        assert out.raw == pattern(n, 5)  # we copied only after the producer's copy
-        assert rt.event_query(event)
-        within(rt.event_synchronize, again)
-        for e in (event, again):
-            rt.event_destroy(e)
-        rt.stream_destroy(stream)
-        rt.ipc_close_mem_handle(data)
-        rt.ipc_close_mem_handle(sem)
-        child.conn.send("bye")
-        child.join()
+    _, conn = children.start_piped(event_producer, n)
+    (data_h, data_off), (sem_h, sem_off), event_h = recv(conn)
+    data, sem = rt.ipc_open_mem_handle(data_h)[0], rt.ipc_open_mem_handle(sem_h)[0]
+    event = rt.ipc_open_event_handle(event_h)
+    again = rt.ipc_open_event_handle(event_h)  # shares the mapped progress page
+    stream = native.stream_create(1)
+    out = ctypes.create_string_buffer(n)
+    rt.stream_wait_event(stream, event)
+    native.memcpy_async(ctypes.addressof(out), data + data_off, n, native.DEVICE_TO_HOST, stream)
+    assert not native.stream_query(stream) and not native.event_query(again)
+    native.Gate.at(sem + sem_off).open()  # the producer's stream may now copy, then record
+    within(native.stream_synchronize, stream)
+    assert out.raw == pattern(n, 5)  # we copied only after the producer's copy
+    assert native.event_query(event)
+    within(native.event_synchronize, again)
+    for e in (event, again):
+        rt.event_destroy(e)
+    native.stream_destroy(stream)
+    rt.ipc_close_mem_handle(data)
+    rt.ipc_close_mem_handle(sem)
+    conn.send("bye")
+    children.join_ok()
 
 
 def test_bad_handles_are_rejected():
-    p = rt.malloc(4096, 0)
+    p = native.malloc(4096, 0)
     handle, _ = rt.ipc_get_mem_handle(p)
     ev = rt.event_create(interprocess=True, timing=False)
     event_handle = rt.ipc_get_event_handle(ev)
@@ -220,15 +182,15 @@ def test_bad_handles_are_rejected():
         rt.ipc_open_event_handle(handle)  # a memory handle is no event handle
     with pytest.raises(InvalidHandleError):
         rt.ipc_open_mem_handle(event_handle)
-    rt.free(p)
-    rt.empty_cache(0)
+    native.free(p)
+    native.empty_cache(0)
     with pytest.raises(InvalidHandleError, match="no longer open|token"):
         rt.ipc_open_mem_handle(handle)  # stale: the segment is gone
     rt.event_destroy(ev)
 
 
 def test_a_real_token_under_a_forged_kind_or_device_is_rejected():
-    p = rt.malloc(4096, 0)
+    p = native.malloc(4096, 0)
     handle = bytearray(rt.ipc_get_mem_handle(p)[0])
     ev = rt.event_create(interprocess=True, timing=False)
     event_handle = bytearray(rt.ipc_get_event_handle(ev))
@@ -247,70 +209,68 @@ def test_a_real_token_under_a_forged_kind_or_device_is_rejected():
     with pytest.raises(rt.OpenRegError):
         rt.ipc_close_mem_handle(base)  # the forgery took no reference
     rt.event_destroy(ev)
-    rt.free(p)
+    native.free(p)
 
 
-def test_handles_of_an_exited_process_raise_peer_gone():
-    with Child(exiting_producer) as child:
-        mem_h, event_h = child.recv()
-        child.join()
+def test_handles_of_an_exited_process_raise_peer_gone(children):
+    _, conn = children.start_piped(exiting_producer)
+    mem_h, event_h = recv(conn)
+    children.join_ok()
     with pytest.raises(PeerGoneError, match="exited"):
         rt.ipc_open_mem_handle(mem_h)
     with pytest.raises(PeerGoneError):
         rt.ipc_open_event_handle(event_h)
 
 
-def shm_entries():
+def test_sigkilled_producer_leaves_nothing_and_releases_waiters(children):
+    before = shm_entries()
+    proc, conn = children.start_piped(killed_producer)
+    mem_h, event_h = recv(conn)
+    base, size, _ = rt.ipc_open_mem_handle(mem_h)
+    event = rt.ipc_open_event_handle(event_h)
+    stream = native.stream_create(0)
+    rt.stream_wait_event(stream, event)
+    assert not native.event_query(event) and not native.stream_query(stream)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(TIMEOUT)
+    assert proc.exitcode == -signal.SIGKILL
     # Other tests may run concurrently: ignore torch's and multiprocessing's short-lived names.
-    return {n for n in os.listdir("/dev/shm") if not n.startswith(("torch_", "sem.mp-"))}
-
-
-def test_sigkilled_producer_leaves_nothing_and_releases_waiters():
-    shm_before = shm_entries()
-    with Child(killed_producer) as child:
-        mem_h, event_h = child.recv()
-        base, size, _ = rt.ipc_open_mem_handle(mem_h)
-        event = rt.ipc_open_event_handle(event_h)
-        stream = rt.stream_create(0)
-        rt.stream_wait_event(stream, event)
-        assert not rt.event_query(event) and not rt.stream_query(stream)
-        os.kill(child.proc.pid, signal.SIGKILL)
-        child.join(-signal.SIGKILL)
-    assert shm_entries() - shm_before == set()
+    assert {n for n in shm_entries() - before if not n.startswith(("torch_", "sem.mp-"))} == set()
     assert ctypes.string_at(base, MIB) == pattern(MIB, 9)  # the mapping outlives the producer
-    within(rt.event_synchronize, event)  # a dead exporter releases waiters
-    within(rt.stream_synchronize, stream)
-    assert rt.event_query(event)
+    within(native.event_synchronize, event)  # a dead exporter releases waiters
+    within(native.stream_synchronize, stream)
+    assert native.event_query(event)
     rt.event_destroy(event)
-    rt.stream_destroy(stream)
+    native.stream_destroy(stream)
     rt.ipc_close_mem_handle(base)
 
 
 def test_fd_count_returns_to_baseline():
-    for d in range(rt.device_count()):
-        rt.empty_cache(d)
+    for d in range(native.device_count()):
+        native.empty_cache(d)
     ev = rt.event_create(interprocess=True, timing=False)
     event_handle = rt.ipc_get_event_handle(ev)  # creates the progress page: its fd stays, once
-    baseline = fd_count()
-    ptrs = [rt.malloc(size, d) for d in (0, 1) for size in (100, 512 * 1024, MIB, 5 * MIB, 9 * MIB)]
-    assert fd_count() > baseline
+    baseline = open_fds()
+    ptrs = [native.malloc(size, d)
+            for d in (0, 1) for size in (100, 512 * 1024, MIB, 5 * MIB, 9 * MIB)]
+    assert open_fds() > baseline
     for p in ptrs:
-        rt.free(p)
-    rt.empty_cache(0)
-    rt.empty_cache(1)
-    assert fd_count() == baseline
+        native.free(p)
+    native.empty_cache(0)
+    native.empty_cache(1)
+    assert open_fds() == baseline
 
-    p = rt.malloc(4096, 0)
-    baseline = fd_count()
+    p = native.malloc(4096, 0)
+    baseline = open_fds()
     handle, _ = rt.ipc_get_mem_handle(p)
     bases = [rt.ipc_open_mem_handle(handle)[0] for _ in range(3)]  # opened through /proc/self/fd
     events = [rt.ipc_open_event_handle(event_handle) for _ in range(2)]
-    assert fd_count() == baseline  # an importer holds no fd, only mappings
+    assert open_fds() == baseline  # an importer holds no fd, only mappings
     for b in bases:
         rt.ipc_close_mem_handle(b)
     for e in events:
         rt.event_destroy(e)
-    assert fd_count() == baseline
+    assert open_fds() == baseline
     rt.event_destroy(ev)
-    rt.free(p)
-    rt.empty_cache(0)
+    native.free(p)
+    native.empty_cache(0)

@@ -1,9 +1,9 @@
 """Copies in every direction, views that alias, and stream ordering of asynchronous copies.
 
-A stream is held back with a semaphore it waits on (the runtime tests' Gate), never with sleeps,
-so "not finished yet" is observed deterministically.
+A stream is held back with a semaphore it waits on (the `gate` fixture, a `_native.Gate`), never
+with sleeps, so "not finished yet" is observed deterministically.
 """
-import ctypes
+import functools
 import threading
 
 import pytest
@@ -11,15 +11,6 @@ import torch
 
 import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
 from devipc_openreg import _runtime
-from test_runtime import Gate
-
-
-@pytest.fixture
-def gate():
-    buf = ctypes.create_string_buffer(64)
-    g = Gate(ctypes.addressof(buf))
-    yield g
-    g.open()  # never leave a stream blocked, even when the test failed before opening it
 
 
 def hold(gate, stream):
@@ -107,11 +98,12 @@ def test_no_view_op_falls_back():
     would return a copy where an alias is due."""
     missing = []
     for schema in torch._C._jit_get_all_schemas():
-        aliases = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        aliases = any(r.alias_info is not None and not r.alias_info.is_write
+                      for r in schema.returns)
         if not schema.name.startswith("aten::") or not aliases:
             continue
         name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
-        has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key(name, key)  # noqa: E731
+        has = functools.partial(torch._C._dispatch_has_kernel_for_dispatch_key, name)
         try:
             if not has("CPU") or "nested" in name:
                 continue

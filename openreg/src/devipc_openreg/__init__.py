@@ -3,25 +3,16 @@
 Layers, each using only the one below: the runtime (`libopenreg.so`, a CUDA-like C API without
 torch) <- the glue (`_C`: allocator, device guard, hooks, kernels, registered statically when it
 is loaded) <- this package (loads `_C`, names the backend, registers `torch.openreg`) <- the IPC
-hooks (`_ipc_hooks`). Importing this package loads the device on purpose; `import torch` loads it
-by itself only on a machine without another accelerator (`_devipc_openreg_autoload`).
+hooks (`_ipc_hooks`); the package reaches the first two only through `_runtime`. Importing this
+package loads the device on purpose; `import torch` loads it by itself only on a machine without
+another accelerator (`_devipc_openreg_autoload`).
 """
-import importlib.util
-
 import torch
 
-from . import _device
+from . import _device, _runtime
 
 __version__ = "0.1.0"
 BACKEND = "openreg"
-
-
-def _load_glue() -> None:
-    spec = importlib.util.find_spec(__name__ + "._C")
-    if spec is None or spec.origin is None:
-        raise ImportError("devipc_openreg._C is not built; run `make setup` in the devipc "
-                          "checkout, or `pip install ./openreg`")
-    torch.ops.load_library(spec.origin)  # static registrations in _C do the rest
 
 
 def _register() -> None:
@@ -35,7 +26,7 @@ def _register() -> None:
             f"{taken!r} backend. openreg is devipc's reference device for machines without an "
             f"accelerator; use the {taken!r} device with devipc instead (its IPC hooks come with "
             f"its own package)")
-    _load_glue()
+    _runtime.load_glue()
     torch.utils.rename_privateuse1_backend(BACKEND)
     torch._register_device_module(BACKEND, _device)
     torch.utils.generate_methods_for_privateuse1_backend(

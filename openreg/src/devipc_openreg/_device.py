@@ -1,10 +1,13 @@
 """`torch.openreg`: the device module of openreg, as `torch.cuda` is CUDA's, in a minimal form.
 
-Everything goes through the glue (`torch.ops.devipc_openreg`), never through `torch.accelerator`,
-so these functions talk to openreg even where another accelerator is torch's current one. Streams
-and events are torch's own `torch.Stream` / `torch.Event` with an openreg device.
+Everything goes through `_runtime` (the glue's ops and the runtime), never through
+`torch.accelerator`, so these functions talk to openreg even where another accelerator is torch's
+current one. Streams and events are torch's own `torch.Stream` / `torch.Event` with an openreg
+device.
 """
 import torch
+
+from . import _runtime
 
 __all__ = [
     "current_device",
@@ -29,21 +32,17 @@ __all__ = [
 ]
 
 _UINT64 = (1 << 64) - 1
-_STAT_KEYS = (  # the order of the glue's memory_stats op; names as in torch.cuda.memory_stats
-    "allocated_bytes.all.current",
-    "allocated_bytes.all.peak",
-    "reserved_bytes.all.current",
-    "reserved_bytes.all.peak",
-    "allocation.all.allocated",
-    "allocation.all.freed",
-    "segment.all.current",
-)
+_STAT_KEYS = {  # orMemStats field: its key in torch.cuda.memory_stats
+    "allocated": "allocated_bytes.all.current",
+    "peak_allocated": "allocated_bytes.all.peak",
+    "reserved": "reserved_bytes.all.current",
+    "peak_reserved": "reserved_bytes.all.peak",
+    "num_allocs": "allocation.all.allocated",
+    "num_frees": "allocation.all.freed",
+    "num_segments": "segment.all.current",
+}
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
 _initialized = False
-
-
-def _glue():
-    return torch.ops.devipc_openreg
 
 
 def _index(device) -> int:
@@ -63,7 +62,7 @@ def is_available() -> bool:
 
 
 def device_count() -> int:
-    return _glue().device_count()
+    return _runtime.device_count()
 
 
 def _lazy_init() -> None:
@@ -78,11 +77,11 @@ def is_initialized() -> bool:
 
 
 def current_device() -> int:
-    return _glue().current_device()
+    return _runtime.current_device()
 
 
 def set_device(device) -> None:
-    _glue().set_device(_index(device))
+    _runtime.set_device(_index(device))
 
 
 class device:
@@ -104,20 +103,21 @@ class device:
 
 def synchronize(device=None) -> None:
     """Waits for all work queued on every stream of `device`."""
-    _glue().synchronize(_index(device))
+    _runtime.synchronize(_index(device))
 
 
 def current_stream(device=None) -> torch.Stream:
     """This thread's current stream of `device`."""
     index = _index(device)
-    stream_id = _glue().current_stream_id(index)
+    stream_id = _runtime.current_stream_id(index)
     return torch.Stream(stream_id=stream_id, device_index=index, device_type=_PRIVATEUSE1)
 
 
 # ---- memory ----
 def memory_stats(device=None) -> dict:
     """The allocator's statistics, with the keys torch.cuda.memory_stats uses for them."""
-    return dict(zip(_STAT_KEYS, _glue().memory_stats(_index(device))))
+    stats = _runtime.mem_stats(_index(device))
+    return {key: stats[field] for field, key in _STAT_KEYS.items()}
 
 
 def memory_allocated(device=None) -> int:
@@ -137,16 +137,16 @@ def max_memory_reserved(device=None) -> int:
 
 
 def reset_peak_memory_stats(device=None) -> None:
-    _glue().reset_peak_memory_stats(_index(device))
+    _runtime.reset_peak_memory_stats(_index(device))
 
 
 def reset_accumulated_memory_stats(device=None) -> None:
-    _glue().reset_accumulated_memory_stats(_index(device))
+    _runtime.reset_accumulated_memory_stats(_index(device))
 
 
 def empty_cache() -> None:
     """Returns the cached, unused memory of every device to the system."""
-    _glue().empty_cache()
+    _runtime.empty_cache()
 
 
 # ---- random numbers: torch's seeds are uint64, the glue's ops take int64 ----
@@ -166,14 +166,14 @@ def _is_in_bad_fork() -> bool:
 
 def manual_seed(seed: int) -> None:
     """Seeds the default generator of the current device."""
-    _glue().manual_seed(current_device(), _as_int64(seed))
+    _runtime.manual_seed(current_device(), _as_int64(seed))
 
 
 def manual_seed_all(seed: int) -> None:
     """Seeds the default generators of all devices (torch.manual_seed calls this)."""
     for index in range(device_count()):
-        _glue().manual_seed(index, _as_int64(seed))
+        _runtime.manual_seed(index, _as_int64(seed))
 
 
 def initial_seed() -> int:
-    return _glue().initial_seed(current_device()) & _UINT64
+    return _runtime.initial_seed(current_device()) & _UINT64
