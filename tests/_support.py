@@ -1,13 +1,16 @@
 """What the tests share: bounded timeouts, spawned children that are always reaped, fresh
-interpreters, and the counts leak checks compare (descriptors, /dev/shm entries).
+interpreters, exited-but-unreaped children, and the counts leak checks compare (descriptors,
+/dev/shm entries).
 
 Fixtures built on these live in conftest.py; test modules import this module, never each other.
 """
+import contextlib
 import json
 import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 TIMEOUT = 60  # seconds; every join, get and wait is bounded by it
 FRESH_TIMEOUT = 120  # seconds for a fresh interpreter that imports torch
@@ -102,3 +105,34 @@ def json_from(proc: subprocess.Popen):
 def json_of(code, **env):
     """The JSON object `code` prints last, run as in `run_python`."""
     return json_from(start_python(code, **env))
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat ("Z" for a zombie), "" once the process is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            line = stat.read()
+    except FileNotFoundError:
+        return ""
+    return line[line.rfind(b")") + 2:][:1].decode()
+
+
+@contextlib.contextmanager
+def zombie_child(code, **env):
+    """Runs `code` in a fresh interpreter (env as in `run_python`) and yields (pid, its stdout) once
+    it has exited but is not reaped yet, a zombie; reaps it on exit, whatever happened."""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=fresh_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + FRESH_TIMEOUT
+        while process_state(proc.pid) != "Z":  # polling: waiting would reap it
+            assert time.monotonic() < deadline, f"child {proc.pid} did not exit in time"
+            time.sleep(0.01)
+        out, err = proc.stdout.read(), proc.stderr.read()  # it has exited: EOF, no blocking
+        assert out.strip(), f"child printed nothing; stderr: {err}"
+        yield proc.pid, out
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+        proc.stdout.close()
+        proc.stderr.close()
