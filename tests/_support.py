@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 TIMEOUT = 60  # seconds; every join, get and wait is bounded by it
 FRESH_TIMEOUT = 120  # seconds for a fresh interpreter that imports torch
@@ -68,3 +69,13 @@ def run_python(code, **env) -> subprocess.CompletedProcess:
 def json_of(code, **env):
     """The JSON object `code` prints last, run as in `run_python`."""
     return json.loads(run_python(code, **env).stdout.strip().splitlines()[-1])
+
+
+def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.01):
+    """Polls `condition()` until it is truthy, for effects that happen in the background (the
+    collector thread, a killed process's locks); fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(poll)
+    return value

@@ -26,15 +26,20 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class MappedFile:
-    """A MAP_SHARED mapping that, unlike mmap.mmap, keeps no duplicate of the file descriptor."""
+    """A MAP_SHARED mapping that, unlike mmap.mmap, keeps no duplicate of the file descriptor.
 
-    __slots__ = ("address", "size")
+    `fd` is the descriptor of a peer's file this process opened and keeps for byte-range locks
+    (closed with the mapping), or -1.
+    """
 
-    def __init__(self, fd: int, size: int):
+    __slots__ = ("address", "size", "fd")
+
+    def __init__(self, fd: int, size: int, keep_fd: bool = False):
         address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if address in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
         self.address, self.size = address, size
+        self.fd = fd if keep_fd else -1
 
     def int64(self, index: int) -> ctypes.c_int64:
         """The aligned int64 at `index`: loads and stores of it are single instructions."""
@@ -51,6 +56,9 @@ class MappedFile:
         if self.address:
             _libc.munmap(self.address, self.size)
             self.address = 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SharedFile:
@@ -84,7 +92,8 @@ class SharedFile:
 
 
 def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
-    """Map the file a peer's handle names; InvalidHandleError or PeerGoneError otherwise."""
+    """Map the file a peer's handle names, keeping this open of it for byte-range locks;
+    InvalidHandleError or PeerGoneError otherwise."""
     if not isinstance(handle, bytes) or len(handle) != HANDLE_SIZE:
         raise InvalidHandleError(f"a devipc {magic.decode()} handle has {HANDLE_SIZE} bytes, "
                                  f"got {len(handle) if isinstance(handle, bytes) else handle!r}")
@@ -107,9 +116,10 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
         if token.hex() not in name or os.fstat(peer_fd).st_size != size:
             raise InvalidHandleError(f"{path} is not the file this {magic.decode()} handle names "
                                      f"(the handle is stale or forged)")
-        return MappedFile(peer_fd, size)
-    finally:
+        return MappedFile(peer_fd, size, keep_fd=True)
+    except BaseException:
         os.close(peer_fd)
+        raise
 
 
 def _alive(pid: int) -> bool:
