@@ -136,3 +136,13 @@ def zombie_child(code, **env):
         proc.wait(TIMEOUT)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.01):
+    """Polls `condition()` until it is truthy, for effects that happen in the background (the
+    collector thread, a killed process's locks); fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(poll)
+    return value

@@ -1,11 +1,19 @@
 """Module-level child-process bodies for the multi-process tests (spawn must import them)."""
 import pickle
 import socket
+import threading
 
 import torch
-from _support import TIMEOUT
+from _support import TIMEOUT, wait_until
 
 import devipc
+
+
+def settle():
+    """Run the releases that waited for device work, so the producer sees them now."""
+    torch.accelerator.synchronize()
+    wait_until(lambda: devipc.ipc_collect() is not None and not devipc.stats()["pending_releases"],
+               "received storages released")
 
 
 # -- _memfd / _refcount ----------------------------------------------------------------------------
@@ -62,20 +70,9 @@ def hold_until_told(inbox, outbox):
         held.append(item)
         outbox.put(float(item.sum().item()))
     held.clear()
+    settle()
     outbox.put("dropped")
     assert inbox.get(timeout=TIMEOUT) == "exit"
-
-
-def try_to_reshare(inbox, outbox):
-    from multiprocessing.reduction import ForkingPickler
-
-    tensor = inbox.get(timeout=TIMEOUT)
-    try:
-        ForkingPickler.dumps(tensor)
-        outbox.put("no error")
-    except devipc.ReshareError as error:
-        clone_ok = ForkingPickler.dumps(tensor.clone()) is not None
-        outbox.put(("ReshareError", str(error), clone_ok))
 
 
 def read_from_socket(port, outbox):
@@ -122,7 +119,9 @@ def count_fds_around_a_receive(inbox, outbox):
     tensor = inbox.get(timeout=TIMEOUT)
     value = float(tensor.sum().item())
     del tensor, scratch
-    outbox.put((value, len(os.listdir("/proc/self/fd")) - before))
+    devipc.ipc_collect()  # runs a release that waited for device work, if any
+    outbox.put((value, len(os.listdir("/proc/self/fd")) - before,
+                devipc.stats()["mapped_counter_files"]))
 
 
 def reduce_and_exit(outbox):
@@ -140,3 +139,73 @@ def produce_and_wait(outbox, inbox):
     tensor = torch.arange(4, dtype=torch.float32, device="openreg") * 10
     outbox.put(tensor)
     inbox.get(timeout=TIMEOUT)
+
+
+# -- lifetime: slots, kills, forwarding --------------------------------------------------------
+def hold_slot_until_told(handle, index, inbox, outbox):
+    from devipc._refcount import ConsumerCounters
+
+    counters = ConsumerCounters()
+    counters.hold(handle, index)
+    outbox.put("held")
+    assert inbox.get(timeout=TIMEOUT) == "release"
+    counters.release(handle, index)
+    outbox.put("released")
+
+
+def forward_to(inbox, onward, outbox):
+    """B of A -> B -> C: sends on what it received, then holds it until told to exit."""
+    tensor = inbox.get(timeout=TIMEOUT)
+    onward.put(tensor)
+    outbox.put("forwarded")
+    assert inbox.get(timeout=TIMEOUT) == "exit"
+
+
+def write_and_hold(inbox, outbox, value):
+    """Receives a tensor, writes `value` into it, holds it until told to drop it."""
+    tensor = inbox.get(timeout=TIMEOUT)
+    tensor.fill_(value)
+    torch.accelerator.synchronize()
+    outbox.put(("written", devipc.received_via_ipc(tensor)))
+    assert inbox.get(timeout=TIMEOUT) == "drop"
+    del tensor
+    settle()
+    outbox.put("dropped")
+    assert inbox.get(timeout=TIMEOUT) == "exit"
+
+
+def hold_then_write(inbox, outbox):
+    """Receives a tensor, reports its sum, writes 99 into it when told, then holds it."""
+    tensor = inbox.get(timeout=TIMEOUT)
+    outbox.put(float(tensor.sum().item()))
+    assert inbox.get(timeout=TIMEOUT) == "write"
+    tensor.fill_(99)
+    torch.accelerator.synchronize()
+    outbox.put("written")
+    assert inbox.get(timeout=TIMEOUT) == "exit"
+
+
+def read_some_then_wait(inbox, outbox, count):
+    """Receives `count` tensors and holds them; the test kills it while it waits."""
+    held = [inbox.get(timeout=TIMEOUT) for _ in range(count)]
+    outbox.put(len(held))
+    threading.Event().wait(TIMEOUT)  # killed while it waits
+
+
+def rebuild_pickled(payload, inbox, outbox):
+    """Rebuilds a pickled reduce_tensor result; holds the tensor until told to drop it."""
+    try:
+        rebuild, args = pickle.loads(payload)
+        tensor = rebuild(*args)
+    except devipc.InvalidHandleError as error:
+        outbox.put(("refused", str(error)))
+        return
+    outbox.put(("opened", float(tensor.sum().item())))
+    if inbox.get(timeout=TIMEOUT) == "write":
+        tensor.fill_(99)
+        torch.accelerator.synchronize()
+        outbox.put("written")
+        inbox.get(timeout=TIMEOUT)
+    del tensor
+    settle()
+    outbox.put("dropped")

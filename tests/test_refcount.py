@@ -1,47 +1,120 @@
+"""Ref-counter slots: states, locks that die with their holder, files, forged indices."""
 import _workers
 import pytest
 from _support import TIMEOUT
 
 from devipc import InvalidHandleError
-from devipc._refcount import SLOTS_PER_FILE, ConsumerCounters, ProducerCounters, check_index
+from devipc._refcount import (
+    HELD,
+    RELEASED,
+    REVOKED,
+    SENT,
+    SLOTS_PER_FILE,
+    ConsumerCounters,
+    ProducerCounters,
+    SlotError,
+    check_index,
+    check_slot,
+)
 
 
-def test_slot_starts_at_one_and_a_peer_release_brings_it_to_zero(children):
+def test_a_peer_holds_then_releases_a_slot(children):
     pool = ProducerCounters()
-    slot = pool.allocate()
-    assert slot.value() == 1
-    done = children.ctx.Queue()
-    children.start(_workers.release_slot, slot.handle, slot.index, done)
-    assert done.get(timeout=TIMEOUT) == "ok"
+    file, index = pool.allocate(export=7)
+    assert file.counter.state(index) == SENT and file.counter.export(index) == 7
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.hold_slot_until_told, file.handle, index, inbox, outbox)
+    assert outbox.get(timeout=TIMEOUT) == "held"
+    assert file.counter.state(index) == HELD
+    assert not file.counter.reclaim_if_holder_died(index)  # its lock says it lives
+    assert not file.counter.revoke(index)
+    inbox.put("release")
+    assert outbox.get(timeout=TIMEOUT) == "released"
     children.join_ok()
-    assert slot.value() == 0
+    assert file.counter.state(index) == RELEASED
 
 
-def test_same_process_release_maps_nothing():
+def test_the_slot_of_a_killed_holder_is_reclaimed(children):
     pool = ProducerCounters()
-    counters = ConsumerCounters(pool)
-    slot = pool.allocate()
-    counters.hold(slot.handle)
-    assert counters.mapped_files() == 0
-    counters.release(slot.handle, slot.index)
-    assert slot.value() == 0
-    counters.release(slot.handle, slot.index)  # never below zero
-    assert slot.value() == 0
+    file, index = pool.allocate(export=1)
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    child = children.start(_workers.hold_slot_until_told, file.handle, index, inbox, outbox)
+    assert outbox.get(timeout=TIMEOUT) == "held"
+    child.kill()
+    child.join(TIMEOUT)
+    assert file.counter.state(index) == HELD  # nobody said anything...
+    assert file.counter.reclaim_if_holder_died(index)  # ...but the kernel dropped its lock
+    assert file.counter.state(index) == RELEASED
 
 
-def test_a_full_file_is_closed_once_every_slot_is_freed():
+def test_each_send_opens_once():
+    pool, counters = ProducerCounters(), ConsumerCounters()
+    file, index = pool.allocate(export=1)
+    counters.hold(file.handle, index)  # the producer's own file, through its own open
+    with pytest.raises(SlotError, match="already opened"):
+        counters.hold(file.handle, index)
+    counters.release_unopened(file.handle, index)  # the very send held here: nothing to give
+    assert file.counter.state(index) == HELD
+    counters.release(file.handle, index)
+    assert file.counter.state(index) == RELEASED
+    with pytest.raises(SlotError, match="already opened and released"):
+        counters.hold(file.handle, index)
+
+
+def test_revoked_sends_cannot_be_opened():
+    pool, counters = ProducerCounters(), ConsumerCounters()
+    file, index = pool.allocate(export=1)
+    assert file.counter.revoke(index) and file.counter.state(index) == REVOKED
+    with pytest.raises(SlotError, match="revoked"):
+        counters.hold(file.handle, index)
+
+
+def test_a_consumer_can_take_a_slot_for_forwarding():
+    pool, counters = ProducerCounters(), ConsumerCounters()
+    file, index = pool.allocate(export=42)
+    counters.hold(file.handle, index)
+    forwarded = counters.forward(file.handle, index)
+    assert forwarded == index + 1 and file.counter.state(forwarded) == SENT
+    assert pool.new_slots() == [(file, forwarded, 42)]
+    assert pool.new_slots() == []  # seen once
+    counters.release(file.handle, index)
+    counters.release_unopened(file.handle, forwarded)
+
+
+def test_a_full_file_is_closed_once_every_slot_has_ended():
     pool = ProducerCounters()
-    slots = [pool.allocate() for _ in range(SLOTS_PER_FILE + 1)]
+    slots = [pool.allocate(export=1) for _ in range(SLOTS_PER_FILE + 1)]
     assert pool.open_files() == 2
-    assert len({s.handle for s in slots[:SLOTS_PER_FILE]}) == 1
-    for slot in slots[:SLOTS_PER_FILE]:
-        slot.free()
-    assert pool.open_files() == 1
-    slots[-1].free()
+    assert len({file.handle for file, _ in slots[:SLOTS_PER_FILE]}) == 1
+    for file, index in slots[:SLOTS_PER_FILE - 1]:
+        file.counter.revoke(index)
+    pool.close_finished()
+    assert pool.open_files() == 2  # one slot still SENT
+    file, index = slots[SLOTS_PER_FILE - 1]
+    file.counter.revoke(index)
+    pool.close_finished()
     assert pool.open_files() == 1  # the current file stays for the next sends
 
 
-@pytest.mark.parametrize("index", [-1, SLOTS_PER_FILE, "3", 1.0])
+@pytest.mark.parametrize("index", [-1, SLOTS_PER_FILE, "3", 1.0, True, None, [1]])
 def test_out_of_range_offsets_are_refused(index):
     with pytest.raises(InvalidHandleError):
         check_index(index)
+
+
+@pytest.mark.parametrize("handle", [None, [1, 2], "RCNT", 5])
+def test_non_bytes_counter_handles_are_refused(handle):
+    with pytest.raises(InvalidHandleError, match="bytes"):
+        check_slot(handle, 0)
+
+
+def test_a_forged_counter_handle_of_another_file_kind_is_refused():
+    from devipc._memfd import SharedFile
+
+    other = SharedFile(b"EVIL", 16 * SLOTS_PER_FILE + 64)  # right size, wrong kind
+    try:
+        forged = other.handle.replace(b"EVIL", b"RCNT", 1)
+        with pytest.raises(InvalidHandleError):
+            ConsumerCounters().hold(forged, 0)
+    finally:
+        other.close()

@@ -9,6 +9,7 @@ from _support import TIMEOUT
 
 import devipc
 from devipc import _sharing
+from devipc._refcount import RELEASED
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
@@ -64,11 +65,11 @@ def test_cache_hit_releases_the_new_slot(children):
         assert outbox.get(timeout=TIMEOUT) == 8.0
         inbox.put(tensor)  # same storage: the consumer's cache hit must give this slot back
         assert outbox.get(timeout=TIMEOUT) == 8.0
-        assert _sharing.stats()["sent"] == held_before + 2
-        assert devipc.ipc_collect() == 1
+        devipc.ipc_collect()
+        assert _sharing.stats()["sent"] == held_before + 1  # the second send came back at once
         inbox.put("drop")
         assert outbox.get(timeout=TIMEOUT) == "dropped"
-        assert devipc.ipc_collect() == 1
+        devipc.ipc_collect()
         assert _sharing.stats()["sent"] == held_before
     finally:
         inbox.put("exit")
@@ -103,8 +104,12 @@ def test_failed_open_gives_the_slot_back():
     shared[1] = bytes(len(shared[1]))  # forged memory handle
     with pytest.raises(devipc.InvalidHandleError):
         devipc.new_shared_device(*shared)
+    counter = _sharing._counters._open(shared[4])
+    try:
+        assert counter.state(shared[5]) == RELEASED
+    finally:
+        _sharing._counters._put(shared[4])
     del tensor
-    assert devipc.ipc_collect() == 1
 
 
 def test_storage_larger_than_its_allocation_is_refused():

@@ -29,7 +29,10 @@ from ._sharing import (
     new_shared_device,
     received_via_ipc,
     release_ipc_counter_device,
+    revoke,
+    set_unopened_deadline,
     share_device,
+    stats,
 )
 
 __all__ = [
@@ -50,7 +53,10 @@ __all__ = [
     "received_via_ipc",
     "register_ipc_hooks",
     "release_ipc_counter_device",
+    "revoke",
+    "set_unopened_deadline",
     "share_device",
+    "stats",
     "uninstall",
     "unregister_ipc_hooks",
 ]

@@ -27,15 +27,20 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class MappedFile:
-    """A MAP_SHARED mapping that, unlike mmap.mmap, keeps no duplicate of the file descriptor."""
+    """A MAP_SHARED mapping that, unlike mmap.mmap, keeps no duplicate of the file descriptor.
 
-    __slots__ = ("address", "size")
+    `fd` is the descriptor of a peer's file this process opened and keeps for byte-range locks
+    (closed with the mapping), or -1.
+    """
 
-    def __init__(self, fd: int, size: int):
+    __slots__ = ("address", "size", "fd")
+
+    def __init__(self, fd: int, size: int, keep_fd: bool = False):
         address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if address in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
         self.address, self.size = address, size
+        self.fd = fd if keep_fd else -1
 
     def int64(self, index: int) -> ctypes.c_int64:
         """The aligned int64 at `index`: loads and stores of it are single instructions."""
@@ -52,6 +57,9 @@ class MappedFile:
         if self.address:
             _libc.munmap(self.address, self.size)
             self.address = 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SharedFile:
@@ -85,7 +93,8 @@ class SharedFile:
 
 
 def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
-    """Map the file a peer's handle names, by the open procedure of docs/ipc-handles.md.
+    """Map the file a peer's handle names, by the open procedure of docs/ipc-handles.md, and keep
+    this open of it (`MappedFile.fd`) for byte-range locks.
 
     PeerGoneError if the producer has exited (a zombie too: its fds are closed already),
     InvalidHandleError for a malformed, forged or stale handle and for a denied open, OSError when
@@ -128,9 +137,10 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
                 or os.fstat(peer_fd).st_size != size:
             raise InvalidHandleError(f"{path} is not the file this {kind} handle names "
                                      f"(the handle is stale or forged)")
-        return MappedFile(peer_fd, size)
-    finally:
+        return MappedFile(peer_fd, size, keep_fd=True)
+    except BaseException:
         os.close(peer_fd)
+        raise
 
 
 def _memfd_name(magic: bytes, token: bytes) -> str:

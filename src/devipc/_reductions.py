@@ -71,8 +71,11 @@ def reduce_tensor(tensor):
             or tensor.is_nested:
         return _saved["reduce_tensor"](tensor)
     if tensor.requires_grad and not tensor.is_leaf:
-        raise RuntimeError("Cowardly refusing to send a non-leaf tensor that requires grad: "
-                           "autograd does not cross processes. Send tensor.detach() instead.")
+        # torch's own words: tests and users match them
+        raise RuntimeError("Cowardly refusing to serialize non-leaf tensor which requires_grad, "
+                           "since autograd does not support crossing process boundaries.  "
+                           "If you just want to transfer the data, call detach() on the tensor "
+                           "before serializing (e.g., putting it on the queue).")
     torch.utils.hooks.warn_if_has_hooks(tensor)
     storage = tensor.untyped_storage()
     (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,

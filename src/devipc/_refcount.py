@@ -1,50 +1,157 @@
-"""Ref-counter slots: how a producer learns that a consumer let go of what it was sent.
+"""Ref-counter slots: how a producer learns that its consumers let go of what it sent, also when
+they die without saying so.
 
-Each send takes one int64 slot, set to 1, in a producer-owned shared file of 10,000 slots (as
-CUDA IPC does). The consumer that rebuilds the tensor decrements it when its storage dies (or at
-once on a cache hit); the producer frees the sent storage when the slot reads 0. A slot has one
-writer at a time, so an aligned 8-byte store is enough: no cross-process atomics are needed.
+Each send takes one slot in a producer-owned shared file (a memfd) of 10,000 slots, as CUDA IPC
+does. The file starts with a header whose first int64 is the cursor (slots handed out so far; a
+slot is never reused), then holds the slots, two int64 each: (state, export). `export` names what
+the producer exported, so that a slot taken by a forwarding consumer still counts for it.
+
+States: SENT until a consumer opens the slot, HELD while it holds it, then RELEASED; REVOKED when
+the producer took an unopened send back. Every change of a slot happens under an OFD write lock
+(`_locks`) on the slot's bytes, and a consumer keeps that lock while the slot is HELD: the kernel
+drops it when the consumer dies, so a HELD slot whose lock is free belongs to a dead consumer. The
+cursor is taken under a lock on the header, so a consumer can take a slot in the producer's file
+to forward what it received.
 """
 import threading
+import time
 
+from . import _locks
 from ._errors import InvalidHandleError
-from ._memfd import SharedFile, open_shared_file
+from ._memfd import MappedFile, SharedFile, open_shared_file
 
 SLOTS_PER_FILE = 10_000
+HEADER_BYTES = 64
+SLOT_BYTES = 16
+FILE_BYTES = HEADER_BYTES + SLOTS_PER_FILE * SLOT_BYTES
+RELEASED, SENT, HELD, REVOKED = 0, 1, 2, -1
 _MAGIC = b"RCNT"
+_BUSY_SECONDS = 1.0  # how long an open waits for a slot another party locks for an instant
 
 
-def _decrement(mapping, index: int) -> None:
-    slot = mapping.int64(index)
-    slot.value = max(0, slot.value - 1)
+class SlotError(InvalidHandleError):
+    """A slot that cannot be opened: already opened, released, or revoked by its producer."""
 
 
-class _CounterFile:
-    __slots__ = ("file", "used", "live")
+class CounterFile:
+    """One open of a counter file: its mapping and the descriptor its locks are taken through."""
+
+    __slots__ = ("mapping", "fd")
+
+    def __init__(self, mapping: MappedFile, fd: int):
+        self.mapping, self.fd = mapping, fd
+
+    # -- layout --
+    def cursor(self) -> int:
+        return self.mapping.int64(0).value
+
+    def state(self, index: int) -> int:
+        return self.mapping.int64((HEADER_BYTES + SLOT_BYTES * index) // 8).value
+
+    def export(self, index: int) -> int:
+        return self.mapping.int64((HEADER_BYTES + SLOT_BYTES * index) // 8 + 1).value
+
+    def _set(self, index: int, state: int) -> None:
+        self.mapping.int64((HEADER_BYTES + SLOT_BYTES * index) // 8).value = state
+
+    @staticmethod
+    def _range(index: int) -> tuple[int, int]:
+        return HEADER_BYTES + SLOT_BYTES * index, SLOT_BYTES
+
+    # -- transitions --
+    def take(self, export: int) -> int | None:
+        """A new SENT slot for `export`, or None when the file is full."""
+        _locks.lock(self.fd, 0, 8)
+        try:
+            index = self.cursor()
+            if not 0 <= index < SLOTS_PER_FILE:
+                return None
+            base = (HEADER_BYTES + SLOT_BYTES * index) // 8
+            self.mapping.int64(base + 1).value = export
+            self.mapping.int64(base).value = SENT
+            self.mapping.int64(0).value = index + 1
+            return index
+        finally:
+            _locks.unlock(self.fd, 0, 8)
+
+    def _lock_slot(self, index: int) -> None:
+        """Lock a slot that nobody holds; SlotError if a consumer holds it."""
+        start, length = self._range(index)
+        deadline = time.monotonic() + _BUSY_SECONDS
+        while not _locks.try_lock(self.fd, start, length):
+            if self.state(index) == HELD or time.monotonic() > deadline:
+                raise SlotError("this send was already opened by another process: each send "
+                                "may be opened once. Send the tensor again for every consumer.")
+            time.sleep(0.0001)  # the producer or a forwarder holds it for a few instructions
+
+    def acquire(self, index: int) -> None:
+        """Consumer: SENT -> HELD, keeping the lock until `release`."""
+        self._lock_slot(index)
+        state = self.state(index)
+        if state != SENT:
+            _locks.unlock(self.fd, *self._range(index))
+            raise SlotError({RELEASED: "this send was already opened and released: each send may "
+                                       "be opened once",
+                             HELD: "this send was already opened by another process",
+                             REVOKED: "the producer revoked this send before it was opened "
+                                      "(see devipc.revoke and devipc.set_unopened_deadline)",
+                             }.get(state, f"ref-counter slot in unknown state {state}"))
+        self._set(index, HELD)
+
+    def release(self, index: int) -> None:
+        """Consumer: HELD -> RELEASED, and the lock goes."""
+        self._set(index, RELEASED)
+        _locks.unlock(self.fd, *self._range(index))
+
+    def release_unopened(self, index: int) -> None:
+        """Consumer that already holds the memory (cache hit): SENT -> RELEASED."""
+        self._lock_slot(index)
+        try:
+            if self.state(index) == SENT:
+                self._set(index, RELEASED)
+        finally:
+            _locks.unlock(self.fd, *self._range(index))
+
+    def reclaim_if_holder_died(self, index: int) -> bool:
+        """Producer: HELD -> RELEASED when the consumer's lock is gone (it died)."""
+        start, length = self._range(index)
+        if not _locks.try_lock(self.fd, start, length):
+            return False  # held: the consumer lives
+        try:
+            if self.state(index) != HELD:
+                return self.state(index) in (RELEASED, REVOKED)
+            self._set(index, RELEASED)
+            return True
+        finally:
+            _locks.unlock(self.fd, start, length)
+
+    def revoke(self, index: int) -> bool:
+        """Producer: SENT -> REVOKED unless a consumer is opening it right now."""
+        start, length = self._range(index)
+        if not _locks.try_lock(self.fd, start, length):
+            return False
+        try:
+            if self.state(index) != SENT:
+                return False
+            self._set(index, REVOKED)
+            return True
+        finally:
+            _locks.unlock(self.fd, start, length)
+
+
+class ProducerFile:
+    """A counter file this process owns, and what it knows of the slots in it."""
+
+    __slots__ = ("shared", "counter", "seen")
 
     def __init__(self):
-        self.file = SharedFile(_MAGIC, SLOTS_PER_FILE * 8)
-        self.used = 0  # slots handed out, never reused: a stale handle can't hit a new send
-        self.live = 0  # handed out and not yet freed
-
-
-class ProducerSlot:
-    """One send's counter, owned by the producer's sent-data entry."""
-
-    __slots__ = ("_pool", "_counter", "index")
-
-    def __init__(self, pool, counter: _CounterFile, index: int):
-        self._pool, self._counter, self.index = pool, counter, index
+        self.shared = SharedFile(_MAGIC, FILE_BYTES)
+        self.counter = CounterFile(self.shared.buffer, self.shared.fd)
+        self.seen = 0  # slots below this index are known to the producer
 
     @property
     def handle(self) -> bytes:
-        return self._counter.file.handle
-
-    def value(self) -> int:
-        return self._counter.file.buffer.int64(self.index).value
-
-    def free(self) -> None:
-        self._pool._free(self._counter)
+        return self.shared.handle
 
 
 class ProducerCounters:
@@ -52,89 +159,90 @@ class ProducerCounters:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._current: _CounterFile | None = None
-        self._by_handle: dict[bytes, _CounterFile] = {}
+        self._current: ProducerFile | None = None
+        self._files: dict[bytes, ProducerFile] = {}
 
-    def allocate(self) -> ProducerSlot:
+    def allocate(self, export: int) -> tuple[ProducerFile, int]:
         with self._lock:
-            counter = self._current
-            if counter is None or counter.used == SLOTS_PER_FILE:
-                counter = self._current = _CounterFile()
-                self._by_handle[counter.file.handle] = counter
-            index = counter.used
-            counter.used += 1
-            counter.live += 1
-            counter.file.buffer.int64(index).value = 1
-            return ProducerSlot(self, counter, index)
+            file = self._current
+            index = None if file is None else file.counter.take(export)
+            if index is None:
+                file = self._current = ProducerFile()
+                self._files[file.handle] = file
+                index = file.counter.take(export)
+            file.seen = max(file.seen, index + 1)
+            return file, index
 
-    def _free(self, counter: _CounterFile) -> None:
+    def new_slots(self) -> list[tuple[ProducerFile, int, int]]:
+        """(file, index, export) of slots others took in our files since the last call."""
+        found = []
         with self._lock:
-            counter.live -= 1
-            if counter.live == 0 and counter.used == SLOTS_PER_FILE:
-                del self._by_handle[counter.file.handle]
-                counter.file.close()
+            for file in self._files.values():
+                cursor = min(file.counter.cursor(), SLOTS_PER_FILE)
+                found += [(file, i, file.counter.export(i)) for i in range(file.seen, cursor)]
+                file.seen = max(file.seen, cursor)
+        return found
 
-    def own_buffer(self, handle: bytes):
-        """This process's own buffer for `handle`, so a same-process consumer maps nothing."""
+    def close_finished(self) -> None:
+        """Close full files all of whose slots are released or revoked."""
         with self._lock:
-            counter = self._by_handle.get(handle)
-            return None if counter is None else counter.file.buffer
+            for handle, file in list(self._files.items()):
+                if file is self._current or file.seen < SLOTS_PER_FILE:
+                    continue
+                if all(file.counter.state(i) in (RELEASED, REVOKED)
+                       for i in range(SLOTS_PER_FILE)):
+                    del self._files[handle]
+                    file.shared.close()
 
     def open_files(self) -> int:
         with self._lock:
-            return len(self._by_handle)
+            return len(self._files)
 
 
 class ConsumerCounters:
-    """The consumer's mappings of producers' counter files.
-
-    A file stays mapped while one of its slots is held, then joins a few idle mappings kept for
-    the next send of the same producer: mapping costs more than the rest of a receive. Keys are
-    whole handles, random token included, so an idle mapping can never be taken for another file.
+    """The consumer's opens of producers' counter files, one per file, through which it holds
+    slots; a file without held slots joins a few idle opens kept for the next send of the same
+    producer (opening costs more than the rest of a receive). Keys are whole handles, random
+    token included, so an idle open can never be taken for another file. A producer's own file
+    is opened the same way: its own descriptor would not see its own locks as someone else's.
     """
 
     IDLE_KEPT = 8
 
-    def __init__(self, producer: ProducerCounters):
-        self._producer = producer
+    def __init__(self):
         self._lock = threading.Lock()
-        self._held: dict[bytes, list] = {}  # handle -> [mapping, held slots]
-        self._idle: dict[bytes, object] = {}  # handle -> mapping, oldest first
+        self._held: dict[bytes, list] = {}  # handle -> [CounterFile, slots held]
+        self._idle: dict[bytes, CounterFile] = {}  # oldest first
+        self._mine: set[tuple[bytes, int]] = set()  # slots this process holds
 
-    def hold(self, handle: bytes) -> None:
-        """Map (once) the file of a slot the caller will `release` later."""
-        if self._producer.own_buffer(handle) is not None:
-            return
+    def _open(self, handle: bytes) -> CounterFile:
+        """The file, counted as held once more; the caller must `_put` it back."""
         with self._lock:
-            if self._take(handle):
-                return
+            entry = self._held.get(handle)
+            if entry is None and handle in self._idle:
+                entry = self._held[handle] = [self._idle.pop(handle), 0]
+            if entry is not None:
+                entry[1] += 1
+                return entry[0]
         mapping = open_shared_file(handle, _MAGIC)
+        if mapping.size != FILE_BYTES:
+            mapping.close()
+            raise InvalidHandleError(f"a ref-counter file has {FILE_BYTES} bytes, this one "
+                                     f"{mapping.size}")
         with self._lock:
-            if not self._take(handle):
-                self._held[handle] = [mapping, 1]
-                return
-        mapping.close()  # another thread mapped it meanwhile
-
-    def _take(self, handle: bytes) -> bool:
-        entry = self._held.get(handle)
-        if entry is not None:
+            entry = self._held.get(handle)
+            if entry is None:
+                entry = self._held[handle] = [CounterFile(mapping, mapping.fd), 0]
+                mapping = None
             entry[1] += 1
-            return True
-        mapping = self._idle.pop(handle, None)
         if mapping is not None:
-            self._held[handle] = [mapping, 1]
-        return mapping is not None
+            mapping.close()  # another thread opened it meanwhile
+        return entry[0]
 
-    def release(self, handle: bytes, index: int) -> None:
-        """Decrement the slot; a file with no held slot left becomes idle."""
-        own = self._producer.own_buffer(handle)
-        if own is not None:
-            _decrement(own, index)
-            return
+    def _put(self, handle: bytes) -> None:
         evicted = None
         with self._lock:
             entry = self._held[handle]
-            _decrement(entry[0], index)
             entry[1] -= 1
             if entry[1] == 0:
                 del self._held[handle]
@@ -142,16 +250,66 @@ class ConsumerCounters:
                 if len(self._idle) > self.IDLE_KEPT:
                     evicted = self._idle.pop(next(iter(self._idle)))
         if evicted is not None:
-            evicted.close()
+            evicted.mapping.close()
+
+    def hold(self, handle: bytes, index: int) -> None:
+        """Open a sent slot and hold it until `release`."""
+        handle, index = check_slot(handle, index)
+        if (handle, index) in self._mine:
+            raise SlotError("this send is already opened in this process: each send may be "
+                            "opened once")
+        file = self._open(handle)
+        try:
+            file.acquire(index)
+        except BaseException:
+            self._put(handle)
+            raise
+        with self._lock:
+            self._mine.add((handle, index))
+
+    def release(self, handle: bytes, index: int) -> None:
+        with self._lock:
+            file = self._held[handle][0]
+            self._mine.discard((handle, index))
+        file.release(index)
+        self._put(handle)
+
+    def release_unopened(self, handle: bytes, index: int) -> None:
+        """Give back a send whose memory this process already holds through an earlier one
+        (nothing to give back when it is that very send, rebuilt twice here)."""
+        handle, index = check_slot(handle, index)
+        if (handle, index) in self._mine:
+            return
+        file = self._open(handle)
+        try:
+            file.release_unopened(index)
+        finally:
+            self._put(handle)
+
+    def forward(self, handle: bytes, held_index: int) -> int:
+        """A new slot, in the producer's file, for what `held_index` (held here) was sent for."""
+        with self._lock:
+            file = self._held[handle][0]
+        index = file.take(file.export(held_index))
+        if index is None:
+            raise InvalidHandleError("cannot forward: the producer's ref-counter file is full; "
+                                     "send a clone() instead")
+        return index
 
     def mapped_files(self) -> int:
         with self._lock:
             return len(self._held) + len(self._idle)
 
 
+def check_slot(handle, index) -> tuple[bytes, int]:
+    """A counter handle and slot index from the wire, checked before anything is mapped."""
+    if not isinstance(handle, (bytes, bytearray)):
+        raise InvalidHandleError(f"a ref-counter handle is bytes, got {type(handle).__name__}")
+    return bytes(handle), check_index(index)
+
+
 def check_index(index) -> int:
-    """Slot indices come from the wire: refuse anything that would write out of the file."""
-    if not isinstance(index, int) or not 0 <= index < SLOTS_PER_FILE:
+    """Slot indices come from the wire: refuse anything that would reach outside the file."""
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < SLOTS_PER_FILE:
         raise InvalidHandleError(f"ref-counter offset {index!r} is outside 0..{SLOTS_PER_FILE - 1}")
     return index
-

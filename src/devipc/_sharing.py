@@ -1,116 +1,55 @@
 """Storage sharing with the RFC's semantics: share_device, new_shared_device,
-release_ipc_counter_device, the producer's sent data and the consumer's mappings.
+release_ipc_counter_device, ipc_collect — and what CUDA lacks: forwarding, reclaiming the sends of
+dead consumers, revoking unopened sends.
 
 Producer: synchronize (or record an interprocess event), get (handle, offset) from the hooks, take a
-ref-counter slot, and keep the storage alive until the slot reads 0 (`ipc_collect`).
+ref-counter slot, and keep the sent memory allocated until its slots end (`_exports`).
 Consumer: map each base allocation once per process, make a storage at base + offset whose death
-releases the slot and, with the last storage of that allocation, the mapping.
+releases the slot — after the device work queued on it — and, with the last storage of that
+allocation, the mapping (`_received`). A received storage sent on takes a new slot in the
+original producer's file, so the memory outlives the forwarder.
 """
-import threading
-import warnings
-
 import torch
 
+from ._background import Background
 from ._errors import InvalidHandleError, ReshareError
-from ._hooks import OpenedMemory, hooks_for
+from ._exports import LIMBO_WARN_BLOCKS, Exports
+from ._hooks import hooks_for
 from ._memory import storage_from_memory
-from ._refcount import ConsumerCounters, ProducerCounters, ProducerSlot, check_index
+from ._received import DeferredReleases, OpenedAllocations, ReceivedStorages, Receipt
+from ._refcount import ConsumerCounters, check_slot
 
-LIMBO_WARN_BLOCKS = 1_000
+__all__ = ["LIMBO_WARN_BLOCKS", "ipc_collect", "new_shared_device", "received_via_ipc",
+           "release_ipc_counter_device", "revoke", "set_unopened_deadline", "share_device",
+           "stats"]
 
-_pool = ProducerCounters()
-_counters = ConsumerCounters(_pool)
-
-
-class _SentData:
-    """Sent storages, each kept alive until its consumer released the slot."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._entries: list[tuple[torch.UntypedStorage, ProducerSlot]] = []
-        self._collect_at = 64  # amortizes the scan: grows with what is really held
-        self._warned = False
-
-    def add(self, storage: torch.UntypedStorage, slot: ProducerSlot) -> None:
-        with self._lock:
-            self._entries.append((storage, slot))
-            crowded = len(self._entries) >= self._collect_at
-        if crowded:
-            self.collect()
-
-    def collect(self) -> int:
-        """Free what consumers released; returns how many storages were let go."""
-        with self._lock:
-            held, released = [], []
-            for entry in self._entries:
-                (released if entry[1].value() == 0 else held).append(entry)
-            self._entries = held
-            self._collect_at = max(64, 2 * len(held))
-            warn = len(held) > LIMBO_WARN_BLOCKS and not self._warned
-            self._warned = len(held) > LIMBO_WARN_BLOCKS
-        for _storage, slot in released:
-            slot.free()
-        if warn:
-            warnings.warn(f"devipc: {len(held)} shared storages are still held by consumers; "
-                          f"their memory stays allocated until the consumers drop the tensors they "
-                          f"received", ResourceWarning, stacklevel=3)
-        return len(released)
-
-    def __len__(self):
-        with self._lock:
-            return len(self._entries)
+_exports = Exports()
+_counters = ConsumerCounters()
+_opened = OpenedAllocations()
+_received = ReceivedStorages()
+_deferred = DeferredReleases()
 
 
-_sent = _SentData()
+def _background_round() -> bool:
+    _exports.collect()
+    more = _deferred.poll()
+    return more or _exports.pending()
 
 
-class _OpenedAllocations:
-    """The consumer's opened base allocations (the hooks' OpenedMemory): each opened once per
-    process, closed with its last storage."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._by_handle: dict[bytes, list] = {}  # handle -> [OpenedMemory, live storages]
-
-    def acquire(self, hooks, handle: bytes) -> OpenedMemory:
-        with self._lock:
-            entry = self._by_handle.get(handle)
-            if entry is not None:
-                entry[1] += 1
-                return entry[0]
-            # Opening under the lock: two threads must not map the same allocation twice.
-            memory = hooks.open_ipc_mem_handle(handle)
-            self._by_handle[handle] = [memory, 1]
-            return memory
-
-    def release(self, handle: bytes) -> None:
-        with self._lock:
-            entry = self._by_handle[handle]
-            entry[1] -= 1
-            if entry[1] > 0:
-                return
-            del self._by_handle[handle]
-        entry[0].close()
-
-    def contains(self, device: torch.device, ptr: int) -> bool:
-        with self._lock:
-            return any(m.device.type == device.type and m.ptr <= ptr < m.ptr + max(m.size, 1)
-                       for m, _ in self._by_handle.values())
-
-    def __len__(self):
-        with self._lock:
-            return len(self._by_handle)
+_background = Background("devipc-collector", _background_round)
 
 
-_opened = _OpenedAllocations()
-
-
-def received_via_ipc(storage) -> bool:
-    """Whether `storage` (or a tensor's storage) lives in memory this process received by IPC."""
+def _untyped(storage) -> torch.UntypedStorage:
     if isinstance(storage, torch.Tensor):
         storage = storage.untyped_storage()
     if isinstance(storage, torch.TypedStorage):
         storage = storage._untyped_storage
+    return storage
+
+
+def received_via_ipc(storage) -> bool:
+    """Whether `storage` (or a tensor's storage) lives in memory this process received by IPC."""
+    storage = _untyped(storage)
     return storage.nbytes() > 0 and _opened.contains(storage.device, storage.data_ptr())
 
 
@@ -120,17 +59,19 @@ def share_device(storage: torch.UntypedStorage) -> tuple:
 
     Without events the producer waits for all work queued on the device (every stream: the
     pickling thread of a Queue is not the thread that queued the work). With events it records
-    one on the device's current stream of the calling thread.
+    one on the device's current stream of the calling thread. A received storage is forwarded.
     """
-    if isinstance(storage, torch.TypedStorage):
-        storage = storage._untyped_storage
+    storage = _untyped(storage)
     device = storage.device
     hooks = hooks_for(device)
-    if received_via_ipc(storage):
-        raise ReshareError(f"this {device} storage was received from another process; sending it "
-                           f"on is not supported yet. Send a clone() instead.")
     if storage.nbytes() == 0:
         return (device, None, 0, 0, None, 0, b"", False)
+    receipt = _received.get(storage)
+    if receipt is not None:
+        return _forward(storage, receipt)
+    if _opened.contains(device, storage.data_ptr()):
+        raise ReshareError(f"this {device} storage lies inside memory received from another "
+                           f"process without being a received storage itself; send a clone()")
     event_sync_required = bool(hooks.requires_event_sync())
     if event_sync_required:
         event_handle = hooks.get_ipc_event_handle(device)
@@ -138,10 +79,19 @@ def share_device(storage: torch.UntypedStorage) -> tuple:
         event_handle = b""
         torch.get_device_module(device).synchronize(device)
     handle, offset = hooks.get_ipc_mem_handle(storage.data_ptr())
-    slot = _pool.allocate()
-    _sent.add(storage, slot)
-    return (device, handle, storage.nbytes(), offset, slot.handle, slot.index, event_handle,
+    file, index = _exports.send(storage)
+    _background.wake()
+    return (device, handle, storage.nbytes(), offset, file.handle, index, event_handle,
             event_sync_required)
+
+
+def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> tuple:
+    """Send on a received storage: the next consumer maps the original producer's memory under a
+    slot of its own in the producer's file, so the memory outlives this process."""
+    torch.get_device_module(storage.device).synchronize(storage.device)  # our writes first
+    index = _counters.forward(receipt.counter_handle, receipt.slot)
+    return (storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
+            receipt.counter_handle, index, b"", False)
 
 
 def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
@@ -150,12 +100,12 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
     """Consumer: a storage over the producer's memory, zero-copy. Its device is the local device
     that owns the memory, whatever index the producer used for it."""
     hooks = hooks_for(torch.device(device))
-    if not isinstance(handle, bytes) or not isinstance(size_bytes, int) \
-            or not isinstance(offset_bytes, int) or size_bytes < 0 or offset_bytes < 0:
+    if not isinstance(handle, bytes) or type(size_bytes) is not int \
+            or type(offset_bytes) is not int or size_bytes < 0 or offset_bytes < 0:
         raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
                                  f"size {size_bytes!r}, offset {offset_bytes!r}")
-    index = check_index(ref_counter_offset)
-    _counters.hold(ref_counter_handle)
+    counter_handle, index = check_slot(ref_counter_handle, ref_counter_offset)
+    _counters.hold(counter_handle, index)
     try:
         memory = _opened.acquire(hooks, handle)
         try:
@@ -164,18 +114,27 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
                                          f"{offset_bytes} exceeds its allocation of {memory.size}")
             if event_sync_required:
                 wait_for_producer(memory.device, event_handle)
+            receipt = Receipt(handle, offset_bytes, counter_handle, index)
+            key = (str(memory.device), memory.ptr + offset_bytes, size_bytes)
 
-            def on_free():
-                _counters.release(ref_counter_handle, index)
+            def release():
+                _counters.release(counter_handle, index)
                 _opened.release(handle)
 
-            return storage_from_memory(memory.ptr + offset_bytes, size_bytes, memory.device,
-                                       on_free)
+            def on_free():
+                _received.forget(key, receipt)
+                if _deferred.after_queued_work(memory.device, release):
+                    _background.wake()
+
+            storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, memory.device,
+                                          on_free)
+            _received.add(key, receipt)
+            return storage
         except BaseException:
             _opened.release(handle)
             raise
     except BaseException:
-        _counters.release(ref_counter_handle, index)  # the producer must not wait for us forever
+        _counters.release(counter_handle, index)  # the producer must not wait for us forever
         raise
 
 
@@ -187,18 +146,34 @@ def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
 
 def release_ipc_counter_device(ref_counter_handle: bytes, ref_counter_offset: int,
                                device=None) -> None:
-    """Consumer: release a slot without opening the memory (the shared-cache hit path)."""
-    index = check_index(ref_counter_offset)
-    _counters.hold(ref_counter_handle)
-    _counters.release(ref_counter_handle, index)
+    """Consumer: give a send back without opening its memory (the shared-cache hit path)."""
+    _counters.release_unopened(ref_counter_handle, ref_counter_offset)
 
 
 def ipc_collect() -> int:
-    """Producer: free sent storages whose consumers have released them; returns how many."""
-    return _sent.collect()
+    """Producer: free sent memory whose consumers released it or died; consumer: run the
+    releases whose device work is done. Returns how many sends ended."""
+    _deferred.poll()
+    return _exports.collect()
+
+
+def revoke(storage) -> int:
+    """Producer: take back every send of this storage's memory that no consumer opened yet
+    (opening one later raises); returns how many. Sends already opened are not affected."""
+    return _exports.revoke(_untyped(storage))
+
+
+def set_unopened_deadline(seconds: float | None) -> None:
+    """Producer: revoke sends that no consumer opened within `seconds` (None: keep them until
+    revoked, as CUDA does). A message that sits in a queue nobody reads pins memory otherwise."""
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"the deadline is a positive number of seconds or None, got {seconds!r}")
+    _exports.deadline = seconds
+    _background.wake()
 
 
 def stats() -> dict:
-    """Counts for tests and diagnostics: what this process holds for IPC right now."""
-    return {"sent": len(_sent), "mapped": len(_opened),
-            "counter_files": _pool.open_files(), "mapped_counter_files": _counters.mapped_files()}
+    """What this process holds for IPC right now."""
+    return {**_exports.stats(), "mapped": len(_opened),
+            "mapped_counter_files": _counters.mapped_files(),
+            "pending_releases": len(_deferred)}

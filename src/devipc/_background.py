@@ -1,0 +1,46 @@
+"""One daemon thread per process that runs devipc's periodic work while there is some: the
+producer's collection (dead consumers, deadlines) and the consumer's releases that wait for
+device work. It exits when nothing is pending and is started again by `wake`.
+"""
+import os
+import threading
+from collections.abc import Callable
+
+INTERVAL = 0.2  # seconds between rounds while work is pending
+
+
+class Background:
+    def __init__(self, name: str, round_: Callable[[], bool]):
+        """`round_` does one round of work and says whether more is pending."""
+        self._name, self._round = name, round_
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._running = False
+        self._kicked = False
+        os.register_at_fork(after_in_child=self._forget_thread)
+
+    def wake(self) -> None:
+        """Make sure a thread runs rounds until nothing is pending."""
+        with self._lock:
+            self._kicked = True
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(INTERVAL):
+            try:
+                more = self._round()
+            except Exception:  # noqa: BLE001 - keep the thread alive; the next round retries
+                more = True
+            with self._lock:
+                if not more and not self._kicked:
+                    self._running = False
+                    return
+                self._kicked = False
+
+    def _forget_thread(self) -> None:
+        self._lock = threading.Lock()  # a forked child has no thread, and maybe a held lock
+        self._running = False
+        self._kicked = False
