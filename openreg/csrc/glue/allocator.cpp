@@ -25,12 +25,6 @@ orMemStats runtime_stats(c10::DeviceIndex device) {
   return stats;
 }
 
-int device_count() {
-  int count = 0;
-  OR_CHECK(orGetDeviceCount(&count));
-  return count;
-}
-
 struct OpenRegAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     int device = 0;

@@ -1,13 +1,7 @@
-// How torch sees openreg devices: the device guard (devices, streams, events), the PrivateUse1
-// hooks (availability, pointers, generators) and the few device functions torch.openreg calls
-// through torch.ops.devipc_openreg.
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/detail/PrivateUse1HooksInterface.h>
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/CachingDeviceAllocator.h>
+// The device guard: how torch sets devices, streams and events of openreg, and the device
+// helpers the other concerns share (common.h).
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/library.h>
 
 #include <array>
 #include <limits>
@@ -18,7 +12,6 @@
 #include "common.h"
 
 namespace devipc::openreg {
-namespace {
 
 using c10::Device;
 using c10::DeviceIndex;
@@ -43,6 +36,8 @@ DeviceIndex checked_index(int64_t index) {
               " devices are visible (see OPENREG_DEVICE_COUNT, OPENREG_VISIBLE_DEVICES)");
   return static_cast<DeviceIndex>(index);
 }
+
+namespace {
 
 // ---- streams ------------------------------------------------------------------------------------
 // A c10 StreamId is the runtime's stream id, so a torch.Stream names the same stream in every
@@ -203,142 +198,6 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl)
-
-// ---- generators ---------------------------------------------------------------------------------
-// Random ops run as CPU kernels (the fallback in ops.cpp), so an openreg generator is a CPU
-// generator bound to an openreg device; the fallback lends its state to the CPU kernel.
-struct Generator final : at::CPUGeneratorImpl {
-  explicit Generator(DeviceIndex device) {
-    device_ = Device(kDeviceType, device);
-    key_set_ = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
-  }
-};
-
-at::Generator new_generator(DeviceIndex device) {
-  return at::make_generator<Generator>(checked_index(device));
-}
-
-// Seeded non-deterministically at first use, like CUDA's; torch.manual_seed reseeds them all.
-at::Generator& default_generator(int64_t device) {
-  static std::vector<at::Generator> generators = [] {
-    std::vector<at::Generator> all;
-    for (DeviceIndex i = 0; i < device_count(); ++i) {
-      all.push_back(new_generator(i));
-      all.back().seed();
-    }
-    return all;
-  }();
-  return generators[checked_index(device)];
-}
-
-// ---- hooks --------------------------------------------------------------------------------------
-struct Hooks final : at::PrivateUse1HooksInterface {
-  bool isBuilt() const override {
-    return true;
-  }
-
-  bool isAvailable() const override {
-    return device_count() > 0;
-  }
-
-  // The runtime has no per-device context to create: a visible device is ready.
-  bool hasPrimaryContext(DeviceIndex device) const override {
-    return device >= 0 && device < device_count();
-  }
-
-  DeviceIndex deviceCount() const override {
-    return device_count();
-  }
-
-  DeviceIndex getCurrentDevice() const override {
-    return current_device();
-  }
-
-  void setCurrentDevice(DeviceIndex device) const override {
-    OR_CHECK(orSetDevice(checked_index(device)));
-  }
-
-  DeviceIndex exchangeDevice(DeviceIndex device) const override {
-    const DeviceIndex previous = current_device();
-    if (device != previous) setCurrentDevice(device);
-    return previous;
-  }
-
-  DeviceIndex maybeExchangeDevice(DeviceIndex device) const override {
-    return exchangeDevice(device);
-  }
-
-  Device getDeviceFromPtr(void* data) const override {
-    orPointerAttributes attributes{};
-    OR_CHECK(orPointerGetAttributes(&attributes, data));
-    TORCH_CHECK(attributes.type == orMemoryTypeDevice, "openreg: pointer ", data,
-                " is not openreg device memory");
-    return Device(kDeviceType, static_cast<DeviceIndex>(attributes.device));
-  }
-
-  // Non-blocking copies to the CPU ask for pinned memory. The runtime copies from and to any host
-  // memory (there is no DMA engine to pin it for), so ordinary CPU memory serves.
-  at::Allocator* getPinnedMemoryAllocator() const override {
-    return c10::GetCPUAllocator();
-  }
-
-  const at::Generator& getDefaultGenerator(DeviceIndex device) const override {
-    return default_generator(device);
-  }
-
-  at::Generator getNewGenerator(DeviceIndex device) const override {
-    return new_generator(device);
-  }
-
-  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
-    resize_storage_bytes(storage, nbytes);
-  }
-};
-
-const bool hooks_registered = [] {
-  at::RegisterPrivateUse1HooksInterface(new Hooks());  // lives as long as the process, like torch's
-  return true;
-}();
-
-// ---- device functions of torch.openreg ----------------------------------------------------------
-// Memory statistics go through the registered DeviceAllocator, so they are exactly torch's.
-std::vector<int64_t> memory_stats(int64_t device) {
-  const auto stats = c10::getDeviceAllocator(kDeviceType)->getDeviceStats(checked_index(device));
-  const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  return {stats.allocated_bytes[all].current, stats.allocated_bytes[all].peak,
-          stats.reserved_bytes[all].current,  stats.reserved_bytes[all].peak,
-          stats.allocation[all].allocated,     stats.allocation[all].freed,
-          stats.segment[all].current};
-}
-
-TORCH_LIBRARY(devipc_openreg, m) {
-  m.def("device_count() -> int", [] { return static_cast<int64_t>(device_count()); });
-  m.def("current_device() -> int", [] { return static_cast<int64_t>(current_device()); });
-  m.def("set_device(int device) -> ()",
-        [](int64_t device) { GuardImpl().setDevice(Device(kDeviceType, device)); });
-  m.def("synchronize(int device) -> ()",
-        [](int64_t device) { GuardImpl().synchronizeDevice(device); });
-  m.def("current_stream_id(int device) -> int", [](int64_t device) {
-    return static_cast<int64_t>(current_stream_ids[checked_index(device)]);
-  });
-  // Seeds travel as int64; torch.openreg converts them from and to torch's uint64 seeds.
-  m.def("manual_seed(int device, int seed) -> ()", [](int64_t device, int64_t seed) {
-    at::Generator& generator = default_generator(device);
-    const std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_current_seed(static_cast<uint64_t>(seed));
-  });
-  m.def("initial_seed(int device) -> int", [](int64_t device) {
-    return static_cast<int64_t>(default_generator(device).current_seed());
-  });
-  m.def("memory_stats(int device) -> int[]", &memory_stats);
-  m.def("reset_peak_memory_stats(int device) -> ()", [](int64_t device) {
-    c10::getDeviceAllocator(kDeviceType)->resetPeakStats(checked_index(device));
-  });
-  m.def("reset_accumulated_memory_stats(int device) -> ()", [](int64_t device) {
-    c10::getDeviceAllocator(kDeviceType)->resetAccumulatedStats(checked_index(device));
-  });
-  m.def("empty_cache() -> ()", [] { c10::getDeviceAllocator(kDeviceType)->emptyCache(); });
-}
 
 }  // namespace
 

@@ -1,0 +1,7 @@
+// Compile unit of openreg's ATen kernels (see device.cpp here for why units are unity builds).
+#include "../factories.cpp"
+#include "../copy.cpp"
+#include "../resize_locks.cpp"
+#include "../storage.cpp"
+#include "../fallback.cpp"
+#include "../registration.cpp"
