@@ -32,8 +32,9 @@ void grow_storage_for(const c10::Storage& storage, at::IntArrayRef size,
 
 void resize_storage_bytes(const c10::Storage& storage, size_t nbytes) {
   TORCH_CHECK(storage.resizable(),
-              "openreg: this storage cannot be resized (memory opened from another process or "
-              "borrowed from elsewhere); clone() the tensor first");
+              "openreg: this storage cannot be resized: its memory is shared with other processes "
+              "(sent through devipc, or received from another process) or borrowed from elsewhere; "
+              "clone() the tensor first");
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   const c10::DeviceGuard guard(storage.device());
   c10::DataPtr fresh = impl->allocator()->allocate(nbytes);
