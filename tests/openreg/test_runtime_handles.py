@@ -1,11 +1,21 @@
 """The openreg runtime's side of docs/ipc-handles.md: a zombie exporter is gone, only the exact
-memfd name is opened, a denied open names the rules. The core's side is in test_memfd.py.
+memfd name is opened, a denied open names the rules, a forged event handle is refused instead of
+waited on, a forged device field is an invalid handle. The core's side is in test_memfd.py.
 """
+import json
+import mmap
 import os
+import select
+import signal
 import struct
+import subprocess
+import sys
+import threading
+import time
 
+import _native as native
 import pytest
-from _support import run_python, zombie_child
+from _support import FRESH_TIMEOUT, fresh_env, run_python, zombie_child
 
 from devipc import InvalidHandleError, PeerGoneError
 from devipc_openreg import _runtime as rt
@@ -13,11 +23,13 @@ from devipc_openreg import _runtime as rt
 # HandleData: magic, version, kind, pid, fd, size, physical, slot, seq, token, 12 zero bytes.
 LAYOUT = "=IHHiiQiiI16s12x"
 MEMORY, EVENT = 1, 2
-PAGE_BYTES = 16384  # an event handle's page
+PAGE_BYTES = 32768  # an event handle's page: progress[4096], then reserved[4096], uint32 each
+SLOTS = 4096
+SLOT_AT = 28  # offset of slot (i32) and seq (u32) in a handle
 
 
 def test_the_layout_matches_a_real_handle():
-    p = rt.malloc(4096, 0)
+    p = native.malloc(4096, 0)
     try:
         handle, _ = rt.ipc_get_mem_handle(p)
         assert struct.calcsize(LAYOUT) == len(handle) == rt.IPC_HANDLE_SIZE
@@ -27,12 +39,13 @@ def test_the_layout_matches_a_real_handle():
             (b"ORIP", 1, MEMORY, os.getpid(), 0, -1)
         assert size % 4096 == 0
     finally:
-        rt.free(p)
+        native.free(p)
 
 
 PRODUCERS = {
-    "memory": "from devipc_openreg import _runtime as rt\n"
-              "print(rt.ipc_get_mem_handle(rt.malloc(4096, 0))[0].hex())",
+    "memory": "import _native as native\n"
+              "from devipc_openreg import _runtime as rt\n"
+              "print(rt.ipc_get_mem_handle(native.malloc(4096, 0))[0].hex())",
     "event": "from devipc_openreg import _runtime as rt\n"
              "print(rt.ipc_get_event_handle(rt.event_create(True, False)).hex())",
 }
@@ -41,7 +54,7 @@ PRODUCERS = {
 @pytest.mark.parametrize("kind", PRODUCERS)
 def test_handle_of_an_exited_but_unreaped_producer_says_peer_gone(kind):
     # A zombie still answers kill(pid, 0), but its fds are closed: it is gone.
-    with zombie_child(PRODUCERS[kind]) as (pid, out):
+    with zombie_child(PRODUCERS[kind], PYTHONPATH=native.PYTHONPATH) as (pid, out):
         handle = bytes.fromhex(out.split()[-1])
         assert struct.unpack(LAYOUT, handle)[3] == pid
         open_handle = rt.ipc_open_mem_handle if kind == "memory" else rt.ipc_open_event_handle
@@ -123,7 +136,7 @@ def test_the_exact_memfd_name_is_opened(kind):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a consumer as another user")
 def test_a_consumer_of_another_user_is_told_the_rules():
-    p = rt.malloc(4096, 0)
+    p = native.malloc(4096, 0)
     try:
         handle, _ = rt.ipc_get_mem_handle(p)
         out = run_python(f"""
@@ -140,4 +153,196 @@ except InvalidHandleError as error:
 """).stdout
         assert "permission denied" in out and "same user" in out and "dumpable" in out
     finally:
-        rt.free(p)
+        native.free(p)
+
+
+# ---- event pages: what a handle may name ------------------------------------------------------
+def slot_seq(handle):
+    return struct.unpack_from("=iI", handle, SLOT_AT)
+
+
+def with_slot_seq(handle, slot, seq):
+    forged = bytearray(handle)
+    struct.pack_into("=iI", forged, SLOT_AT, slot, seq)
+    return bytes(forged)
+
+
+def test_the_page_publishes_progress_and_reservations():
+    """The layout of docs/ipc-handles.md, read from this process's own page."""
+    stream = native.stream_create(0)
+    ev = rt.event_create(interprocess=True, timing=False)
+    try:
+        for _ in range(2):
+            rt.event_record(ev, stream)
+        native.stream_synchronize(stream)
+        handle = rt.ipc_get_event_handle(ev)
+        _, _, _, pid, fd, size, _, slot, seq, _ = struct.unpack(LAYOUT, handle)
+        assert (pid, size) == (os.getpid(), PAGE_BYTES) and 0 <= slot < SLOTS and seq >= 2
+        with open(f"/proc/self/fd/{fd}", "rb") as page, \
+                mmap.mmap(page.fileno(), PAGE_BYTES, prot=mmap.PROT_READ) as m:
+            progress, reserved = struct.unpack_from("=I", m, 4 * slot)[0], \
+                struct.unpack_from("=I", m, 4 * (SLOTS + slot))[0]
+        assert progress == reserved == seq
+    finally:
+        rt.event_destroy(ev)
+        native.stream_destroy(stream)
+
+
+# A fresh exporter: stream 1 (slot 0) records event A three times, stream 2 (slot 1) records B
+# once; then it stays alive, so a waiter on a record that never comes would wait until killed.
+EVENT_PRODUCER = """
+import json, time
+import _native as native
+from devipc_openreg import _runtime as rt
+s1, s2 = native.stream_create(0), native.stream_create(0)
+a, b = (rt.event_create(interprocess=True, timing=False) for _ in range(2))
+for _ in range(3):
+    rt.event_record(a, s1)
+rt.event_record(b, s2)
+native.device_synchronize(0)
+print(json.dumps([rt.ipc_get_event_handle(e).hex() for e in (a, b)]), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def exported_events():
+    """(handle of A, handle of B) of a live exporter running EVENT_PRODUCER."""
+    proc = subprocess.Popen([sys.executable, "-c", EVENT_PRODUCER],
+                            env=fresh_env(PYTHONPATH=native.PYTHONPATH),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], FRESH_TIMEOUT)
+        line = proc.stdout.readline() if ready else ""
+        assert line, f"the exporter printed no handles: {proc.poll()=}"
+        yield tuple(bytes.fromhex(h) for h in json.loads(line))
+    finally:
+        proc.send_signal(signal.SIGKILL)  # also releases any waiter a regression left behind
+        proc.wait(FRESH_TIMEOUT)
+
+
+def open_and_wait(handle, timeout=10):
+    """Opens an event handle, makes a stream wait on it and synchronizes that stream, in a thread:
+    returns what it raised (None if nothing) and the seconds it took; fails if it does not end
+    within `timeout` instead of hanging the suite."""
+    outcome = []
+
+    def run():
+        start = time.monotonic()
+        try:
+            event = rt.ipc_open_event_handle(handle)
+            stream = native.stream_create(0)
+            try:
+                rt.stream_wait_event(stream, event)
+                native.stream_synchronize(stream)
+            finally:
+                native.stream_destroy(stream)
+                rt.event_destroy(event)
+            outcome.append((None, time.monotonic() - start))
+        except Exception as error:  # returned, for the test to check
+            outcome.append((error, time.monotonic() - start))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"opening and waiting on the handle did not end within {timeout} s"
+    return outcome[0]
+
+
+def test_genuine_event_handles_are_waited_on(exported_events):
+    a, b = exported_events
+    assert slot_seq(a) == (0, 3) and slot_seq(b) == (1, 1)
+    earlier = with_slot_seq(a, 0, 2)  # a record that was made, before the latest
+    for handle in (a, b, earlier):
+        assert open_and_wait(handle)[0] is None
+
+
+@pytest.mark.parametrize("slot_of, seq_of, message", [
+    (lambda a, b: 0, lambda a, b: 4, "reserved only up to 3"),  # seq + 1
+    (lambda a, b: 0, lambda a, b: 1003, "reserved only up to 3"),  # seq + 1000
+    (lambda a, b: 2, lambda a, b: 3, "never handed out progress slot 2"),
+    (lambda a, b: SLOTS - 1, lambda a, b: 1, "never handed out"),
+    (lambda a, b: 1, lambda a, b: 3, "reserved only up to 1"),  # B's slot, A's seq
+    (lambda a, b: 0, lambda a, b: 0, "corrupted"),  # no record has seq 0
+    (lambda a, b: -1, lambda a, b: 3, "corrupted"),  # "never recorded" with a seq
+], ids=["seq+1", "seq+1000", "next free slot", "last slot", "another event's slot",
+        "seq 0", "no slot with a seq"])
+def test_forged_event_handles_are_refused_before_waiting(exported_events, slot_of, seq_of,
+                                                         message):
+    a, b = exported_events
+    forged = with_slot_seq(a, slot_of(a, b), seq_of(a, b))
+    error, seconds = open_and_wait(forged)
+    assert isinstance(error, InvalidHandleError), error
+    assert message in str(error)
+    assert seconds < 5
+
+
+# ---- memory handles: the device field ---------------------------------------------------------
+@pytest.mark.parametrize("physical", [-1, 2, 1000, 2**31 - 1])
+def test_a_forged_device_field_is_an_invalid_handle(physical):
+    # 2 and up are no device here (2 visible); the memfd's name says which device it really is.
+    p = native.malloc(4096, 0)
+    try:
+        handle = bytearray(rt.ipc_get_mem_handle(p)[0])
+        struct.pack_into("=i", handle, 24, physical)
+        with pytest.raises(InvalidHandleError):
+            rt.ipc_open_mem_handle(bytes(handle))
+    finally:
+        native.free(p)
+
+
+# ---- what may be passed as a handle -----------------------------------------------------------
+@pytest.mark.parametrize("handle", [[0] * 64, "x" * 64, None, 64, b"\0" * 63, bytearray(65),
+                                    memoryview(b"\0" * 63)],
+                         ids=["list", "str", "None", "int", "63 bytes", "65 bytes", "short view"])
+@pytest.mark.parametrize("open_handle", [rt.ipc_open_mem_handle, rt.ipc_open_event_handle],
+                         ids=["memory", "event"])
+def test_anything_but_handle_bytes_is_an_invalid_handle(open_handle, handle):
+    with pytest.raises(InvalidHandleError, match="is 64 bytes"):
+        open_handle(handle)
+
+
+@pytest.mark.parametrize("as_type", [bytearray, memoryview], ids=["bytearray", "memoryview"])
+def test_handles_open_from_bytearray_and_memoryview(as_type):
+    p = native.malloc(4096, 0)
+    ev = rt.event_create(interprocess=True, timing=False)
+    try:
+        base, size, device = rt.ipc_open_mem_handle(as_type(rt.ipc_get_mem_handle(p)[0]))
+        device_of_p, _, size_of_p, _ = native.pointer_attributes(p)
+        assert (size, device) == (size_of_p, device_of_p)
+        rt.ipc_close_mem_handle(base)
+        rt.event_destroy(rt.ipc_open_event_handle(as_type(rt.ipc_get_event_handle(ev))))
+    finally:
+        rt.event_destroy(ev)
+        native.free(p)
+
+
+# ---- fork -------------------------------------------------------------------------------------
+USE_AFTER_FORK = """
+import json, os, torch
+torch.ones(4, device="openreg")  # the parent uses the device
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(read)
+    try:
+        torch.ones(4, device="openreg")
+        outcome = ["no error", ""]
+    except BaseException as error:
+        outcome = [type(error).__name__, str(error)]
+    os.write(write, json.dumps(outcome).encode())
+    os._exit(0)
+os.close(write)
+with os.fdopen(read) as pipe:
+    outcome = pipe.read()
+os.waitpid(pid, 0)
+print(outcome)
+"""
+
+
+def test_a_forked_child_is_told_to_use_spawn():
+    error_type, message = json.loads(run_python(USE_AFTER_FORK).stdout.splitlines()[-1])
+    assert error_type != "OutOfMemoryError", message
+    assert error_type == "RuntimeError", message
+    assert "Cannot re-initialize openreg in forked subprocess. To use openreg with " \
+           "multiprocessing, you must use the 'spawn' start method" in message

@@ -31,6 +31,11 @@ struct OpenRegAllocator final : c10::DeviceAllocator {
     OR_CHECK(orGetDevice(&device));
     void* ptr = nullptr;
     const orError_t err = orMalloc(&ptr, nbytes);
+    // Only a real shortage is an OutOfMemoryError (callers catch it to free memory and retry);
+    // anything else, a forked child say, is a plain error with the runtime's message.
+    TORCH_CHECK(err == orSuccess || err == orErrorMemoryAllocation, "openreg: allocating ", nbytes,
+                " bytes on openreg:", device, " failed: ", orGetErrorString(err), " (",
+                orGetLastErrorMessage(), ")");
     if (err != orSuccess) {
       const orMemStats stats = runtime_stats(device);
       TORCH_CHECK_WITH(OutOfMemoryError, false, "openreg: allocating ", nbytes,

@@ -98,9 +98,11 @@ int currentDevice() { return current; }
 // queries and frees stay allowed, so inherited objects can still be torn down.
 orError_t checkNotForked(const char* call) {
   if (getpid() == table().owner) return orSuccess;
-  return fail(orErrorInvalidDevice,
-              "%s: openreg was first used in process %d and this process was forked from it "
-              "afterwards; a forked child cannot use openreg (start workers with 'spawn')",
+  // CUDA's wording, so users recognise the cause and the fix.
+  return fail(orErrorInitialization,
+              "%s: Cannot re-initialize openreg in forked subprocess. To use openreg with "
+              "multiprocessing, you must use the 'spawn' start method (openreg was first used in "
+              "process %d, which forked this one afterwards)",
               call, (int)table().owner);
 }
 

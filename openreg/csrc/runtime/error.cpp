@@ -31,6 +31,7 @@ const char* orGetErrorString(orError_t error) {
     case orErrorInvalidHandle: return "invalid IPC handle";
     case orErrorPeerGone: return "exporting process has exited";
     case orErrorOsCall: return "operating system call failed";
+    case orErrorInitialization: return "initialization error";
   }
   return "unknown error";
 }

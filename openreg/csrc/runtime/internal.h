@@ -29,7 +29,7 @@ int physicalIndex(int device);           // local -> physical
 int localIndex(int physical);            // physical -> local, -1 if not visible
 int currentDevice();
 orError_t checkDevice(int device, const char* call);  // orErrorInvalidDevice with a message
-orError_t checkNotForked(const char* call);  // orErrorInvalidDevice in a child forked after use
+orError_t checkNotForked(const char* call);  // orErrorInitialization in a child forked after use
 
 // ---- memory regions (region.cpp) ----------------------------------------------------------------
 // A region is a mapping that holds device memory: one of our segments or an imported IPC mapping.
@@ -61,9 +61,10 @@ orError_t createSharedFile(const char* call, const char* tag, size_t size, Share
 void tokenHex(const unsigned char* token, char out[2 * kTokenSize + 1]);
 
 // ---- interprocess progress (ipc_event.cpp) ------------------------------------------------------
-// One shared page per process with a uint32 counter per stream. A record of an interprocess event
-// stores the stream's next sequence number into the stream's slot when its marker runs; an
-// importer waits until the slot reaches that number.
+// One shared page per process with two uint32 counters per stream slot. A record of an interprocess
+// event reserves the slot's next sequence number (published at once) and stores it as the slot's
+// progress when its marker runs; an importer refuses a number never reserved, else waits until the
+// progress reaches it.
 struct ProgressMark {
   int slot = -1;  // -1: nothing to wait for
   uint32_t seq = 0;

@@ -102,8 +102,9 @@ orError_t decodeHandle(const unsigned char* bytes, HandleKind kind, const char* 
   return orSuccess;
 }
 
-// The open procedure of docs/ipc-handles.md; src/devipc/_memfd.py follows the same steps.
-orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
+// Steps 2-4 of the open procedure of docs/ipc-handles.md; src/devipc/_memfd.py follows the same
+// steps. On success *out is an fd of exactly the memfd the handle names, for the caller to close.
+orError_t openPeerFile(const HandleData& h, const char* call, int* out) {
   if (!processAlive(h.pid)) return peerGone(call, h.pid);
   char path[64];
   snprintf(path, sizeof(path), "/proc/%d/fd/%d", h.pid, h.fd);
@@ -156,6 +157,13 @@ orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
                 "size mismatch): the handle is forged or stale",
                 call, h.fd, h.pid);
   }
+  *out = fd;
+  return orSuccess;
+}
+
+orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
+  int fd;
+  if (orError_t err = openPeerFile(h, call, &fd)) return err;
   void* p = mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int e = errno;
   close(fd);
@@ -190,12 +198,21 @@ orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHan
   if (!base || !size || !device) return fail(orErrorInvalidValue, "%s: NULL argument", call);
   HandleData h;
   if (orError_t err = decodeHandle(handle.reserved, kMemHandle, call, &h)) return err;
+  if (h.physical < 0)
+    return fail(orErrorInvalidHandle, "%s: corrupted memory handle (physical device %d)", call,
+                h.physical);
   int local = localIndex(h.physical);
-  if (local < 0)
+  if (local < 0) {
+    // A hidden device and a forged device field look alike: the memfd's name, which carries the
+    // physical index, tells them apart (a forged one is an invalid handle, like any other forgery).
+    int fd;
+    if (orError_t err = openPeerFile(h, call, &fd)) return err;
+    close(fd);
     return fail(orErrorInvalidDevice,
                 "%s: the memory lives on physical device %d, which OPENREG_VISIBLE_DEVICES hides "
                 "in this process (or OPENREG_DEVICE_COUNT is smaller here)",
                 call, h.physical);
+  }
   std::string token((const char*)h.token, kTokenSize);
   std::lock_guard<std::mutex> lock(imports().mutex);
   auto it = imports().byToken.find(token);

@@ -1,7 +1,11 @@
 // Interprocess events. Each process owns one shared progress page (a memfd, like segments) holding
-// a uint32 counter per stream. Recording an interprocess event reserves the stream's next sequence
-// number; the marker stores it into the slot and wakes futex waiters. A handle carries
-// (page, slot, seq); an importer maps the page and waits until the slot reaches seq.
+// two uint32 arrays indexed by slot, one slot per stream: `progress`, the last sequence number whose
+// marker ran, and `reserved`, the last one handed to a record. Recording an interprocess event
+// reserves the stream's next sequence number (published in `reserved` at once); the marker stores
+// it into `progress` and wakes futex waiters. A handle carries (page, slot, seq); an importer maps
+// the page, refuses a seq the exporter never reserved in that slot, and waits until `progress`
+// reaches seq. So an accepted handle names a record that was really made: the wait ends when the
+// exporter's queued work does.
 //
 // A waiter never hangs on a dead exporter: it sleeps on the futex at most kPollMs at a time and
 // gives up once the exporter has exited (a record that can no longer complete counts as done).
@@ -25,8 +29,9 @@ namespace openreg {
 
 namespace {
 
-constexpr size_t kPageBytes = 16384;
-constexpr int kSlots = kPageBytes / sizeof(uint32_t);
+// Layout in docs/ipc-handles.md: progress[kSlots] at offset 0, reserved[kSlots] right after.
+constexpr int kSlots = 4096;
+constexpr size_t kPageBytes = 2 * kSlots * sizeof(uint32_t);
 constexpr long kPollMs = 50;
 
 // This process's page. Its fd stays open for the life of the process (importers reach it).
@@ -53,6 +58,7 @@ orError_t ensurePage(const char* call) {
 }
 
 uint32_t* slotAddress(void* base, int slot) { return (uint32_t*)base + slot; }
+uint32_t* reservedAddress(void* base, int slot) { return (uint32_t*)base + kSlots + slot; }
 
 // Wrap-safe: a counter that has passed `seq` by less than 2^31 counts as reached.
 bool reached(uint32_t value, uint32_t seq) { return (int32_t)(value - seq) >= 0; }
@@ -94,7 +100,12 @@ orError_t reserveProgressMark(orStream_t stream, ProgressMark* mark) {
     }
   }
   mark->slot = stream->progressSlot;
-  mark->seq = ++p.lastSeq[mark->slot];
+  // 0 stays "never handed out", even after 2^32 records on one slot.
+  if (++p.lastSeq[mark->slot] == 0) ++p.lastSeq[mark->slot];
+  mark->seq = p.lastSeq[mark->slot];
+  // Published before any handle can name it; lastSeq stays the truth, since importers map the
+  // page writable.
+  __atomic_store_n(reservedAddress(p.file.base, mark->slot), mark->seq, __ATOMIC_RELEASE);
   return orSuccess;
 }
 
@@ -179,9 +190,12 @@ orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle) {
   if (!event) return fail(orErrorInvalidValue, "%s: event is NULL", call);
   HandleData h;
   if (orError_t err = decodeHandle(handle.reserved, kEventHandle, call, &h)) return err;
-  if (h.size != kPageBytes || h.slot < -1 || h.slot >= kSlots)
-    return fail(orErrorInvalidHandle, "%s: corrupted event handle (page %llu bytes, slot %d)", call,
-                (unsigned long long)h.size, h.slot);
+  // A genuine record has seq >= 1; a never-recorded event has slot -1 and seq 0.
+  if (h.size != kPageBytes || h.slot < -1 || h.slot >= kSlots || (h.slot < 0) != (h.seq == 0))
+    return fail(orErrorInvalidHandle,
+                "%s: corrupted event handle (page %llu bytes, slot %d, seq %u; this runtime's "
+                "pages are %zu bytes)",
+                call, (unsigned long long)h.size, h.slot, h.seq, kPageBytes);
   std::shared_ptr<ImportedPage> page;
   {
     PageCache& cache = pageCache();
@@ -203,6 +217,20 @@ orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle) {
       page->handle.seq = 0;
       cache.byToken[token] = page;
     }
+  }
+  if (h.slot >= 0) {
+    // Checked before anything waits: a seq beyond what the exporter reserved (wrap-safe) would
+    // wait for a record that may never come, as long as the exporter lives.
+    uint32_t reserved = __atomic_load_n(reservedAddress(page->base, h.slot), __ATOMIC_ACQUIRE);
+    if (reserved == 0)
+      return fail(orErrorInvalidHandle,
+                  "%s: process %d never handed out progress slot %d: the event handle is forged",
+                  call, h.pid, h.slot);
+    if (!reached(reserved, h.seq))
+      return fail(orErrorInvalidHandle,
+                  "%s: the event handle names record %u of progress slot %d, but process %d has "
+                  "reserved only up to %u there: the handle is forged",
+                  call, h.seq, h.slot, h.pid, reserved);
   }
   orEvent_t e;
   if (orError_t err = orEventCreateWithFlags(&e, orEventInterprocess | orEventDisableTiming))

@@ -35,5 +35,7 @@ orError_t decodeHandle(const unsigned char* bytes, HandleKind kind, const char* 
 // orErrorInvalidHandle naming the rules) and be the memfd of exactly the handle's name and size
 // (else orErrorInvalidHandle). No fd stays open: the mapping keeps the memory.
 orError_t mapPeerFile(const HandleData& h, const char* call, void** base);
+// The checks of mapPeerFile without the mapping: *fd is the verified memfd, for the caller to close.
+orError_t openPeerFile(const HandleData& h, const char* call, int* fd);
 
 }  // namespace openreg

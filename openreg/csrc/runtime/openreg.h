@@ -21,6 +21,7 @@ typedef enum orError_t {
   orErrorInvalidHandle = 6,         // IPC handle forged, truncated or naming something else
   orErrorPeerGone = 7,              // the process that exported an IPC handle has exited
   orErrorOsCall = 8,                // an OS call failed; see orGetLastErrorMessage
+  orErrorInitialization = 9,        // used in a child forked after the parent used the runtime
 } orError_t;
 
 const char* orGetErrorString(orError_t error);
@@ -143,6 +144,7 @@ orError_t orIpcCloseMemHandle(void* base);  // unmaps at the last close
 // The handle captures the event's latest record (the event needs orEventInterprocess). An event
 // opened from it can be waited on (orStreamWaitEvent), queried and synchronized, then destroyed
 // with orEventDestroy. If the exporter dies before the record completes, waiters are released.
+// Opening refuses (orErrorInvalidHandle) a handle naming a record the exporter never made.
 orError_t orIpcGetEventHandle(orIpcEventHandle_t* handle, orEvent_t event);
 orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle);
 

@@ -4,7 +4,8 @@ this file) through ctypes, and the glue (`_C`) through its ops, `torch.ops.devip
 Only what the package uses is declared here; the tests declare the rest of the C API themselves
 (tests/openreg/_native.py). Pointers, streams and events are plain ints; IPC handles are `bytes`
 of IPC_HANDLE_SIZE. A failing runtime call raises: a bad handle InvalidHandleError, a vanished
-exporter PeerGoneError, anything else OpenRegError, each with the runtime's message.
+exporter PeerGoneError, anything else OpenRegError, each with the runtime's message. Handles may
+also come as bytearray or memoryview; anything else given as a handle is an InvalidHandleError.
 """
 import ctypes
 import importlib.util
@@ -91,9 +92,17 @@ def check(err, what):
 
 
 def _handle(data):
+    """The _Handle of `data`: bytes, bytearray or memoryview of IPC_HANDLE_SIZE bytes. Anything
+    else is an invalid handle, never a TypeError: handles arrive from other processes."""
+    if isinstance(data, memoryview):
+        try:
+            data = data.tobytes()  # any format or layout, as its bytes in order
+        except ValueError:  # released
+            raise InvalidHandleError("an openreg IPC handle cannot be a released memoryview") \
+                from None
     if not isinstance(data, (bytes, bytearray)) or len(data) != IPC_HANDLE_SIZE:
-        size = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
-        raise InvalidHandleError(f"an openreg IPC handle is {IPC_HANDLE_SIZE} bytes, got {size}")
+        got = f"{len(data)} bytes" if isinstance(data, (bytes, bytearray)) else type(data).__name__
+        raise InvalidHandleError(f"an openreg IPC handle is {IPC_HANDLE_SIZE} bytes, got {got}")
     h = _Handle()
     ctypes.memmove(h.reserved, bytes(data), IPC_HANDLE_SIZE)
     return h
