@@ -59,7 +59,8 @@ class BuildWithRuntime(BuildExtension):
         for ext in self.extensions:
             inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
             target = os.path.join(os.path.dirname(inplace_file), "libopenreg.so")
-            shutil.copy2(os.path.join(os.path.dirname(regular_file), "libopenreg.so"), target + ".tmp")
+            built = os.path.join(os.path.dirname(regular_file), "libopenreg.so")
+            shutil.copy2(built, target + ".tmp")
             os.replace(target + ".tmp", target)  # atomic, as in build_runtime
 
 

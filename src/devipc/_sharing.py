@@ -16,7 +16,7 @@ from ._errors import InvalidHandleError, ReshareError
 from ._exports import LIMBO_WARN_BLOCKS, Exports
 from ._hooks import hooks_for
 from ._memory import storage_from_memory
-from ._received import DeferredReleases, OpenedAllocations, ReceivedStorages, Receipt
+from ._received import DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
 __all__ = ["LIMBO_WARN_BLOCKS", "ipc_collect", "new_shared_device", "received_via_ipc",

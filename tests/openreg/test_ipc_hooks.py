@@ -1,12 +1,11 @@
 """openreg's six hooks, against the contract's semantics."""
+import _workers
 import pytest
 import torch
+from _support import TIMEOUT
 
 import devipc
-from _support import TIMEOUT
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
-
-import _workers
 
 
 def test_registered_and_supported():
