@@ -2,7 +2,7 @@
 import _workers
 import pytest
 import torch
-from _support import TIMEOUT
+from _support import TIMEOUT, wait_until
 
 import devipc
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
@@ -56,3 +56,38 @@ def test_device_is_matched_by_identity_not_by_index(children, monkeypatch):
     del tensor
     devipc.ipc_collect()
     torch.accelerator.empty_cache()
+
+
+@pytest.mark.parametrize("mode", ["sync", "events"])
+def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkeypatch, mode):
+    """The consumer's release waits for its own queued work: until then the producer must not
+    free (and hand out again) the memory that work still reads."""
+    from devipc import _sharing
+    from devipc._refcount import HELD, RELEASED
+    from devipc_openreg import _runtime
+
+    monkeypatch.setenv("OPENREG_IPC_EVENTS", "1" if mode == "events" else "0")
+    source = torch.ones(1 << 20, device="openreg")  # 4 MiB: a segment of its own
+    sent_ptr = source.data_ptr()
+    shared = devipc.share_device(source.untyped_storage())
+    received = torch.tensor([], device="openreg").set_(devipc.new_shared_device(*shared))
+    stream = torch.openreg.current_stream()
+    gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+    copy = received.clone()  # queued behind the gate
+    del received  # its storage dies while the clone still has to read it
+    counter = _sharing._counters._open(shared[4])
+    try:
+        assert devipc.stats()["pending_releases"] == 1
+        assert counter.state(shared[5]) == HELD
+        del source
+        devipc.ipc_collect()
+        fresh = torch.empty(1 << 20, device="openreg")
+        assert fresh.data_ptr() != sent_ptr, "freed while the consumer's copy was still queued"
+        gate.open()
+        torch.openreg.synchronize()
+        assert copy.sum().item() == 1 << 20
+        wait_until(lambda: devipc.ipc_collect() is not None
+                   and not devipc.stats()["pending_releases"], "the deferred release ran")
+        assert counter.state(shared[5]) == RELEASED
+    finally:
+        _sharing._counters._put(shared[4])
