@@ -134,3 +134,24 @@ def test_one_pickled_handle_rebuilt_twice_in_one_process_is_one_storage():
     assert tensor.sum().item() == 32
     del second, tensor
     _back_to(baseline, "memory back once both rebuilds are gone")
+
+
+def test_a_send_forwarded_between_two_sends_of_the_producer_is_tracked():
+    """The producer's next send must not hide a slot that a forwarder took just before it."""
+    from devipc._refcount import ConsumerCounters
+
+    baseline = _baseline()
+    tensor = torch.ones(1024, device="openreg")
+    first = devipc.share_device(tensor.untyped_storage())
+    forwarder, receiver = ConsumerCounters(), ConsumerCounters()  # opens of their own
+    forwarder.hold(first[4], first[5])
+    forwarded = forwarder.forward(first[4], first[5])
+    second = devipc.share_device(tensor.untyped_storage())
+    receiver.hold(first[4], forwarded)
+    forwarder.release(first[4], first[5])
+    devipc.release_ipc_counter_device(second[4], second[5])
+    del tensor
+    devipc.ipc_collect()
+    assert torch.accelerator.memory_allocated() >= baseline + 4096, "freed while still held"
+    receiver.release(first[4], forwarded)
+    _back_to(baseline, "memory back once the receiver of the forwarded send let go")

@@ -81,19 +81,21 @@ def test_a_consumer_can_take_a_slot_for_forwarding():
     counters.release_unopened(file.handle, forwarded)
 
 
-def test_a_full_file_is_closed_once_every_slot_has_ended():
+def test_a_full_file_is_closed_once_nothing_tracks_its_slots():
     pool = ProducerCounters()
     slots = [pool.allocate(export=1) for _ in range(SLOTS_PER_FILE + 1)]
     assert pool.open_files() == 2
-    assert len({file.handle for file, _ in slots[:SLOTS_PER_FILE]}) == 1
-    for file, index in slots[:SLOTS_PER_FILE - 1]:
-        file.counter.revoke(index)
+    full = slots[0][0]
+    assert {file for file, _ in slots[:SLOTS_PER_FILE]} == {full}
+    assert pool.new_slots() == []  # every slot of it is the producer's own
+    full.listed = 1  # an export still tracks a slot of it
     pool.close_finished()
-    assert pool.open_files() == 2  # one slot still SENT
-    file, index = slots[SLOTS_PER_FILE - 1]
-    file.counter.revoke(index)
+    assert pool.open_files() == 2
+    full.listed = 0
     pool.close_finished()
     assert pool.open_files() == 1  # the current file stays for the next sends
+    with pytest.raises(ValueError, match="closed"):
+        full.counter.state(0)  # never a read of unmapped memory
 
 
 @pytest.mark.parametrize("index", [-1, SLOTS_PER_FILE, "3", 1.0, True, None, [1]])

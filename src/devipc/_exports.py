@@ -8,10 +8,14 @@ DataPtr whose deleter keeps the owner alive. So whatever the producer does to it
 (resize_, set_, dropping it), the allocation lives until the storage stops pointing at it AND each
 slot sent for it is released, revoked, or held by a process that died.
 """
+import collections
 import itertools
+import logging
+import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +23,7 @@ from ._memory import storage_from_memory
 from ._refcount import HELD, RELEASED, REVOKED, SENT, ProducerCounters, ProducerFile
 
 LIMBO_WARN_BLOCKS = 1_000
+_log = logging.getLogger("devipc")
 
 
 class Export:
@@ -34,71 +39,100 @@ class Export:
 
 
 class Exports:
-    def __init__(self):
-        self._lock = threading.RLock()  # a storage's deleter may run while we hold it
+    def __init__(self, wake: Callable[[], None]):
+        """`wake` asks for a collection soon (the collector thread)."""
+        self._wake = wake
+        self._lock = threading.RLock()
         self._counters = ProducerCounters()
         self._ids = itertools.count(1)
-        self._by_id: dict[int, Export] = {}
+        self._by_id: dict[int, Export] = {}  # every export whose owner we keep
         self._by_key: dict[tuple, Export] = {}  # (device, ptr, nbytes) of aliased storages
+        self._active: dict[int, Export] = {}  # exports with slots
+        self._held = 0  # slots listed in `_active`
+        self._dropped: collections.deque[Export] = collections.deque()  # from deleters
         self._collect_at = 64  # amortizes collection over sends; grows with what is held
         self._warned = False
         self.deadline: float | None = None  # seconds an unopened send may wait
+        os.register_at_fork(after_in_child=self._forget_after_fork)
 
     def send(self, storage: torch.UntypedStorage) -> tuple[ProducerFile, int]:
         """A slot for one more send of `storage`'s memory."""
         key = (str(storage.device), storage.data_ptr(), storage.nbytes())
         with self._lock:
+            self._apply_dropped()
             export = self._by_key.get(key)
             if export is None:
                 export = self._adopt(storage, key)
             file, index = self._counters.allocate(export.id)
-            export.slots.append((file, index, time.monotonic()))
-            crowded = self.held_slots() >= self._collect_at
+            self._list(export, file, index, time.monotonic())
+            crowded = self._held >= self._collect_at
         if crowded:
             self.collect()
         return file, index
 
     def _adopt(self, storage: torch.UntypedStorage, key: tuple) -> Export:
         export = Export(next(self._ids), key)
+        # The deleter runs wherever the storage dies, the garbage collector included: it only
+        # queues the export, and a collection takes it from there.
         alias = storage_from_memory(storage.data_ptr(), storage.nbytes(), storage.device,
-                                    lambda: self._alias_dropped(export))
+                                    lambda: (self._dropped.append(export), self._wake()))
         storage._swap_data_ptr_(alias)  # the alias now owns the allocation, `storage` aliases it
         export.owner = alias
         self._by_id[export.id] = export
         self._by_key[key] = export
         return export
 
-    def _alias_dropped(self, export: Export) -> None:
-        with self._lock:
+    def _list(self, export: Export, file: ProducerFile, index: int, sent_at: float) -> None:
+        export.slots.append((file, index, sent_at))
+        file.listed += 1
+        self._held += 1
+        self._active[export.id] = export
+
+    def _apply_dropped(self) -> None:
+        """Producer storages that stopped pointing at their exports (call with the lock)."""
+        while self._dropped:
+            export = self._dropped.popleft()
             export.aliased = False
             if self._by_key.get(export.key) is export:
                 del self._by_key[export.key]
-            if not export.slots:
-                self._by_id.pop(export.id, None)
 
     def collect(self) -> int:
         """Let go of what consumers released or cannot use any more; returns how many sends."""
         now = time.monotonic()
-        finished, ended = [], 0
+        ended, finished = 0, []
         with self._lock:
-            for file, index, export_id in self._counters.new_slots():  # forwarded sends
+            self._apply_dropped()
+            for export in list(self._active.values()):
+                live = [slot for slot in export.slots if self._still_needed(*slot, now)]
+                for file, _, _ in export.slots:
+                    file.listed -= 1
+                for file, _, _ in live:
+                    file.listed += 1
+                ended += len(export.slots) - len(live)
+                self._held -= len(export.slots) - len(live)
+                export.slots = live
+                if not live:
+                    del self._active[export.id]
+            # Forwarded sends, read after the states above: a forwarder takes its new slot
+            # before it releases its own, so an export seen released here is seen again.
+            for file, index, export_id in self._counters.new_slots():
                 export = self._by_id.get(export_id)
                 if export is not None:
-                    export.slots.append((file, index, now))
+                    self._list(export, file, index, now)
+                else:
+                    _log.warning("devipc: a forwarded send names export %d, which is gone; its "
+                                 "slot %d is ignored", export_id, index)
             for export in list(self._by_id.values()):
-                live = [s for s in export.slots if self._still_needed(*s, now)]
-                ended += len(export.slots) - len(live)
-                export.slots = live
-                if not live and not export.aliased:
+                if not export.slots and not export.aliased:
                     del self._by_id[export.id]
                     finished.append(export)
-            held = self.held_slots()
+            self._counters.close_finished()
+            held = self._held
             self._collect_at = max(64, 2 * held)
             warn = held > LIMBO_WARN_BLOCKS and not self._warned
             self._warned = held > LIMBO_WARN_BLOCKS
         for export in finished:
             export.owner = None  # frees the allocation, outside the lock
-        self._counters.close_finished()
         if warn:
             warnings.warn(f"devipc: {held} sends are still held by consumers; their memory stays "
                           f"allocated until the consumers drop the tensors they received",
@@ -121,22 +155,25 @@ class Exports:
         with self._lock:
             export = self._by_key.get(key)
             slots = [] if export is None else list(export.slots)
-        revoked = sum(file.counter.state(index) == SENT and file.counter.revoke(index)
-                      for file, index, _ in slots)
+            revoked = sum(file.counter.state(index) == SENT and file.counter.revoke(index)
+                          for file, index, _ in slots)
         if revoked:
             self.collect()
         return revoked
 
-    def held_slots(self) -> int:
-        with self._lock:
-            return sum(len(export.slots) for export in self._by_id.values())
-
     def pending(self) -> bool:
         """Whether a later collection may still free something."""
-        with self._lock:
-            return any(export.slots for export in self._by_id.values())
+        return bool(self._active) or bool(self._dropped)
 
     def stats(self) -> dict:
         with self._lock:
-            return {"exports": len(self._by_id), "sent": self.held_slots(),
+            return {"exports": len(self._by_id), "sent": self._held,
                     "counter_files": self._counters.open_files()}
+
+    def _forget_after_fork(self) -> None:
+        """A forked child sent nothing: its parent's exports and files are not its own."""
+        self._lock = threading.RLock()
+        self._counters.forget_after_fork()
+        self._by_id, self._by_key, self._active = {}, {}, {}
+        self._held = 0
+        self._dropped = collections.deque()

@@ -44,6 +44,8 @@ class MappedFile:
 
     def int64(self, index: int) -> ctypes.c_int64:
         """The aligned int64 at `index`: loads and stores of it are single instructions."""
+        if not self.address:
+            raise ValueError("the mapping is closed")  # never a read near address 0
         return ctypes.c_int64.from_address(self.address + 8 * index)
 
     def bytes(self, start: int, end: int) -> bytes:

@@ -6,7 +6,6 @@ torch maps DLPack's kDLExtDev to PrivateUse1 and kDLOneAPI to XPU.
 """
 import ctypes
 import logging
-import threading
 from collections.abc import Callable
 
 import torch
@@ -55,17 +54,17 @@ _new_capsule = ctypes.pythonapi.PyCapsule_New
 _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# address of a live _DLManagedTensor -> (the struct, its shape array, on_free)
+# address of a live _DLManagedTensor -> (the struct, its shape array, on_free). No lock: a single
+# dict store or pop is atomic under the GIL, and a lock here could be re-entered by a deleter that
+# the garbage collector runs inside it.
 _live: dict[int, tuple] = {}
-_live_lock = threading.Lock()
 
 
 @_Deleter
 def _on_storage_freed(managed):
     # Runs when the storage dies, possibly at interpreter shutdown: never raise from here.
     try:
-        with _live_lock:
-            entry = _live.pop(ctypes.addressof(managed.contents), None)
+        entry = _live.pop(ctypes.addressof(managed.contents), None)
         if entry is not None:
             entry[2]()
     except Exception:  # noqa: BLE001 - a finalizer must not raise
@@ -87,7 +86,8 @@ def _dlpack_device_type(device: torch.device) -> int:
 
 def storage_from_memory(ptr: int, nbytes: int, device: torch.device,
                         on_free: Callable[[], None]) -> torch.UntypedStorage:
-    """A non-resizable storage of `nbytes` at `ptr` on `device`; `on_free()` runs when it dies."""
+    """A non-resizable storage of `nbytes` at `ptr` on `device`; `on_free()` runs when it dies,
+    in whatever thread drops it, possibly inside the garbage collector: it must take no lock."""
     shape = (ctypes.c_int64 * 1)(nbytes)
     managed = _DLManagedTensor()
     managed.dl_tensor.data = ptr
@@ -97,12 +97,10 @@ def storage_from_memory(ptr: int, nbytes: int, device: torch.device,
     managed.dl_tensor.shape = shape
     managed.deleter = _on_storage_freed
     address = ctypes.addressof(managed)
-    with _live_lock:
-        _live[address] = (managed, shape, on_free)
+    _live[address] = (managed, shape, on_free)
     try:
         capsule = _new_capsule(address, b"dltensor", None)
         return torch.utils.dlpack.from_dlpack(capsule).untyped_storage()
     except BaseException:
-        with _live_lock:
-            _live.pop(address, None)
+        _live.pop(address, None)
         raise

@@ -1,6 +1,7 @@
 """Consumer: the producers' allocations this process opened, the storages it made of them, and
 releases that wait for the device work this process queued on them.
 """
+import collections
 import threading
 from dataclasses import dataclass
 
@@ -87,45 +88,53 @@ class ReceivedStorages:
 
 
 class DeferredReleases:
-    """Releases that run once the device work queued before them is done, so the producer never
-    frees memory this process's streams still read or write (torch's CUDA consumer synchronizes
-    its stream instead; this does not block the thread that dropped the storage)."""
+    """Releases of received storages, in two steps. The storage's deleter (`add`, which runs
+    wherever the storage dies, the garbage collector included, so it takes no lock) notes what
+    the dropping thread's current stream has queued; `poll` (a collector round or the next devipc
+    call) runs each release once that work is done. So the producer never frees memory this
+    process still reads or writes, and no thread blocks for it (torch's CUDA consumer
+    synchronizes its stream in the deleter instead)."""
+
+    _SYNCHRONIZE = object()  # the stream could not be asked: wait for the device
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._pending: list[tuple[torch.Event, object]] = []
+        self._added: collections.deque = collections.deque()  # appended by deleters
+        self._waiting: list = []  # (event, device, release), work not done yet
 
-    def after_queued_work(self, device: torch.device, release) -> bool:
-        """Run `release` now if the current stream of `device` is idle, else later; returns
-        whether it is still pending."""
+    def add(self, device: torch.device, release) -> None:
+        event = None
         try:
             stream = torch.get_device_module(device).current_stream(device)
-            done = stream.query()  # nothing queued: no event needed
-            if not done:
+            if not stream.query():
                 event = torch.Event(device=device)
                 event.record(stream)
-                done = event.query()
-        except Exception:  # e.g. at interpreter shutdown: wait for the device instead
-            torch.accelerator.synchronize(device)
-            done = True
-        if done:
-            release()
-            return False
-        with self._lock:
-            self._pending.append((event, release))
-        return True
+        except Exception:  # e.g. at interpreter shutdown
+            event = self._SYNCHRONIZE
+        self._added.append((event, device, release))
 
     def poll(self) -> bool:
-        """Run the releases whose work is done; returns whether some are still pending."""
+        """Run the releases whose work is done; returns whether some are still waiting."""
         with self._lock:
+            while self._added:
+                self._waiting.append(self._added.popleft())
             ready, waiting = [], []
-            for entry in self._pending:
-                (ready if entry[0].query() else waiting).append(entry)
-            self._pending = waiting
-        for _event, release in ready:
+            for entry in self._waiting:
+                (ready if self._done(*entry[:2]) else waiting).append(entry)
+            self._waiting = waiting
+        for _event, _device, release in ready:
             release()
-        return bool(waiting)
+        return bool(waiting) or bool(self._added)
+
+    def _done(self, event, device) -> bool:
+        if event is self._SYNCHRONIZE:
+            torch.accelerator.synchronize(device)
+            return True
+        return event is None or event.query()
+
+    def forget_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._added, self._waiting = collections.deque(), []
 
     def __len__(self):
-        with self._lock:
-            return len(self._pending)
+        return len(self._waiting) + len(self._added)

@@ -142,12 +142,14 @@ class CounterFile:
 class ProducerFile:
     """A counter file this process owns, and what it knows of the slots in it."""
 
-    __slots__ = ("shared", "counter", "seen")
+    __slots__ = ("shared", "counter", "seen", "own", "listed")
 
     def __init__(self):
         self.shared = SharedFile(_MAGIC, FILE_BYTES)
         self.counter = CounterFile(self.shared.buffer, self.shared.fd)
-        self.seen = 0  # slots below this index are known to the producer
+        self.seen = 0  # slots below this index have been looked at by `new_slots`
+        self.own: set[int] = set()  # slots at or above `seen` that this process took itself
+        self.listed = 0  # slots of this file an export still tracks (kept by the caller)
 
     @property
     def handle(self) -> bytes:
@@ -170,33 +172,43 @@ class ProducerCounters:
                 file = self._current = ProducerFile()
                 self._files[file.handle] = file
                 index = file.counter.take(export)
-            file.seen = max(file.seen, index + 1)
+            file.own.add(index)
             return file, index
 
     def new_slots(self) -> list[tuple[ProducerFile, int, int]]:
-        """(file, index, export) of slots others took in our files since the last call."""
+        """(file, index, export) of slots others (forwarders) took in our files since the last
+        call. Read the cursor after the states of the slots it is compared with: a forwarder
+        takes its new slot before it lets go of its own."""
         found = []
         with self._lock:
             for file in self._files.values():
                 cursor = min(file.counter.cursor(), SLOTS_PER_FILE)
-                found += [(file, i, file.counter.export(i)) for i in range(file.seen, cursor)]
+                for index in range(file.seen, cursor):
+                    if index in file.own:
+                        file.own.discard(index)
+                    else:
+                        found.append((file, index, file.counter.export(index)))
                 file.seen = max(file.seen, cursor)
         return found
 
     def close_finished(self) -> None:
-        """Close full files all of whose slots are released or revoked."""
+        """Close full files that no export tracks a slot of any more; every slot in them was
+        seen, and each ended or was not ours to track."""
         with self._lock:
             for handle, file in list(self._files.items()):
-                if file is self._current or file.seen < SLOTS_PER_FILE:
-                    continue
-                if all(file.counter.state(i) in (RELEASED, REVOKED)
-                       for i in range(SLOTS_PER_FILE)):
+                if file is not self._current and file.seen >= SLOTS_PER_FILE \
+                        and file.listed == 0:
                     del self._files[handle]
                     file.shared.close()
 
     def open_files(self) -> int:
         with self._lock:
             return len(self._files)
+
+    def forget_after_fork(self) -> None:
+        """A forked child owns none of its parent's files (the fds stay for the parent)."""
+        self._lock = threading.Lock()
+        self._current, self._files = None, {}
 
 
 class ConsumerCounters:
@@ -299,6 +311,14 @@ class ConsumerCounters:
     def mapped_files(self) -> int:
         with self._lock:
             return len(self._held) + len(self._idle)
+
+    def forget_after_fork(self) -> None:
+        """A forked child holds none of its parent's slots. Closing its copies of the fds keeps
+        the parent's locks (they belong to the open file description the parent still has)."""
+        for entry in [*self._held.values(), *([f] for f in self._idle.values())]:
+            entry[0].mapping.close()
+        self._lock = threading.Lock()
+        self._held, self._idle, self._mine = {}, {}, set()
 
 
 def check_slot(handle, index) -> tuple[bytes, int]:

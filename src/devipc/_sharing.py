@@ -9,6 +9,8 @@ releases the slot — after the device work queued on it — and, with the last 
 allocation, the mapping (`_received`). A received storage sent on takes a new slot in the
 original producer's file, so the memory outlives the forwarder.
 """
+import os
+
 import torch
 
 from ._background import Background
@@ -23,7 +25,7 @@ __all__ = ["LIMBO_WARN_BLOCKS", "ipc_collect", "new_shared_device", "received_vi
            "release_ipc_counter_device", "revoke", "set_unopened_deadline", "share_device",
            "stats"]
 
-_exports = Exports()
+_exports = Exports(wake=lambda: _background.wake())
 _counters = ConsumerCounters()
 _opened = OpenedAllocations()
 _received = ReceivedStorages()
@@ -31,12 +33,21 @@ _deferred = DeferredReleases()
 
 
 def _background_round() -> bool:
-    _exports.collect()
     more = _deferred.poll()
+    _exports.collect()
     return more or _exports.pending()
 
 
 _background = Background("devipc-collector", _background_round)
+
+
+def _forget_after_fork() -> None:
+    """A forked child holds none of its parent's slots or mappings (see `_refcount`)."""
+    _counters.forget_after_fork()
+    _deferred.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _untyped(storage) -> torch.UntypedStorage:
@@ -64,6 +75,7 @@ def share_device(storage: torch.UntypedStorage) -> tuple:
     storage = _untyped(storage)
     device = storage.device
     hooks = hooks_for(device)
+    _deferred.poll()
     if storage.nbytes() == 0:
         return (device, None, 0, 0, None, 0, b"", False)
     receipt = _received.get(storage)
@@ -105,6 +117,7 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
         raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
                                  f"size {size_bytes!r}, offset {offset_bytes!r}")
     counter_handle, index = check_slot(ref_counter_handle, ref_counter_offset)
+    _deferred.poll()
     _counters.hold(counter_handle, index)
     try:
         memory = _opened.acquire(hooks, handle)
@@ -118,13 +131,13 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
             key = (str(memory.device), memory.ptr + offset_bytes, size_bytes)
 
             def release():
+                _received.forget(key, receipt)
                 _counters.release(counter_handle, index)
                 _opened.release(handle)
 
-            def on_free():
-                _received.forget(key, receipt)
-                if _deferred.after_queued_work(memory.device, release):
-                    _background.wake()
+            def on_free():  # a deleter: no lock here (see DeferredReleases)
+                _deferred.add(memory.device, release)
+                _background.wake()
 
             storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, memory.device,
                                           on_free)
