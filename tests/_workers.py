@@ -209,3 +209,69 @@ def rebuild_pickled(payload, inbox, outbox):
     del tensor
     settle()
     outbox.put("dropped")
+
+
+# -- typed handles and buckets ---------------------------------------------------------------------
+def open_and_write(inbox, outbox, device):
+    """Opens a handle's bytes (on `device`, None: its own), reports, adds 1, reports again when
+    the producer filled it, then drops it when told to exit."""
+    tensor = devipc.open(inbox.get(timeout=TIMEOUT), device=device)
+    outbox.put((str(tensor.device), tensor.cpu().tolist()))
+    tensor.add_(1)
+    torch.accelerator.synchronize()
+    outbox.put("added")
+    assert inbox.get(timeout=TIMEOUT) == "filled"
+    outbox.put(tensor.cpu().tolist())
+    assert inbox.get(timeout=TIMEOUT) == "exit"
+    del tensor
+    settle()
+
+
+def try_open(data, outbox):
+    """Opens a handle's bytes once; reports its values or the refusal."""
+    try:
+        tensor = devipc.open(data)
+    except devipc.InvalidHandleError as error:
+        outbox.put(("refused", str(error)))
+        return
+    outbox.put(("opened", tensor.cpu().tolist()))
+    del tensor
+    settle()
+
+
+def rebuild_on(payload, index, outbox):
+    """Rebuilds a pickled reduce_tensor result, with args[6] replaced by `index` unless None
+    (what frameworks do with CUDA tensors); reports the device and the values."""
+    rebuild, args = pickle.loads(payload)
+    args = list(args)
+    if index is not None:
+        args[6] = index
+    try:
+        tensor = rebuild(*args)
+    except devipc.DevIpcError as error:
+        outbox.put(("refused", type(error).__name__, str(error)))
+        return
+    outbox.put(("opened", str(tensor.device), tensor.cpu().tolist()))
+    del tensor
+    settle()
+
+
+def _bucket_report(tensors):
+    return {name: (t.dtype, tuple(t.shape), str(t.device), t.cpu().tolist())
+            for name, t in tensors.items()}
+
+
+def open_bucket_and_write(inbox, outbox):
+    """Opens a pickled bucket Handle, reports it, writes into "w", reports again once the
+    producer wrote, then drops it when told to exit."""
+    tensors = devipc.open_tensors(inbox.get(timeout=TIMEOUT))
+    same_mapping = len({t.untyped_storage().data_ptr() for t in tensors.values()}) == 1
+    outbox.put((_bucket_report(tensors), same_mapping))
+    tensors["w"].fill_(5)
+    torch.accelerator.synchronize()
+    outbox.put("written")
+    assert inbox.get(timeout=TIMEOUT) == "filled"
+    outbox.put(_bucket_report(tensors))
+    assert inbox.get(timeout=TIMEOUT) == "exit"
+    del tensors
+    settle()

@@ -26,6 +26,14 @@ def test_defaults_say_no_ipc():
         hooks.open_ipc_mem_handle(b"")
 
 
+def test_optional_hooks_default_to_the_safe_answer():
+    hooks = devipc.IpcHooks()
+    memory = devipc.OpenedMemory(0, 64, torch.device("openreg", 0), lambda: None)
+    assert hooks.can_map_on(memory, torch.device("openreg", 0))
+    assert not hooks.can_map_on(memory, torch.device("openreg", 1))
+    assert hooks.device_identity(torch.device("openreg", 0)) == b""
+
+
 def test_unregistered_devices_do_not_support_ipc():
     assert devipc.device_supports_ipc("no_such_device") is False
     assert devipc.device_supports_ipc("cuda") is False

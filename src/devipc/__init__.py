@@ -23,6 +23,9 @@ from ._hooks import (
     register_ipc_hooks,
     unregister_ipc_hooks,
 )
+
+# isort: split
+from ._handles import Handle, open, open_tensors, share, share_tensors
 from ._reductions import install, installed, rebuild_device_tensor, uninstall
 from ._sharing import (
     ipc_collect,
@@ -37,6 +40,7 @@ from ._sharing import (
 
 __all__ = [
     "DevIpcError",
+    "Handle",
     "InvalidHandleError",
     "IpcHooks",
     "OpenedMemory",
@@ -49,13 +53,17 @@ __all__ = [
     "installed",
     "ipc_collect",
     "new_shared_device",
+    "open",
+    "open_tensors",
     "rebuild_device_tensor",
     "received_via_ipc",
     "register_ipc_hooks",
     "release_ipc_counter_device",
     "revoke",
     "set_unopened_deadline",
+    "share",
     "share_device",
+    "share_tensors",
     "stats",
     "uninstall",
     "unregister_ipc_hooks",

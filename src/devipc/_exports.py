@@ -161,6 +161,16 @@ class Exports:
             self.collect()
         return revoked
 
+    def revoke_slot(self, counter_handle: bytes, index: int) -> bool:
+        """Take back one unopened send, named by its counter file and slot; whether it was.
+        Only the producer that owns the file can: elsewhere (or for an opened send) False."""
+        file = self._counters.file(counter_handle)
+        revoked = file is not None and file.counter.state(index) == SENT \
+            and file.counter.revoke(index)
+        if revoked:
+            self.collect()
+        return revoked
+
     def pending(self) -> bool:
         """Whether a later collection may still free something."""
         return bool(self._active) or bool(self._dropped)

@@ -66,6 +66,18 @@ class IpcHooks:
         """The later upstream spelling of `ipc_event_handle_size() > 0`; override either."""
         return self.ipc_event_handle_size() > 0
 
+    # Optional, beyond the RFC's six: the defaults are safe for any device.
+
+    def can_map_on(self, memory: OpenedMemory, device: torch.device) -> bool:
+        """Whether a consumer may use opened `memory` as memory of local `device`, when a caller
+        asks for a device (devipc.open(..., device=), or args[6] of reduce_tensor overwritten).
+        Default: only the device that owns it."""
+        return device == memory.device
+
+    def device_identity(self, device: torch.device) -> bytes:
+        """Stable identity of `device` (a UUID), the same in every process; b"": none."""
+        return b""
+
 
 _lock = threading.Lock()
 _registry: dict[str, IpcHooks] = {}

@@ -16,9 +16,11 @@ from ._hooks import device_supports_ipc, on_register, torch_shares, unsupported_
 from ._sharing import (
     new_shared_device,
     release_ipc_counter_device,
+    requested_device,
     share_device,
     wait_for_producer,
 )
+from ._wire import wrap_storage_handle
 
 _lock = threading.Lock()
 _saved: dict[str, object] = {}  # torch's own functions while installed
@@ -26,14 +28,17 @@ _saved: dict[str, object] = {}  # torch's own functions while installed
 
 def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handle,
                      ref_counter_offset, event_handle, event_sync_required):
-    """The shared-cache lookup of rebuild_cuda_tensor, keyed by (handle, offset in bytes)."""
-    if handle is None or size_bytes == 0:
-        return torch.UntypedStorage(0, device=device)
-    key = (handle, offset_bytes)
+    """The shared-cache lookup of rebuild_cuda_tensor, keyed by (the hooks' handle, offset in
+    bytes), wrapped or not; plus the device asked for, when the caller overwrote args[6]."""
+    handle, origin, target = requested_device(device, handle)
+    if not handle or size_bytes == 0:
+        return torch.UntypedStorage(0, device=target or origin)
+    key = (handle, offset_bytes) if target is None else (handle, offset_bytes, str(target))
     storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
-        storage = new_shared_device(device, handle, size_bytes, offset_bytes, ref_counter_handle,
-                                    ref_counter_offset, event_handle, event_sync_required)
+        storage = new_shared_device(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
+                                    ref_counter_offset, event_handle, event_sync_required,
+                                    target=target)
         shared_cache[key] = StorageWeakRef(storage)
         return storage
     # Already mapped here: the producer only needs this send's slot back. Unlike CUDA, still
@@ -48,7 +53,9 @@ def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset,
                           dtype, storage_device, storage_handle, storage_size_bytes,
                           storage_offset_bytes, requires_grad, ref_counter_handle,
                           ref_counter_offset, event_handle, event_sync_required):
-    """Same 15 positional arguments as torch's rebuild_cuda_tensor (device at index 6)."""
+    """Same 15 positional arguments as torch's rebuild_cuda_tensor. The device at index 6, left
+    as the producer wrote it, means the local device that owns the memory (found by identity);
+    overwritten (an index, as for CUDA), it means that device, where the hooks can map it."""
     storage = _receive_storage(storage_device, storage_handle, storage_size_bytes,
                                storage_offset_bytes, ref_counter_handle, ref_counter_offset,
                                event_handle, event_sync_required)
@@ -80,9 +87,11 @@ def reduce_tensor(tensor):
     storage = tensor.untyped_storage()
     (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
      event_handle, event_sync_required) = share_device(storage)
+    # args[7] carries the device written into args[6]: an overwritten args[6] shows.
+    wrapped = wrap_storage_handle(device, handle or b"")
     return (rebuild_device_tensor, (
         type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(), type(storage),
-        tensor.dtype, device, handle, size_bytes, offset_bytes, tensor.requires_grad,
+        tensor.dtype, device, wrapped, size_bytes, offset_bytes, tensor.requires_grad,
         ref_counter_handle, ref_counter_offset, event_handle, event_sync_required))
 
 

@@ -175,6 +175,11 @@ class ProducerCounters:
             file.own.add(index)
             return file, index
 
+    def file(self, handle: bytes) -> ProducerFile | None:
+        """One of our files, by handle; None for another process's."""
+        with self._lock:
+            return self._files.get(handle)
+
     def new_slots(self) -> list[tuple[ProducerFile, int, int]]:
         """(file, index, export) of slots others (forwarders) took in our files since the last
         call. Read the cursor after the states of the slots it is compared with: a forwarder

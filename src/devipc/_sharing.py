@@ -9,27 +9,30 @@ releases the slot — after the device work queued on it — and, with the last 
 allocation, the mapping (`_received`). A received storage sent on takes a new slot in the
 original producer's file, so the memory outlives the forwarder.
 """
+import collections
 import os
 
 import torch
 
+from . import _wire
 from ._background import Background
-from ._errors import InvalidHandleError, ReshareError
+from ._errors import InvalidHandleError, ReshareError, UnsupportedDeviceError
 from ._exports import LIMBO_WARN_BLOCKS, Exports
 from ._hooks import hooks_for
 from ._memory import storage_from_memory
 from ._received import DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
-__all__ = ["LIMBO_WARN_BLOCKS", "ipc_collect", "new_shared_device", "received_via_ipc",
-           "release_ipc_counter_device", "revoke", "set_unopened_deadline", "share_device",
-           "stats"]
+__all__ = ["LIMBO_WARN_BLOCKS", "ipc_collect", "local_device", "new_shared_device",
+           "received_via_ipc", "release_ipc_counter_device", "requested_device", "revoke",
+           "revoke_send", "set_unopened_deadline", "share_device", "stats"]
 
 _exports = Exports(wake=lambda: _background.wake())
 _counters = ConsumerCounters()
 _opened = OpenedAllocations()
 _received = ReceivedStorages()
 _deferred = DeferredReleases()
+counts: collections.Counter = collections.Counter()  # what other layers shared, for stats()
 
 
 def _background_round() -> bool:
@@ -108,10 +111,14 @@ def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> tuple:
 
 def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
                       ref_counter_handle: bytes, ref_counter_offset: int, event_handle: bytes,
-                      event_sync_required: bool) -> torch.UntypedStorage:
+                      event_sync_required: bool, *, target=None) -> torch.UntypedStorage:
     """Consumer: a storage over the producer's memory, zero-copy. Its device is the local device
-    that owns the memory, whatever index the producer used for it."""
-    hooks = hooks_for(torch.device(device))
+    that owns the memory, whatever index the producer used for it; or `target` (or the device a
+    caller wrote over a wrapped handle's, see `requested_device`) when the hooks can map it there.
+    """
+    handle, origin, requested = requested_device(device, handle)
+    target = local_device(target, origin.type) if target is not None else requested
+    hooks = hooks_for(origin)
     if not isinstance(handle, bytes) or type(size_bytes) is not int \
             or type(offset_bytes) is not int or size_bytes < 0 or offset_bytes < 0:
         raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
@@ -125,10 +132,11 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
             if offset_bytes + size_bytes > memory.size:
                 raise InvalidHandleError(f"shared storage of {size_bytes} bytes at offset "
                                          f"{offset_bytes} exceeds its allocation of {memory.size}")
+            placed = memory.device if target is None else _placement(hooks, memory, target)
             if event_sync_required:
                 wait_for_producer(memory.device, event_handle)
             receipt = Receipt(handle, offset_bytes, counter_handle, index)
-            key = (str(memory.device), memory.ptr + offset_bytes, size_bytes)
+            key = (str(placed), memory.ptr + offset_bytes, size_bytes)
 
             def release():
                 _received.forget(key, receipt)
@@ -136,11 +144,10 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
                 _opened.release(handle)
 
             def on_free():  # a deleter: no lock here (see DeferredReleases)
-                _deferred.add(memory.device, release)
+                _deferred.add(placed, release)
                 _background.wake()
 
-            storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, memory.device,
-                                          on_free)
+            storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free)
             _received.add(key, receipt)
             return storage
         except BaseException:
@@ -149,6 +156,46 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
     except BaseException:
         _counters.release(counter_handle, index)  # the producer must not wait for us forever
         raise
+
+
+def _placement(hooks, memory, target: torch.device) -> torch.device:
+    if target == memory.device or hooks.can_map_on(memory, target):
+        return target
+    raise UnsupportedDeviceError(f"memory of {memory.device} cannot be mapped on {target}: "
+                                 f"the {target.type} hooks do not support it (can_map_on); open "
+                                 f"it on its own device and copy")
+
+
+def requested_device(device, handle) -> tuple:
+    """(the hooks' handle, the sender's device, the device the caller asked for or None) from
+    args[6] and args[7] of reduce_tensor. The sender wraps args[7] with the device it wrote into
+    args[6] (`_wire.wrap_storage_handle`): args[6] still equal to it means "the local device that
+    owns the memory" (found by identity); anything else (an int index, as in CUDA's args, or
+    another device) means that local device, as rebuild_cuda_tensor does. An unwrapped handle
+    (share_device's 8-tuple) is taken as is: device is the sender's."""
+    if not _wire.is_wrapped(handle):
+        return handle, torch.device(device), None
+    sender, raw = _wire.unwrap_storage_handle(handle)
+    if isinstance(device, torch.device) and device == sender:
+        return raw, sender, None
+    return raw, sender, local_device(device, sender.type)
+
+
+def local_device(device, device_type: str) -> torch.device:
+    """A local device of `device_type` from an index, a name or a torch.device; no index: the
+    current one."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device(device_type, device)
+    elif isinstance(device, (str, torch.device)):
+        device = torch.device(device)
+    else:
+        raise TypeError(f"a device is an index, a name or a torch.device, not {device!r}")
+    if device.type != device_type:
+        raise UnsupportedDeviceError(f"memory of a {device_type} device cannot be mapped on "
+                                     f"{device}")
+    if device.index is None:
+        device = torch.device(device_type, torch.get_device_module(device_type).current_device())
+    return device
 
 
 def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
@@ -176,6 +223,11 @@ def revoke(storage) -> int:
     return _exports.revoke(_untyped(storage))
 
 
+def revoke_send(counter_handle: bytes, slot: int) -> bool:
+    """Producer: take back the one send named by (counter handle, slot) if nobody opened it."""
+    return _exports.revoke_slot(counter_handle, slot)
+
+
 def set_unopened_deadline(seconds: float | None) -> None:
     """Producer: revoke sends that no consumer opened within `seconds` (None: keep them until
     revoked, as CUDA does). A message that sits in a queue nobody reads pins memory otherwise."""
@@ -189,4 +241,4 @@ def stats() -> dict:
     """What this process holds for IPC right now."""
     return {**_exports.stats(), "mapped": len(_opened),
             "mapped_counter_files": _counters.mapped_files(),
-            "pending_releases": len(_deferred)}
+            "pending_releases": len(_deferred), **counts}

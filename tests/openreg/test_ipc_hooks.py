@@ -28,6 +28,20 @@ def test_handle_names_the_segment_and_the_offset():
         memory.close()
 
 
+def test_host_memory_maps_on_any_openreg_device_and_devices_have_identities():
+    hooks = OpenRegIpcHooks()
+    a = torch.empty(64, dtype=torch.uint8, device="openreg:1")
+    memory = hooks.open_ipc_mem_handle(hooks.get_ipc_mem_handle(a.data_ptr())[0])
+    try:
+        assert hooks.can_map_on(memory, torch.device("openreg", 0))
+        assert not hooks.can_map_on(memory, torch.device("openreg", 2))
+        assert not hooks.can_map_on(memory, torch.device("cpu"))
+    finally:
+        memory.close()
+    ids = [hooks.device_identity(torch.device("openreg", i)) for i in range(2)]
+    assert len(ids[0]) == 36 and ids[0] != ids[1]
+
+
 @pytest.mark.parametrize("mode, size", [("0", 0), ("1", 64)])
 def test_event_size_follows_the_mode(monkeypatch, mode, size):
     monkeypatch.setenv("OPENREG_IPC_EVENTS", mode)

@@ -57,6 +57,14 @@ class OpenRegIpcHooks(IpcHooks):
     def ipc_event_handle_size(self) -> int:
         return _runtime.IPC_HANDLE_SIZE if _events_enabled() else 0
 
+    def can_map_on(self, memory: OpenedMemory, device: torch.device) -> bool:
+        # Every openreg device's memory is host memory: any visible openreg device can use it.
+        return device.type == "openreg" and device.index is not None \
+            and 0 <= device.index < torch.openreg.device_count()
+
+    def device_identity(self, device: torch.device) -> bytes:
+        return _runtime.device_uuid(device.index).encode()
+
 
 def register() -> None:
     register_ipc_hooks("openreg", OpenRegIpcHooks())

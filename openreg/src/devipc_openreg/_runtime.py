@@ -60,6 +60,7 @@ def declare(signatures):
 
 _P, _vp, _int, _size = ctypes.POINTER, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 declare({
+    "orDeviceGetUuid": [_int, ctypes.c_char_p, _size],
     "orMemGetStats": [_int, _P(MemStats)],
     "orStreamFromId": [_int, ctypes.c_int64, _P(_vp)],
     "orEventCreateWithFlags": [_P(_vp), ctypes.c_uint],
@@ -198,6 +199,13 @@ def event_record(event, stream):
 
 def stream_wait_event(stream, event):
     check(lib.orStreamWaitEvent(stream, event, 0), "stream_wait_event")
+
+
+def device_uuid(device):
+    """The stable identity of (visible) `device`, the same in every process."""
+    buf = ctypes.create_string_buffer(37)
+    check(lib.orDeviceGetUuid(device, buf, len(buf)), f"device_uuid({device})")
+    return buf.value.decode()
 
 
 def ipc_get_mem_handle(ptr):

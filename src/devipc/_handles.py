@@ -1,0 +1,253 @@
+"""Typed handles: a tensor (`share`) or a bucket of named tensors packed into one allocation
+(`share_tensors`) as devipc wire bytes, opened in any process with no pickle involved.
+
+A handle is one send: one ref-counter slot, opened once (`open` / `open_tensors`), or taken back
+unopened (`Handle.revoke`). A bucket is one device allocation, one memory handle and one slot for
+any number of tensors: a trainer can publish its weights in one message and the consumer maps
+them once, as zero-copy views.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import _sharing, _wire
+from ._errors import InvalidHandleError
+from ._hooks import hooks_for
+from ._refcount import SLOTS_PER_FILE
+
+__all__ = ["Handle", "open", "open_tensors", "share", "share_tensors"]
+
+ALIGNMENT = 256  # bytes between the starts of a bucket's tensors
+MAX_ENTRIES = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a handle: where it lies in the shared storage, in bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def check(self, storage_bytes: int) -> None:
+        """A forged entry must not reach outside the storage it is a view of."""
+        itemsize = self.dtype.itemsize
+        if len(self.shape) != len(self.stride):
+            raise InvalidHandleError(f"{self.name!r}: shape {self.shape} and stride "
+                                     f"{self.stride} differ in length")
+        if self.offset % itemsize:
+            raise InvalidHandleError(f"{self.name!r}: byte offset {self.offset} is not a multiple "
+                                     f"of {itemsize}")
+        if math.prod(max(s, 1) for s in self.shape) > _wire.INT_MAX:
+            raise InvalidHandleError(f"{self.name!r}: shape {self.shape} is too large")
+        end = self.offset
+        if all(self.shape):
+            end += (1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))) * itemsize
+        if end > storage_bytes:
+            raise InvalidHandleError(f"{self.name!r} ends at byte {end}, outside its storage of "
+                                     f"{storage_bytes}")
+
+
+class Handle:
+    """One send of a tensor or a bucket. `bytes(handle)` is all a consumer needs; pickling a
+    handle sends the same bytes. `local` is the producer's own views of a bucket it packed (None
+    elsewhere): writes through it reach the consumers, and theirs come back."""
+
+    __slots__ = ("_device", "_identity", "_shared", "_requires_grad", "_entries", "_bucket",
+                 "local")
+
+    def __init__(self, bucket: bool, device: torch.device, identity: bytes, shared: tuple,
+                 requires_grad: bool, entries: tuple[_Entry, ...], local=None):
+        self._bucket, self._device, self._identity = bucket, device, identity
+        self._shared = shared  # share_device's 8-tuple, less its device
+        self._requires_grad, self._entries, self.local = requires_grad, entries, local
+
+    @property
+    def kind(self) -> str:
+        return "bucket" if self._bucket else "tensor"
+
+    @property
+    def device(self) -> torch.device:
+        """The producer's device, in the producer's numbering."""
+        return self._device
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """A bucket's names, in order; a tensor handle has one, ""."""
+        return tuple(entry.name for entry in self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._shared[1]
+
+    def __bytes__(self) -> bytes:
+        mem, size, offset, counter, slot, event, sync = self._shared
+        writer = _wire.Writer(_wire.BUCKET if self._bucket else _wire.TENSOR)
+        writer.device(self._device).bytes(self._identity).bytes(mem or b"").int(size).int(offset)
+        writer.bytes(counter or b"").int(slot).bytes(event).int(int(sync))
+        writer.int(int(self._requires_grad)).int(len(self._entries))
+        for entry in self._entries:
+            writer.text(entry.name).dtype(entry.dtype).ints(entry.shape).ints(entry.stride)
+            writer.int(entry.offset)
+        return writer.done()
+
+    @classmethod
+    def from_bytes(cls, data) -> "Handle":
+        """Any handle's bytes, validated; anything else raises InvalidHandleError."""
+        try:
+            return cls._decode(data)
+        except InvalidHandleError:
+            raise
+        except Exception as error:  # a gap in the checks must still read as a bad handle
+            raise InvalidHandleError(f"malformed devipc handle: {error}") from error
+
+    @classmethod
+    def _decode(cls, data) -> "Handle":
+        reader = _wire.Reader(data, (_wire.TENSOR, _wire.BUCKET))
+        device = reader.device()
+        identity = reader.bytes("device identity", 256)
+        mem = reader.bytes("memory handle")
+        size = reader.int("storage size")
+        offset = reader.int("storage offset in its allocation")
+        counter = reader.bytes("ref-counter handle", 1024)
+        slot = reader.int("ref-counter slot", 0, SLOTS_PER_FILE - 1)
+        event = reader.bytes("event handle")
+        sync = reader.flag("event flag")
+        requires_grad = reader.flag("requires_grad")
+        count = reader.int("tensor count", 0, MAX_ENTRIES)
+        if reader.kind == _wire.TENSOR and count != 1:
+            raise InvalidHandleError(f"a tensor handle holds one tensor, this one {count}")
+        if bool(mem) != bool(counter) or (not mem and size):
+            raise InvalidHandleError("a handle of a non-empty storage needs both a memory handle "
+                                     "and a ref-counter handle")
+        entries = []
+        for _ in range(count):
+            entry = _Entry(reader.text("tensor name"), reader.dtype(), reader.ints("shape"),
+                           reader.ints("stride"), reader.int("tensor offset"))
+            entry.check(size)
+            entries.append(entry)
+        reader.end()
+        if len({entry.name for entry in entries}) != len(entries):
+            raise InvalidHandleError("a bucket's tensor names must be unique")
+        shared = (mem or None, size, offset, counter or None, slot, event, sync)
+        return cls(reader.kind == _wire.BUCKET, device, identity, shared, requires_grad,
+                   tuple(entries))
+
+    def __reduce__(self):
+        return Handle.from_bytes, (bytes(self),)
+
+    def revoke(self) -> bool:
+        """Producer: take this send back if no consumer opened it (opening it later raises
+        InvalidHandleError); whether it did. Only the process that made the handle can."""
+        _, _, _, counter, slot, _, _ = self._shared
+        return counter is not None and _sharing.revoke_send(counter, slot)
+
+    def __repr__(self) -> str:
+        return (f"<devipc.Handle {self.kind} of {len(self._entries)} on {self._device}, "
+                f"{self.nbytes} bytes>")
+
+
+def _identity(device: torch.device) -> bytes:
+    try:
+        return bytes(hooks_for(device).device_identity(device))[:256]
+    except Exception:  # optional: a handle without identity still opens
+        return b""
+
+
+def _check(tensor, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} is not a tensor but {type(tensor).__name__}")
+    hooks_for(tensor.device)  # UnsupportedDeviceError for devices that cannot share
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise TypeError(f"{what}: only strided tensors can be shared, not {tensor.layout}")
+    _wire.dtype_name(tensor.dtype)
+    return tensor
+
+
+def share(tensor: torch.Tensor) -> Handle:
+    """One send of `tensor`, zero-copy: the consumer maps the same memory."""
+    _check(tensor, "share()")
+    device, *shared = _sharing.share_device(tensor.untyped_storage())
+    entry = _Entry("", tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                   tensor.storage_offset() * tensor.element_size())
+    return Handle(False, device, _identity(device), tuple(shared), tensor.requires_grad,
+                  (entry,))
+
+
+def share_tensors(named_tensors) -> Handle:
+    """One send of many tensors: copied into one new allocation on their device, each at an
+    offset aligned to 256 bytes, shared with one memory handle and one slot."""
+    items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+    names = [name for name, _ in items]
+    if not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
+        raise ValueError(f"a bucket's names must be unique strings, got {names}")
+    for name, tensor in items:
+        _check(tensor, f"share_tensors()[{name!r}]")
+    devices = {tensor.device for _, tensor in items}
+    if len(devices) > 1:
+        raise ValueError(f"a bucket's tensors must all be on one device, got "
+                         f"{sorted(map(str, devices))}")
+    if not devices:
+        raise ValueError("a bucket needs at least one tensor")
+    device = devices.pop()
+    entries, end = [], 0
+    for name, tensor in items:
+        offset = -(-end // ALIGNMENT) * ALIGNMENT
+        stride = torch.empty(tensor.shape, device="meta").stride()
+        entries.append(_Entry(name, tensor.dtype, tuple(tensor.shape), stride, offset))
+        end = offset + tensor.numel() * tensor.element_size()
+    storage = torch.empty(max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
+    local = {}
+    for entry, (name, tensor) in zip(entries, items):
+        local[name] = _view(storage, entry)
+        if tensor.numel():
+            with torch.no_grad():
+                local[name].copy_(tensor)
+    _, *shared = _sharing.share_device(storage)
+    _sharing.counts["buckets_shared"] += 1
+    _sharing.counts["bucket_tensors_shared"] += len(entries)
+    return Handle(True, device, _identity(device), tuple(shared), False, tuple(entries), local)
+
+
+def _view(storage: torch.UntypedStorage, entry: _Entry, requires_grad=False) -> torch.Tensor:
+    typed = torch.TypedStorage(wrap_storage=storage, dtype=entry.dtype, _internal=True)
+    tensor = torch._utils._rebuild_tensor(typed, entry.offset // entry.dtype.itemsize,
+                                          entry.shape, entry.stride)
+    tensor.requires_grad_(requires_grad)
+    return tensor
+
+
+def _as_handle(handle) -> Handle:
+    return handle if isinstance(handle, Handle) else Handle.from_bytes(handle)
+
+
+def _open_storage(handle: Handle, device) -> torch.UntypedStorage:
+    target = None if device is None else _sharing.local_device(device, handle.device.type)
+    mem, size, offset, counter, slot, event, sync = handle._shared
+    if mem is None:
+        return torch.UntypedStorage(0, device=target or handle.device)
+    return _sharing.new_shared_device(handle.device, mem, size, offset, counter, slot, event,
+                                      sync, target=target)
+
+
+def open(handle, device=None) -> torch.Tensor:
+    """The tensor of a `share` handle (or its bytes), zero-copy. On the local device that owns
+    the memory (found by identity), or on `device` when its hooks can map the memory there
+    (else UnsupportedDeviceError)."""
+    handle = _as_handle(handle)
+    if handle.kind != "tensor":
+        raise InvalidHandleError("this is a bucket handle: open it with devipc.open_tensors")
+    return _view(_open_storage(handle, device), handle._entries[0], handle._requires_grad)
+
+
+def open_tensors(handle, device=None) -> dict[str, torch.Tensor]:
+    """The tensors of a `share_tensors` handle (or its bytes), by name: zero-copy views of one
+    mapping. `device` as in `open`."""
+    handle = _as_handle(handle)
+    if handle.kind != "bucket":
+        raise InvalidHandleError("this is a tensor handle: open it with devipc.open")
+    storage = _open_storage(handle, device)
+    return {entry.name: _view(storage, entry) for entry in handle._entries}

@@ -1,0 +1,203 @@
+"""devipc's one wire format: versioned, validated bytes, never pickle.
+
+    magic b"DVIP" | u16 version | u16 kind | field*      (little-endian)
+    field = u32 length | payload
+
+Integers are 8-byte signed payloads, text is ASCII or UTF-8, arrays of integers are 8 bytes per
+element. A reader names the type and the bounds of each field it expects, in order, and the bytes
+must end exactly after the last one. Whatever the bytes hold, decoding raises only
+InvalidHandleError: handles come from other processes, sockets and files, and a forged length or
+count must neither crash nor allocate without bound. P2P descriptors will reuse it: a new kind
+takes a new number, a changed layout a new version.
+"""
+import re
+import struct
+
+import torch
+
+from ._errors import InvalidHandleError
+
+MAGIC = b"DVIP"
+VERSION = 1
+_HEADER = struct.Struct("<4sHH")
+_LENGTH = struct.Struct("<I")
+_INT = struct.Struct("<q")
+
+# Kinds of message. Numbers are never reused.
+STORAGE = 1  # a hooks' storage handle wrapped with the sender's device (reduce_tensor's args[7])
+TENSOR = 2  # devipc.share
+BUCKET = 3  # devipc.share_tensors
+KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucket handle"}
+
+MAX_NDIM = 64
+MAX_BYTES = 1 << 16  # any one bytes or text field
+INT_MAX = (1 << 63) - 1
+MAX_DEVICE_INDEX = 127
+
+# The dtypes that cross the wire, by name: never `getattr(torch, whatever came in)`.
+_DTYPE_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+                "float16", "bfloat16", "float32", "float64", "complex32", "complex64",
+                "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+DTYPES = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
+_DTYPE_TO_NAME = {dtype: name for name, dtype in DTYPES.items()}
+_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_TO_NAME[dtype]
+    except KeyError:
+        raise TypeError(f"devipc cannot send tensors of dtype {dtype}") from None
+
+
+class Writer:
+    """Builds one message; fields go in the order the kind's reader expects them."""
+
+    def __init__(self, kind: int):
+        self._parts = [_HEADER.pack(MAGIC, VERSION, kind)]
+
+    def _field(self, payload: bytes) -> "Writer":
+        self._parts += [_LENGTH.pack(len(payload)), payload]
+        return self
+
+    def int(self, value: int) -> "Writer":
+        return self._field(_INT.pack(value))
+
+    def bytes(self, value: bytes) -> "Writer":
+        if len(value) > MAX_BYTES:
+            raise ValueError(f"a wire field holds at most {MAX_BYTES} bytes, not {len(value)}")
+        return self._field(bytes(value))
+
+    def text(self, value: str) -> "Writer":
+        return self.bytes(value.encode("utf-8"))
+
+    def ints(self, values) -> "Writer":
+        return self._field(b"".join(_INT.pack(v) for v in values))
+
+    def device(self, device: torch.device) -> "Writer":
+        return self.text(device.type).int(device.index or 0)
+
+    def dtype(self, dtype: torch.dtype) -> "Writer":
+        return self.text(dtype_name(dtype))
+
+    def done(self) -> bytes:
+        return b"".join(self._parts)
+
+
+class Reader:
+    """Reads one message of an expected kind; every failure is an InvalidHandleError."""
+
+    def __init__(self, data, kinds: tuple[int, ...]):
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidHandleError(f"a devipc handle is bytes, got {type(data).__name__}")
+        self._data = bytes(data)
+        if len(self._data) < _HEADER.size:
+            raise InvalidHandleError(f"truncated devipc handle: {len(self._data)} bytes, the "
+                                     f"header alone has {_HEADER.size}")
+        magic, version, kind = _HEADER.unpack_from(self._data)
+        if magic != MAGIC:
+            raise InvalidHandleError(f"not a devipc handle: magic {magic!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise InvalidHandleError(f"devipc handle of wire version {version}; this devipc "
+                                     f"reads version {VERSION}: use the same devipc on both sides")
+        if kind not in kinds:
+            wanted = " or ".join(KIND_NAMES[k] for k in kinds)
+            raise InvalidHandleError(f"expected a {wanted}, got a "
+                                     f"{KIND_NAMES.get(kind, f'message of unknown kind {kind}')}")
+        self.kind = kind
+        self._at = _HEADER.size
+
+    def _field(self, what: str) -> bytes:
+        if self._at + _LENGTH.size > len(self._data):
+            raise InvalidHandleError(f"truncated devipc handle: {what} is missing")
+        (length,) = _LENGTH.unpack_from(self._data, self._at)
+        start = self._at + _LENGTH.size
+        if length > len(self._data) - start:
+            raise InvalidHandleError(f"truncated devipc handle: {what} claims {length} bytes, "
+                                     f"{len(self._data) - start} are left")
+        self._at = start + length
+        return self._data[start:self._at]
+
+    def int(self, what: str, low: int = 0, high: int = INT_MAX) -> int:
+        payload = self._field(what)
+        if len(payload) != _INT.size:
+            raise InvalidHandleError(f"{what}: an integer field has {_INT.size} bytes, not "
+                                     f"{len(payload)}")
+        (value,) = _INT.unpack(payload)
+        if not low <= value <= high:
+            raise InvalidHandleError(f"{what} is {value}, outside {low}..{high}")
+        return value
+
+    def flag(self, what: str) -> bool:
+        return bool(self.int(what, 0, 1))
+
+    def bytes(self, what: str, max_len: int = MAX_BYTES) -> bytes:
+        payload = self._field(what)
+        if len(payload) > max_len:
+            raise InvalidHandleError(f"{what} has {len(payload)} bytes, at most {max_len} allowed")
+        return payload
+
+    def text(self, what: str, max_len: int = 1024) -> str:
+        try:
+            return self.bytes(what, max_len).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidHandleError(f"{what} is not UTF-8 text") from None
+
+    def device_type(self) -> str:
+        value = self.bytes("device type", 32)
+        try:
+            text = value.decode("ascii")
+        except UnicodeDecodeError:
+            text = ""
+        if not _DEVICE_TYPE.fullmatch(text):
+            raise InvalidHandleError(f"device type {value!r} is not a short lowercase ASCII name")
+        return text
+
+    def device(self) -> torch.device:
+        """A device type and the sender's index of it (torch allows at most 127)."""
+        device_type = self.device_type()
+        index = self.int("device index", 0, MAX_DEVICE_INDEX)
+        try:
+            return torch.device(device_type, index)
+        except RuntimeError:
+            raise InvalidHandleError(f"unknown device type {device_type!r}") from None
+
+    def ints(self, what: str, max_count: int = MAX_NDIM) -> tuple[int, ...]:
+        payload = self._field(what)
+        count, rest = divmod(len(payload), _INT.size)
+        if rest or count > max_count:
+            raise InvalidHandleError(f"{what}: {len(payload)} bytes is not a list of at most "
+                                     f"{max_count} integers")
+        values = struct.unpack(f"<{count}q", payload)
+        if any(v < 0 for v in values):
+            raise InvalidHandleError(f"{what} {values} holds a negative value")
+        return values
+
+    def dtype(self) -> torch.dtype:
+        name = self.text("dtype", 32)
+        if name not in DTYPES:
+            raise InvalidHandleError(f"unknown dtype {name!r}")
+        return DTYPES[name]
+
+    def end(self) -> None:
+        if self._at != len(self._data):
+            raise InvalidHandleError(f"{len(self._data) - self._at} unexpected bytes after the "
+                                     f"last field of a devipc handle")
+
+
+def wrap_storage_handle(device: torch.device, handle: bytes) -> bytes:
+    """reduce_tensor's args[7]: the hooks' handle, with the device the sender put in args[6]."""
+    return Writer(STORAGE).device(device).bytes(handle).done()
+
+
+def is_wrapped(handle) -> bool:
+    return isinstance(handle, (bytes, bytearray)) and bytes(handle[:4]) == MAGIC
+
+
+def unwrap_storage_handle(data) -> tuple[torch.device, bytes]:
+    """(the sender's device, the hooks' handle) of `wrap_storage_handle`'s bytes."""
+    reader = Reader(data, (STORAGE,))
+    device = reader.device()
+    handle = reader.bytes("memory handle")
+    reader.end()
+    return device, handle

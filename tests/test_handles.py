@@ -1,0 +1,229 @@
+"""Typed handles and buckets: share / open / share_tensors / open_tensors / revoke, across spawned
+processes in both openreg IPC modes; device remap by identity, device=, and the args[6] pattern."""
+import pickle
+
+import _workers
+import pytest
+import torch
+import torch.multiprocessing.reductions as torch_reductions
+from _support import TIMEOUT, wait_until
+
+import devipc
+from devipc._refcount import RELEASED
+
+pytestmark = pytest.mark.usefixtures("ipc_mode")
+
+
+def _drain():
+    torch.accelerator.synchronize()
+    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
+               "every send ended")
+
+
+def _round_trip(children, tensor, device=None):
+    """Sends share(tensor) as bytes to a fresh process; returns (device, values) it saw, and
+    checks writes both ways."""
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.open_and_write, inbox, outbox, device)
+    try:
+        inbox.put(bytes(devipc.share(tensor)))
+        seen = outbox.get(timeout=TIMEOUT)
+        assert outbox.get(timeout=TIMEOUT) == "added"
+        assert tensor.cpu().tolist() == [v + 1 for v in seen[1]]  # theirs, seen here
+        tensor.fill_(-3)
+        torch.accelerator.synchronize()
+        inbox.put("filled")
+        assert outbox.get(timeout=TIMEOUT) == [-3.0] * tensor.numel()  # ours, seen there
+    finally:
+        inbox.put("exit")
+    children.join_ok()
+    return seen
+
+
+def test_a_handle_opens_in_a_fresh_process_and_writes_cross_both_ways(children):
+    base = torch.arange(10, dtype=torch.float32, device="openreg")
+    view = base[2:8:2]
+    assert _round_trip(children, view) == ("openreg:0", [2.0, 4.0, 6.0])
+    assert base.cpu().tolist()[:3] == [0.0, 1.0, -3.0]  # only the view was written
+    del base, view
+    _drain()
+
+
+def test_the_consumer_finds_the_device_by_identity(children, monkeypatch):
+    tensor = torch.ones(3, device="openreg:1")  # this process read its environment already
+    handle = devipc.share(tensor)
+    assert handle.device == torch.device("openreg", 1)
+    monkeypatch.setenv("OPENREG_VISIBLE_DEVICES", "1")  # the child's openreg:0 is our :1
+    outbox = children.ctx.Queue()
+    children.start(_workers.try_open, bytes(handle), outbox)
+    assert outbox.get(timeout=TIMEOUT) == ("opened", [1.0, 1.0, 1.0])
+    children.join_ok()
+    del tensor
+    _drain()
+
+
+def test_open_on_an_explicit_device(children):
+    tensor = torch.zeros(4, device="openreg:0")
+    assert _round_trip(children, tensor, "openreg:1") == ("openreg:1", [0.0] * 4)
+    del tensor
+    _drain()
+
+
+def test_open_on_a_device_the_hooks_cannot_map_is_refused(monkeypatch):
+    from devipc_openreg._ipc_hooks import OpenRegIpcHooks
+
+    tensor = torch.ones(4, device="openreg:0")
+    handle = devipc.share(tensor)
+    monkeypatch.setattr(OpenRegIpcHooks, "can_map_on", lambda self, memory, device: False)
+    with pytest.raises(devipc.UnsupportedDeviceError, match="cannot be mapped on openreg:1"):
+        devipc.open(handle, device="openreg:1")
+    with pytest.raises(devipc.UnsupportedDeviceError, match="cannot be mapped on cpu"):
+        devipc.open(handle, device="cpu")
+    counter, slot = handle._shared[3], handle._shared[4]
+    from devipc import _sharing
+    assert _sharing._exports._counters.file(counter).counter.state(slot) == RELEASED
+    del tensor, handle
+    _drain()
+
+
+@pytest.mark.parametrize("producer, visible, index, expected", [
+    ("openreg:0", None, 1, "openreg:1"),  # overwritten: that device, as rebuild_cuda_tensor
+    ("openreg:1", None, 0, "openreg:0"),
+    ("openreg:1", "1", None, "openreg:0"),  # left alone: found by identity
+    ("openreg:0", None, None, "openreg:0"),
+])
+def test_overwriting_args_6_selects_the_device(children, monkeypatch, producer, visible, index,
+                                               expected):
+    tensor = torch.arange(3, dtype=torch.float32, device=producer)
+    payload = pickle.dumps(torch_reductions.reduce_tensor(tensor))
+    if visible is not None:
+        monkeypatch.setenv("OPENREG_VISIBLE_DEVICES", visible)
+    outbox = children.ctx.Queue()
+    children.start(_workers.rebuild_on, payload, index, outbox)
+    assert outbox.get(timeout=TIMEOUT) == ("opened", expected, [0.0, 1.0, 2.0])
+    children.join_ok()
+    del tensor
+    _drain()
+
+
+def test_overwriting_args_6_with_a_device_the_hooks_refuse(monkeypatch):
+    from devipc_openreg._ipc_hooks import OpenRegIpcHooks
+
+    tensor = torch.ones(2, device="openreg:0")
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    monkeypatch.setattr(OpenRegIpcHooks, "can_map_on", lambda self, memory, device: False)
+    args = list(args)
+    args[6] = 1
+    with pytest.raises(devipc.UnsupportedDeviceError, match="cannot be mapped on openreg:1"):
+        rebuild(*args)
+    del tensor
+    _drain()
+
+
+def test_a_bucket_of_mixed_dtypes_crosses_processes(children):
+    source = {
+        "w": torch.arange(6, dtype=torch.float32, device="openreg").reshape(2, 3),
+        "half": torch.tensor([1.5, -2.0], dtype=torch.bfloat16, device="openreg"),
+        "mask": torch.tensor([True, False, True], device="openreg"),
+        "empty": torch.empty(0, 5, device="openreg"),
+        "z": torch.tensor([1 + 2j], dtype=torch.complex64, device="openreg"),
+        "odd": torch.arange(7, dtype=torch.int8, device="openreg")[::2],  # not contiguous
+        "scalar": torch.tensor(7, dtype=torch.int64, device="openreg"),
+    }
+    before = devipc.stats()
+    handle = devipc.share_tensors(source)
+    after = devipc.stats()
+    assert after["buckets_shared"] == before.get("buckets_shared", 0) + 1
+    assert after["bucket_tensors_shared"] == before.get("bucket_tensors_shared", 0) + len(source)
+    assert handle.kind == "bucket" and handle.names == tuple(source)
+    offsets = [entry.offset for entry in handle._entries]
+    assert all(offset % 256 == 0 for offset in offsets) and offsets == sorted(offsets)
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.open_bucket_and_write, inbox, outbox)
+    try:
+        inbox.put(handle)  # a Handle pickles as its bytes
+        report, same_mapping = outbox.get(timeout=TIMEOUT)
+        assert same_mapping
+        for name, tensor in source.items():
+            dtype, shape, device, values = report[name]
+            assert (dtype, shape, device) == (tensor.dtype, tuple(tensor.shape), "openreg:0")
+            assert values == tensor.cpu().tolist(), name
+        assert outbox.get(timeout=TIMEOUT) == "written"
+        assert handle.local["w"].cpu().tolist() == [[5.0] * 3] * 2  # theirs, seen here
+        assert source["w"][0, 0].item() == 0  # a bucket is a copy of its sources
+        handle.local["mask"].fill_(False)
+        handle.local["z"].mul_(2)
+        torch.accelerator.synchronize()
+        inbox.put("filled")
+        report = outbox.get(timeout=TIMEOUT)
+        assert report["mask"][3] == [False] * 3 and report["z"][3] == [2 + 4j]  # ours, there
+    finally:
+        inbox.put("exit")
+    children.join_ok()
+    del handle
+    _drain()
+
+
+def test_bucket_arguments_are_checked():
+    one = torch.ones(2, device="openreg")
+    with pytest.raises(ValueError, match="unique"):
+        devipc.share_tensors([("a", one), ("a", one)])
+    with pytest.raises(ValueError, match="one device"):
+        devipc.share_tensors({"a": one, "b": torch.ones(2, device="openreg:1")})
+    with pytest.raises(devipc.UnsupportedDeviceError):
+        devipc.share_tensors({"a": one, "cpu": torch.ones(2)})
+    bucket = devipc.share_tensors({"a": one})
+    with pytest.raises(devipc.InvalidHandleError, match="open_tensors"):
+        devipc.open(devipc.Handle.from_bytes(bytes(bucket)))
+    with pytest.raises(devipc.InvalidHandleError, match="devipc.open"):
+        devipc.open_tensors(single := devipc.share(one))
+    assert single.revoke()
+    assert bucket.revoke()  # unopened sends are held until revoked
+    _drain()
+
+
+def test_a_revoked_handle_cannot_be_opened(children):
+    tensor = torch.ones(4, device="openreg")
+    handle = devipc.share(tensor)
+    data = bytes(handle)
+    assert handle.revoke()
+    assert not handle.revoke()  # once
+    outbox = children.ctx.Queue()
+    children.start(_workers.try_open, data, outbox)
+    status, message = outbox.get(timeout=TIMEOUT)
+    assert status == "refused" and "revoked" in message
+    children.join_ok()
+    assert devipc.Handle.from_bytes(data).revoke() is False  # already revoked
+    del tensor
+    _drain()
+
+
+def test_revoke_takes_back_only_its_own_send(children):
+    tensor = torch.ones(4, device="openreg")
+    first, second = devipc.share(tensor), devipc.share(tensor)
+    assert first.revoke()
+    outbox = children.ctx.Queue()
+    children.start(_workers.try_open, bytes(second), outbox)
+    assert outbox.get(timeout=TIMEOUT) == ("opened", [1.0] * 4)
+    children.join_ok()
+    assert not second.revoke()  # opened (and released) already
+    del tensor
+    _drain()
+
+
+def test_forged_or_truncated_handles_are_refused():
+    tensor = torch.ones(4, device="openreg")
+    handle = devipc.share(tensor)
+    data = bytes(handle)
+    for bad in (data[:-1], data[:20], b"", data + b"\0", b"PK" + data[2:]):
+        with pytest.raises(devipc.InvalidHandleError):
+            devipc.open(bad)
+    memory = handle._shared[0]
+    forged = bytearray(memory)
+    forged[40] ^= 0xFF  # the random token: names no memfd of the producer
+    with pytest.raises(devipc.InvalidHandleError):
+        devipc.open(data.replace(memory, bytes(forged)))
+    with pytest.raises(devipc.InvalidHandleError):  # the forgery took its slot back: it ended
+        devipc.open(data)
+    del tensor
+    _drain()
