@@ -134,7 +134,7 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
                                          f"{offset_bytes} exceeds its allocation of {memory.size}")
             placed = memory.device if target is None else _placement(hooks, memory, target)
             if event_sync_required:
-                wait_for_producer(memory.device, event_handle)
+                wait_for_producer(placed, event_handle)  # the stream its users will queue on
             receipt = Receipt(handle, offset_bytes, counter_handle, index)
             key = (str(placed), memory.ptr + offset_bytes, size_bytes)
 
