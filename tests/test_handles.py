@@ -133,8 +133,8 @@ def test_a_bucket_of_mixed_dtypes_crosses_processes(children):
     before = devipc.stats()
     handle = devipc.share_tensors(source)
     after = devipc.stats()
-    assert after["buckets_shared"] == before.get("buckets_shared", 0) + 1
-    assert after["bucket_tensors_shared"] == before.get("bucket_tensors_shared", 0) + len(source)
+    assert after["buckets_shared"] == before["buckets_shared"] + 1
+    assert after["bucket_tensors_shared"] == before["bucket_tensors_shared"] + len(source)
     assert handle.kind == "bucket" and handle.names == tuple(source)
     offsets = [entry.offset for entry in handle._entries]
     assert all(offset % 256 == 0 for offset in offsets) and offsets == sorted(offsets)
@@ -168,6 +168,8 @@ def test_bucket_arguments_are_checked():
     one = torch.ones(2, device="openreg")
     with pytest.raises(ValueError, match="unique"):
         devipc.share_tensors([("a", one), ("a", one)])
+    with pytest.raises(ValueError, match="at most 1024"):
+        devipc.share_tensors([("x" * 1025, one)])
     with pytest.raises(ValueError, match="one device"):
         devipc.share_tensors({"a": one, "b": torch.ones(2, device="openreg:1")})
     with pytest.raises(devipc.UnsupportedDeviceError):

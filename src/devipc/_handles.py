@@ -20,6 +20,7 @@ __all__ = ["Handle", "open", "open_tensors", "share", "share_tensors"]
 
 ALIGNMENT = 256  # bytes between the starts of a bucket's tensors
 MAX_ENTRIES = 1 << 20
+MAX_NAME = 1024  # bytes of UTF-8
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,8 @@ class Handle:
                                      "and a ref-counter handle")
         entries = []
         for _ in range(count):
-            entry = _Entry(reader.text("tensor name"), reader.dtype(), reader.ints("shape"),
-                           reader.ints("stride"), reader.int("tensor offset"))
+            entry = _Entry(reader.text("tensor name", MAX_NAME), reader.dtype(),
+                           reader.ints("shape"), reader.ints("stride"), reader.int("tensor offset"))
             entry.check(size)
             entries.append(entry)
         reader.end()
@@ -182,8 +183,10 @@ def share_tensors(named_tensors) -> Handle:
     offset aligned to 256 bytes, shared with one memory handle and one slot."""
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
     names = [name for name, _ in items]
-    if not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
-        raise ValueError(f"a bucket's names must be unique strings, got {names}")
+    if not all(isinstance(name, str) and len(name.encode()) <= MAX_NAME for name in names) \
+            or len(set(names)) != len(names):
+        raise ValueError(f"a bucket's names must be unique strings of at most {MAX_NAME} "
+                         f"bytes, got {names}")
     for name, tensor in items:
         _check(tensor, f"share_tensors()[{name!r}]")
     devices = {tensor.device for _, tensor in items}

@@ -241,4 +241,5 @@ def stats() -> dict:
     """What this process holds for IPC right now."""
     return {**_exports.stats(), "mapped": len(_opened),
             "mapped_counter_files": _counters.mapped_files(),
-            "pending_releases": len(_deferred), **counts}
+            "pending_releases": len(_deferred), "buckets_shared": counts["buckets_shared"],
+            "bucket_tensors_shared": counts["bucket_tensors_shared"]}
