@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
+from ._errors import InvalidHandleError
 from ._hooks import device_supports_ipc, on_register, torch_shares, unsupported_device
 from ._sharing import (
     new_shared_device,
@@ -27,8 +28,12 @@ _saved: dict[str, object] = {}  # torch's own functions while installed
 def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handle,
                      ref_counter_offset, event_handle, event_sync_required):
     """The shared-cache lookup of rebuild_cuda_tensor, keyed by (handle, offset in bytes)."""
-    if handle is None or size_bytes == 0:
-        return torch.UntypedStorage(0, device=device)
+    if handle is None and size_bytes == 0 and type(size_bytes) is int:
+        return torch.UntypedStorage(0, device=device)  # an empty storage travels without a send
+    if not isinstance(handle, bytes) or type(size_bytes) is not int or size_bytes <= 0:
+        # a forged empty storage would leave its slot unreleased; a bytearray is unhashable
+        raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
+                                 f"size {size_bytes!r}")
     key = (handle, offset_bytes)
     storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
@@ -52,6 +57,7 @@ def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset,
     storage = _receive_storage(storage_device, storage_handle, storage_size_bytes,
                                storage_offset_bytes, ref_counter_handle, ref_counter_offset,
                                event_handle, event_sync_required)
+    _check_view(storage, dtype, tensor_offset, tensor_size, tensor_stride)
     typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     tensor = torch._utils._rebuild_tensor(typed, tensor_offset, tensor_size, tensor_stride)
     if tensor_cls == torch.nn.parameter.Parameter:
@@ -59,6 +65,18 @@ def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset,
         return torch.nn.parameter.Parameter(tensor, requires_grad=requires_grad)
     tensor.requires_grad = requires_grad
     return tensor
+
+
+def _check_view(storage, dtype, offset, size, stride) -> None:
+    """A view must fit its storage: torch would try to grow the storage, which shared memory
+    refuses with a RuntimeError that says nothing about a bad handle."""
+    if 0 in size:
+        return
+    last = offset + sum((n - 1) * step for n, step in zip(size, stride))
+    if offset < 0 or min(stride, default=0) < 0 or (last + 1) * dtype.itemsize > storage.nbytes():
+        raise InvalidHandleError(f"a {dtype} view of size {tuple(size)}, stride {tuple(stride)} "
+                                 f"at offset {offset} does not fit a storage of "
+                                 f"{storage.nbytes()} bytes")
 
 
 def rebuild_device_storage(storage_cls, *shared):

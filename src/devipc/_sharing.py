@@ -99,7 +99,11 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
                       event_sync_required: bool) -> torch.UntypedStorage:
     """Consumer: a storage over the producer's memory, zero-copy. Its device is the local device
     that owns the memory, whatever index the producer used for it."""
-    hooks = hooks_for(torch.device(device))
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidHandleError(f"malformed shared storage: device {device!r}") from None
+    hooks = hooks_for(device)
     if not isinstance(handle, bytes) or type(size_bytes) is not int \
             or type(offset_bytes) is not int or size_bytes < 0 or offset_bytes < 0:
         raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
@@ -140,6 +144,8 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
 
 def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
     """Make the current stream of (local) `device` wait for the producer's event."""
+    if not isinstance(event_handle, bytes):
+        raise InvalidHandleError(f"an event handle is bytes, got {type(event_handle).__name__}")
     stream = torch.get_device_module(device).current_stream(device)
     hooks_for(device).wait_ipc_event(event_handle, stream)
 
@@ -152,8 +158,10 @@ def release_ipc_counter_device(ref_counter_handle: bytes, ref_counter_offset: in
 
 def ipc_collect() -> int:
     """Producer: free sent memory whose consumers released it or died; consumer: run the
-    releases whose device work is done. Returns how many sends ended."""
+    releases whose device work is done, and close what it kept of producers that died. Returns
+    how many sends ended."""
     _deferred.poll()
+    _counters.prune()
     return _exports.collect()
 
 
