@@ -146,3 +146,20 @@ def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.0
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
         time.sleep(poll)
     return value
+
+
+def foreign_memfd_maps() -> set[str]:
+    """Mappings of devipc or openreg memfds that this process has no fd of: other processes'
+    memory, counter files or event pages that it mapped."""
+    own = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            own.add(os.readlink(f"/proc/self/fd/{fd}"))
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            path = fields[5] if len(fields) == 6 else ""
+            if path.startswith(("/memfd:devipc", "/memfd:openreg")) and path not in own:
+                found.add(path)
+    return found

@@ -275,3 +275,49 @@ def open_bucket_and_write(inbox, outbox):
     assert inbox.get(timeout=TIMEOUT) == "exit"
     del tensors
     settle()
+
+
+# -- faults: processes that the test kills -----------------------------------------------------
+def send_raw_then_wait(conn, count):
+    """Producer: sends `count` sends of one tensor as pickled bytes (opened when the receiver
+    decides), then keeps the tensor alive until it is killed."""
+    from multiprocessing.reduction import ForkingPickler
+
+    tensor = torch.arange(1 << 14, dtype=torch.float32, device="openreg")
+    for _ in range(count):
+        conn.send(bytes(ForkingPickler.dumps(tensor)))
+    conn.poll(TIMEOUT)
+
+
+def hold_then_wait(conn):
+    """Consumer: opens what it is sent (a tensor, or pickled bytes), reports its sum, holds it
+    until it is killed."""
+    item = conn.recv()
+    tensor = pickle.loads(item) if isinstance(item, bytes) else item
+    conn.send(float(tensor.sum().item()))
+    conn.poll(TIMEOUT)
+
+
+def idle_until_killed(*_):
+    """A consumer that never reads what it is sent."""
+    threading.Event().wait(TIMEOUT)
+
+
+def forward_and_hold(inbox, onward, outbox):
+    """B of A -> B -> C: sends on what it received, flushed to the pipe, then holds it."""
+    tensor = inbox.get(timeout=TIMEOUT)
+    onward.put(tensor)
+    onward.close()
+    onward.join_thread()  # the forwarded send exists once this returns
+    outbox.put("forwarded")
+    threading.Event().wait(TIMEOUT)
+
+
+def hold_from_queue(inbox, outbox, gate=None):
+    """Consumer: opens the tensor it reads from `inbox` (once `gate` says so), reports its sum,
+    holds it until killed."""
+    if gate is not None:
+        gate.get(timeout=TIMEOUT)
+    tensor = inbox.get(timeout=TIMEOUT)
+    outbox.put(float(tensor.sum().item()))
+    threading.Event().wait(TIMEOUT)

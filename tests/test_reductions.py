@@ -234,13 +234,51 @@ def test_rfc_names_exist():
     (7, b"short", devipc.InvalidHandleError),             # truncated memory handle
     (11, b"\x01" * 36, devipc.InvalidHandleError),        # forged ref-counter handle
     (12, 10 ** 9, devipc.InvalidHandleError),             # ref-counter offset out of range
+    # found by benchmarks/fuzz_handles.py: each was a TypeError/RuntimeError or was accepted
+    (6, None, devipc.InvalidHandleError),                 # not a device
+    (6, "garbage", devipc.InvalidHandleError),
+    (6, -1, devipc.InvalidHandleError),
+    (7, None, devipc.InvalidHandleError),                 # no memory handle, real slot: leaked it
+    (8, 0, devipc.InvalidHandleError),                    # forged empty storage: leaked the slot
+    (8, 4, devipc.InvalidHandleError),                    # the view does not fit the storage
+    (13, None, devipc.InvalidHandleError),                # an event handle that is not bytes
 ])
 def test_forged_or_truncated_handles_raise(field, value, error):
     tensor = torch.ones(4, device="openreg")
     rebuild, args = torch_reductions.reduce_tensor(tensor)
     args = list(args)
     args[field] = value
+    if field == 13:
+        args[14] = True
     with pytest.raises(error):
+        rebuild(*args)
+    devipc.revoke(tensor)  # refused before its slot was opened: take the send back
+    del tensor
+    devipc.ipc_collect()
+
+
+def test_a_bytearray_memory_handle_is_refused():
+    tensor = torch.ones(4, device="openreg")
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    args = list(args)
+    args[7] = bytearray(args[7])  # was: TypeError, unhashable in the shared cache
+    with pytest.raises(devipc.InvalidHandleError):
+        rebuild(*args)
+    assert devipc.revoke(tensor) == 1  # refused before its slot was opened
+    del tensor
+    devipc.ipc_collect()
+
+
+def test_a_memory_handle_of_a_device_not_visible_here_is_an_invalid_handle():
+    import struct
+
+    tensor = torch.ones(4, device="openreg")
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    args = list(args)
+    handle = bytearray(args[7])
+    struct.pack_into("=i", handle, 24, 4096)  # physical device 4096: was an OpenRegError
+    args[7] = bytes(handle)
+    with pytest.raises(devipc.InvalidHandleError, match="physical device 4096"):
         rebuild(*args)
     del tensor
     devipc.ipc_collect()

@@ -145,6 +145,11 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
         raise
 
 
+def producer_alive(handle: bytes) -> bool:
+    """Whether the process that a well-formed handle names still lives."""
+    return _alive(struct.unpack_from("<i", handle, 6)[0])
+
+
 def _memfd_name(magic: bytes, token: bytes) -> str:
     return f"devipc-{magic.decode()}-{token.hex()}"
 

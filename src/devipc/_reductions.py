@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
+from ._errors import InvalidHandleError
 from ._hooks import device_supports_ipc, on_register, torch_shares, unsupported_device
 from ._sharing import (
     new_shared_device,
@@ -31,8 +32,13 @@ def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handl
     """The shared-cache lookup of rebuild_cuda_tensor, keyed by (the hooks' handle, offset in
     bytes), wrapped or not; plus the device asked for, when the caller overwrote args[6]."""
     handle, origin, target = requested_device(device, handle)
-    if not handle or size_bytes == 0:
-        return torch.UntypedStorage(0, device=target or origin)
+    if not handle and size_bytes == 0 and type(size_bytes) is int and ref_counter_handle is None:
+        return torch.UntypedStorage(0, device=target or origin)  # empty: travels without a send
+    if not isinstance(handle, bytes) or not handle or type(size_bytes) is not int \
+            or size_bytes <= 0:
+        # a forged empty storage would leave its slot unreleased; a bytearray is unhashable
+        raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
+                                 f"size {size_bytes!r}")
     key = (handle, offset_bytes) if target is None else (handle, offset_bytes, str(target))
     storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
@@ -59,6 +65,7 @@ def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset,
     storage = _receive_storage(storage_device, storage_handle, storage_size_bytes,
                                storage_offset_bytes, ref_counter_handle, ref_counter_offset,
                                event_handle, event_sync_required)
+    _check_view(storage, dtype, tensor_offset, tensor_size, tensor_stride)
     typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     tensor = torch._utils._rebuild_tensor(typed, tensor_offset, tensor_size, tensor_stride)
     if tensor_cls == torch.nn.parameter.Parameter:
@@ -66,6 +73,18 @@ def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset,
         return torch.nn.parameter.Parameter(tensor, requires_grad=requires_grad)
     tensor.requires_grad = requires_grad
     return tensor
+
+
+def _check_view(storage, dtype, offset, size, stride) -> None:
+    """A view must fit its storage: torch would try to grow the storage, which shared memory
+    refuses with a RuntimeError that says nothing about a bad handle."""
+    if 0 in size:
+        return
+    last = offset + sum((n - 1) * step for n, step in zip(size, stride))
+    if offset < 0 or min(stride, default=0) < 0 or (last + 1) * dtype.itemsize > storage.nbytes():
+        raise InvalidHandleError(f"a {dtype} view of size {tuple(size)}, stride {tuple(stride)} "
+                                 f"at offset {offset} does not fit a storage of "
+                                 f"{storage.nbytes()} bytes")
 
 
 def rebuild_device_storage(storage_cls, *shared):

@@ -18,7 +18,7 @@ import time
 
 from . import _locks
 from ._errors import InvalidHandleError
-from ._memfd import MappedFile, SharedFile, open_shared_file
+from ._memfd import MappedFile, SharedFile, open_shared_file, producer_alive
 
 SLOTS_PER_FILE = 10_000
 HEADER_BYTES = 64
@@ -219,7 +219,8 @@ class ProducerCounters:
 class ConsumerCounters:
     """The consumer's opens of producers' counter files, one per file, through which it holds
     slots; a file without held slots joins a few idle opens kept for the next send of the same
-    producer (opening costs more than the rest of a receive). Keys are whole handles, random
+    producer (opening costs more than the rest of a receive), unless that producer has died: a
+    dead process's file is never kept mapped here (`prune`). Keys are whole handles, random
     token included, so an idle open can never be taken for another file. A producer's own file
     is opened the same way: its own descriptor would not see its own locks as someone else's.
     """
@@ -241,6 +242,7 @@ class ConsumerCounters:
             if entry is not None:
                 entry[1] += 1
                 return entry[0]
+        self.prune()
         mapping = open_shared_file(handle, _MAGIC)
         if mapping.size != FILE_BYTES:
             mapping.close()
@@ -263,11 +265,22 @@ class ConsumerCounters:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._held[handle]
-                self._idle[handle] = entry[0]
-                if len(self._idle) > self.IDLE_KEPT:
-                    evicted = self._idle.pop(next(iter(self._idle)))
+                if producer_alive(handle):
+                    self._idle[handle] = entry[0]
+                    if len(self._idle) > self.IDLE_KEPT:
+                        evicted = self._idle.pop(next(iter(self._idle)))
+                else:
+                    evicted = entry[0]
         if evicted is not None:
             evicted.mapping.close()
+
+    def prune(self) -> None:
+        """Close the idle opens of producers that died since: nothing will come from them."""
+        with self._lock:
+            dead = [handle for handle in self._idle if not producer_alive(handle)]
+            files = [self._idle.pop(handle) for handle in dead]
+        for file in files:
+            file.mapping.close()
 
     def hold(self, handle: bytes, index: int) -> None:
         """Open a sent slot and hold it until `release`."""

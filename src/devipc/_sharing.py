@@ -16,7 +16,7 @@ import torch
 
 from . import _wire
 from ._background import Background
-from ._errors import InvalidHandleError, ReshareError, UnsupportedDeviceError
+from ._errors import DevIpcError, InvalidHandleError, ReshareError, UnsupportedDeviceError
 from ._exports import LIMBO_WARN_BLOCKS, Exports
 from ._hooks import hooks_for
 from ._memory import storage_from_memory
@@ -173,12 +173,18 @@ def requested_device(device, handle) -> tuple:
     owns the memory" (found by identity); anything else (an int index, as in CUDA's args, or
     another device) means that local device, as rebuild_cuda_tensor does. An unwrapped handle
     (share_device's 8-tuple) is taken as is: device is the sender's."""
-    if not _wire.is_wrapped(handle):
-        return handle, torch.device(device), None
-    sender, raw = _wire.unwrap_storage_handle(handle)
-    if isinstance(device, torch.device) and device == sender:
-        return raw, sender, None
-    return raw, sender, local_device(device, sender.type)
+    try:
+        if not _wire.is_wrapped(handle):
+            return handle, torch.device(device), None
+        sender, raw = _wire.unwrap_storage_handle(handle)
+        if isinstance(device, torch.device) and device == sender:
+            return raw, sender, None
+        return raw, sender, local_device(device, sender.type)
+    except (RuntimeError, TypeError, ValueError) as error:
+        if isinstance(error, DevIpcError):
+            raise
+        raise InvalidHandleError(f"malformed shared storage: device {device!r} ({error})") \
+            from None
 
 
 def local_device(device, device_type: str) -> torch.device:
@@ -200,6 +206,8 @@ def local_device(device, device_type: str) -> torch.device:
 
 def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
     """Make the current stream of (local) `device` wait for the producer's event."""
+    if not isinstance(event_handle, bytes):
+        raise InvalidHandleError(f"an event handle is bytes, got {type(event_handle).__name__}")
     stream = torch.get_device_module(device).current_stream(device)
     hooks_for(device).wait_ipc_event(event_handle, stream)
 
@@ -212,8 +220,10 @@ def release_ipc_counter_device(ref_counter_handle: bytes, ref_counter_offset: in
 
 def ipc_collect() -> int:
     """Producer: free sent memory whose consumers released it or died; consumer: run the
-    releases whose device work is done. Returns how many sends ended."""
+    releases whose device work is done, and close what it kept of producers that died. Returns
+    how many sends ended."""
     _deferred.poll()
+    _counters.prune()
     return _exports.collect()
 
 

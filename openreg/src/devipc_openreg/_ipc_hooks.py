@@ -10,7 +10,7 @@ import torch
 
 # devipc binds these names before it imports torch, so this works also when torch's autoload runs
 # it while `devipc` itself is still importing.
-from devipc import IpcHooks, OpenedMemory, register_ipc_hooks
+from devipc import InvalidHandleError, IpcHooks, OpenedMemory, register_ipc_hooks
 
 from . import _runtime
 
@@ -41,7 +41,13 @@ class OpenRegIpcHooks(IpcHooks):
             _runtime.event_destroy(event)  # the handle keeps the record, not the event object
 
     def open_ipc_mem_handle(self, handle: bytes) -> OpenedMemory:
-        base, size, device = _runtime.ipc_open_mem_handle(handle)
+        try:
+            base, size, device = _runtime.ipc_open_mem_handle(handle)
+        except _runtime.OpenRegError as error:
+            if error.code != _runtime.INVALID_DEVICE:
+                raise
+            # a device hidden here (or a forged one): a handle this process cannot open
+            raise InvalidHandleError(str(error)) from None
         return OpenedMemory(base, size, torch.device("openreg", device),
                             lambda: _runtime.ipc_close_mem_handle(base))
 

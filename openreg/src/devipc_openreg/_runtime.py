@@ -18,7 +18,7 @@ from devipc import InvalidHandleError, PeerGoneError
 
 # Values from openreg.h; tests/openreg/test_runtime.py checks them against the header.
 IPC_HANDLE_SIZE = 64
-SUCCESS, INVALID_HANDLE, PEER_GONE = 0, 6, 7
+SUCCESS, INVALID_DEVICE, INVALID_HANDLE, PEER_GONE = 0, 3, 6, 7
 EVENT_DISABLE_TIMING, EVENT_INTERPROCESS = 2, 4
 
 _NOT_BUILT = "is not built; run `make setup` in the devipc checkout, or `pip install ./openreg`"
