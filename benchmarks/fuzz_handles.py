@@ -46,6 +46,7 @@ COUNTER_FIELDS = {"magic": (0, "4s"), "version": (4, "H"), "pid": (6, "i"), "fd"
                   "size": (14, "Q"), "token": (22, "16s")}
 # Fields that opening does not check: a changed value may be accepted. A memory handle's slot
 # and seq are unused; an event's physical is unused, and its slot/seq are the record to wait for.
+WIRE_HEADER = {"magic": (0, "4s"), "version": (4, "H"), "kind": (6, "H")}  # devipc._wire
 UNCHECKED = {"mem": {"slot", "seq"}, "event": {"physical", "slot", "seq"}, "counter": set()}
 WRONG_TYPES = [None, "x", 1, 1.5, [1], {}, True]
 
@@ -101,10 +102,19 @@ def _mutate_bytes(data: bytes, fields: dict, unchecked: set, rng: random.Random)
 
 def mutate(args: list, event_handle: bytes, rng: random.Random):
     """One mutation of a real send's args: (kind, label, args, must_refuse)."""
+    from devipc import _wire
     kind = rng.choice(["mem", "event", "counter", "slot", "size", "offset", "device", "flag"])
     args = list(args)
     if kind == "mem":
-        label, args[7], refuse = _mutate_bytes(args[7], RUNTIME_FIELDS, UNCHECKED["mem"], rng)
+        # args[7] is the hooks' handle wrapped with the sender's device (devipc._wire): mostly
+        # mutate the hooks' handle inside, sometimes the wrapping itself.
+        sender, raw = _wire.unwrap_storage_handle(args[7])
+        if rng.random() < 0.8:
+            label, raw, refuse = _mutate_bytes(raw, RUNTIME_FIELDS, UNCHECKED["mem"], rng)
+            args[7] = _wire.wrap_storage_handle(sender, raw) if isinstance(raw, bytes) else raw
+        else:
+            label, args[7], refuse = _mutate_bytes(args[7], WIRE_HEADER, set(), rng)
+            label = "wire:" + label
         if isinstance(args[7], bytearray):
             refuse = True
     elif kind == "event":
@@ -143,14 +153,20 @@ def worker(path: str) -> None:
 
     import devipc
     import devipc_openreg  # noqa: F401
-    from devipc import _sharing
+    from devipc import _sharing, _wire
 
     with open(path, "rb") as f:
         batch = pickle.load(f)
     print(json.dumps({"ready": True}), flush=True)
     for number, rebuild, args in batch:
         faulthandler.dump_traceback_later(LINE_TIMEOUT - 1, exit=False)  # where a hang hangs
-        token = args[7][36:52] if isinstance(args[7], bytes) and len(args[7]) == 64 else None
+        raw = args[7]
+        if _wire.is_wrapped(raw):
+            try:
+                raw = _wire.unwrap_storage_handle(raw)[1]
+            except devipc.DevIpcError:
+                raw = None
+        token = raw[36:52] if isinstance(raw, bytes) and len(raw) == 64 else None
         result = {"n": number, "mapped": any(handle[36:52] == token
                                              for handle in _sharing._opened._by_handle)}
         try:
