@@ -1,5 +1,5 @@
 """A bounded run of the handle fuzzer (benchmarks/fuzz_handles.py), through the same code, in both
-openreg IPC modes: no crash, no wrong error type, no forged handle accepted."""
+openreg IPC modes: no crash, no hang, no wrong error type, no forged handle accepted."""
 import os
 import sys
 
@@ -17,9 +17,4 @@ def test_fuzzed_handles_are_refused_cleanly(mode, monkeypatch):
     report = fuzz_handles.fuzz(mode, MUTATIONS, seed=11)
     assert sum(report.counts.values()) == MUTATIONS
     assert report.still_held == 0
-    wrong = [f for f in report.failures if f[0] in ("wrong", "crash")]
-    assert not wrong, wrong
-    # Known runtime limit: a forged event slot or sequence number on a live producer's page
-    # waits until the producer records that far or exits (docs/reliability.md).
-    hangs = [f for f in report.failures if f[0] == "hang"]
-    assert all(f[1] == "event" for f in hangs), hangs
+    assert not report.failures, report.failures  # no wrong outcome, no crash, no hang
