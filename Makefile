@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.devipc-installed
 SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/* openreg/csrc/*/*/*)
 
-.PHONY: demo test lint check-install bench setup
+.PHONY: demo test lint check-install bench fuzz stress setup
 
 demo: $(STAMP)
 	$(PY) examples/ipc_demo.py
@@ -27,6 +27,14 @@ check-install: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/ipc_latency.py
+
+# The long runs behind docs/reliability.md (the suite runs bounded versions of both).
+fuzz: $(STAMP)
+	$(PY) benchmarks/fuzz_handles.py --mutations 5000 --seed 7
+
+stress: $(STAMP)
+	OPENREG_IPC_EVENTS=0 $(PY) benchmarks/stress.py
+	OPENREG_IPC_EVENTS=1 $(PY) benchmarks/stress.py
 
 setup: $(STAMP)
 
