@@ -371,3 +371,10 @@ def test_install_is_idempotent_and_uninstall_restores_torch():
     finally:
         devipc.install()
     assert ForkingPickler._extra_reducers[torch.Tensor] is devipc._reductions.reduce_tensor
+
+
+def test_a_non_leaf_that_requires_grad_is_refused_in_torchs_words():
+    leaf = torch.ones(3, device="openreg", requires_grad=True)
+    with pytest.raises(RuntimeError, match="Cowardly refusing to serialize non-leaf tensor which "
+                                           "requires_grad"):
+        torch_reductions.reduce_tensor(leaf * 2)
