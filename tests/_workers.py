@@ -275,3 +275,20 @@ def open_bucket_and_write(inbox, outbox):
     assert inbox.get(timeout=TIMEOUT) == "exit"
     del tensors
     settle()
+
+
+# -- arena -----------------------------------------------------------------------------------------
+def arena_consumer(attachment, inbox, outbox, acknowledge):
+    """Opens an arena; for each chunk's bytes, reports (generation, values by name) and, if told
+    to, acknowledges it; None: close and exit."""
+    reader = devipc.open_arena(attachment)
+    outbox.put(("attached", reader.device.type))
+    while (data := inbox.get(timeout=TIMEOUT)) is not None:
+        chunk = reader.read(data)
+        values = {name: t.cpu().tolist() for name, t in chunk.tensors.items()}
+        if acknowledge:
+            reader.ack(chunk)
+        outbox.put((chunk.generation, values))
+        del chunk
+    reader.close()
+    settle()
