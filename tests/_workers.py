@@ -321,3 +321,20 @@ def hold_from_queue(inbox, outbox, gate=None):
     tensor = inbox.get(timeout=TIMEOUT)
     outbox.put(float(tensor.sum().item()))
     threading.Event().wait(TIMEOUT)
+
+
+# -- arena -----------------------------------------------------------------------------------------
+def arena_consumer(attachment, inbox, outbox, acknowledge):
+    """Opens an arena; for each chunk's bytes, reports (generation, values by name) and, if told
+    to, acknowledges it; None: close and exit."""
+    reader = devipc.open_arena(attachment)
+    outbox.put(("attached", reader.device.type))
+    while (data := inbox.get(timeout=TIMEOUT)) is not None:
+        chunk = reader.read(data)
+        values = {name: t.cpu().tolist() for name, t in chunk.tensors.items()}
+        if acknowledge:
+            reader.ack(chunk)
+        outbox.put((chunk.generation, values))
+        del chunk
+    reader.close()
+    settle()

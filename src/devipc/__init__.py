@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 # The torch-free layers first: importing torch (below) may autoload a device package that
 # registers its hooks through these names while this package is still importing.
 from ._errors import (
+    AckTimeoutError,
+    ConsumerDiedError,
     DevIpcError,
     InvalidHandleError,
     PeerGoneError,
@@ -25,6 +27,7 @@ from ._hooks import (
 )
 
 # isort: split
+from ._arena import Arena, ArenaReader, Chunk, open_arena
 from ._handles import Handle, open, open_tensors, share, share_tensors
 from ._reductions import install, installed, rebuild_device_tensor, uninstall
 from ._sharing import (
@@ -37,8 +40,14 @@ from ._sharing import (
     share_device,
     stats,
 )
+from ._state_dict import open_state_dict, share_state_dict
 
 __all__ = [
+    "AckTimeoutError",
+    "Arena",
+    "ArenaReader",
+    "Chunk",
+    "ConsumerDiedError",
     "DevIpcError",
     "Handle",
     "InvalidHandleError",
@@ -54,6 +63,8 @@ __all__ = [
     "ipc_collect",
     "new_shared_device",
     "open",
+    "open_arena",
+    "open_state_dict",
     "open_tensors",
     "rebuild_device_tensor",
     "received_via_ipc",
@@ -63,6 +74,7 @@ __all__ = [
     "set_unopened_deadline",
     "share",
     "share_device",
+    "share_state_dict",
     "share_tensors",
     "stats",
     "uninstall",

@@ -20,3 +20,18 @@ class PeerGoneError(DevIpcError):
 
 class ReshareError(DevIpcError):
     """A tensor received through IPC was sent on again, which is not supported yet."""
+
+
+class ConsumerDiedError(PeerGoneError):
+    """A consumer of an arena died without acknowledging: the producer's wait ended, and that
+    consumer no longer counts. `consumers` lists (index, pid) of the dead ones."""
+
+    def __init__(self, consumers: list[tuple[int, int]], generation: int):
+        self.consumers, self.generation = consumers, generation
+        names = ", ".join(f"{index} (pid {pid})" for index, pid in consumers)
+        super().__init__(f"arena consumer {names} died before acknowledging generation "
+                         f"{generation}; the arena no longer waits for it")
+
+
+class AckTimeoutError(DevIpcError, TimeoutError):
+    """A consumer is alive but did not acknowledge in time."""

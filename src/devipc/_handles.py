@@ -89,10 +89,8 @@ class Handle:
         writer = _wire.Writer(_wire.BUCKET if self._bucket else _wire.TENSOR)
         writer.device(self._device).bytes(self._identity).bytes(mem or b"").int(size).int(offset)
         writer.bytes(counter or b"").int(slot).bytes(event).int(int(sync))
-        writer.int(int(self._requires_grad)).int(len(self._entries))
-        for entry in self._entries:
-            writer.text(entry.name).dtype(entry.dtype).ints(entry.shape).ints(entry.stride)
-            writer.int(entry.offset)
+        writer.int(int(self._requires_grad))
+        write_table(writer, self._entries)
         return writer.done()
 
     @classmethod
@@ -118,21 +116,13 @@ class Handle:
         event = reader.bytes("event handle")
         sync = reader.flag("event flag")
         requires_grad = reader.flag("requires_grad")
-        count = reader.int("tensor count", 0, MAX_ENTRIES)
-        if reader.kind == _wire.TENSOR and count != 1:
-            raise InvalidHandleError(f"a tensor handle holds one tensor, this one {count}")
         if bool(mem) != bool(counter) or (not mem and size):
             raise InvalidHandleError("a handle of a non-empty storage needs both a memory handle "
                                      "and a ref-counter handle")
-        entries = []
-        for _ in range(count):
-            entry = _Entry(reader.text("tensor name", MAX_NAME), reader.dtype(),
-                           reader.ints("shape"), reader.ints("stride"), reader.int("tensor offset"))
-            entry.check(size)
-            entries.append(entry)
+        entries = read_table(reader, size)
+        if reader.kind == _wire.TENSOR and len(entries) != 1:
+            raise InvalidHandleError(f"a tensor handle holds one tensor, this one {len(entries)}")
         reader.end()
-        if len({entry.name for entry in entries}) != len(entries):
-            raise InvalidHandleError("a bucket's tensor names must be unique")
         shared = (mem or None, size, offset, counter or None, slot, event, sync)
         return cls(reader.kind == _wire.BUCKET, device, identity, shared, requires_grad,
                    tuple(entries))
@@ -181,6 +171,24 @@ def share(tensor: torch.Tensor) -> Handle:
 def share_tensors(named_tensors) -> Handle:
     """One send of many tensors: copied into one new allocation on their device, each at an
     offset aligned to 256 bytes, shared with one memory handle and one slot."""
+    return pack_and_share(named_tensors, aliases=False)
+
+
+def pack_and_share(named_tensors, aliases: bool) -> Handle:
+    """`share_tensors`; with `aliases`, names of one same view share its bytes (tied weights)."""
+    items = named_items(named_tensors, "share_tensors()")
+    device = items[0][1].device
+    entries, end = layout(items, aliases)
+    storage = torch.empty(max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
+    local = fill(storage, 0, entries, items)
+    _, *shared = _sharing.share_device(storage)
+    _sharing.counts["buckets_shared"] += 1
+    _sharing.counts["bucket_tensors_shared"] += len(entries)
+    return Handle(True, device, _identity(device), tuple(shared), False, tuple(entries), local)
+
+
+def named_items(named_tensors, what: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a dict or an iterable of pairs: unique names, one device."""
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
     names = [name for name, _ in items]
     if not all(isinstance(name, str) and len(name.encode()) <= MAX_NAME for name in names) \
@@ -188,36 +196,67 @@ def share_tensors(named_tensors) -> Handle:
         raise ValueError(f"a bucket's names must be unique strings of at most {MAX_NAME} "
                          f"bytes, got {names}")
     for name, tensor in items:
-        _check(tensor, f"share_tensors()[{name!r}]")
+        _check(tensor, f"{what}[{name!r}]")
     devices = {tensor.device for _, tensor in items}
     if len(devices) > 1:
         raise ValueError(f"a bucket's tensors must all be on one device, got "
                          f"{sorted(map(str, devices))}")
     if not devices:
         raise ValueError("a bucket needs at least one tensor")
-    device = devices.pop()
-    entries, end = [], 0
+    return items
+
+
+def layout(items, aliases: bool = False) -> tuple[list[_Entry], int]:
+    """Where each tensor goes in a bucket, contiguous at 256-byte aligned offsets; the end."""
+    entries, end, seen = [], 0, {}
     for name, tensor in items:
-        offset = -(-end // ALIGNMENT) * ALIGNMENT
         stride = torch.empty(tensor.shape, device="meta").stride()
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if aliases and tensor.numel() and key in seen:
+            offset = seen[key]
+        else:
+            offset = seen[key] = -(-end // ALIGNMENT) * ALIGNMENT
+            end = offset + tensor.numel() * tensor.element_size()
         entries.append(_Entry(name, tensor.dtype, tuple(tensor.shape), stride, offset))
-        end = offset + tensor.numel() * tensor.element_size()
-    storage = torch.empty(max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
-    local = {}
+    return entries, end
+
+
+def fill(storage, base: int, entries, items) -> dict[str, torch.Tensor]:
+    """Copy `items` into `storage` at `base` + their entries' offsets; the views, by name."""
+    views = {}
     for entry, (name, tensor) in zip(entries, items):
-        local[name] = _view(storage, entry)
+        views[name] = _view(storage, entry, shift=base)
         if tensor.numel():
             with torch.no_grad():
-                local[name].copy_(tensor)
-    _, *shared = _sharing.share_device(storage)
-    _sharing.counts["buckets_shared"] += 1
-    _sharing.counts["bucket_tensors_shared"] += len(entries)
-    return Handle(True, device, _identity(device), tuple(shared), False, tuple(entries), local)
+                views[name].copy_(tensor)
+    return views
 
 
-def _view(storage: torch.UntypedStorage, entry: _Entry, requires_grad=False) -> torch.Tensor:
+def write_table(writer: _wire.Writer, entries) -> None:
+    """A bucket's table on the wire: count, then name, dtype, shape, stride, offset each."""
+    writer.int(len(entries))
+    for entry in entries:
+        writer.text(entry.name).dtype(entry.dtype).ints(entry.shape).ints(entry.stride)
+        writer.int(entry.offset)
+
+
+def read_table(reader: _wire.Reader, size: int) -> tuple[_Entry, ...]:
+    """`write_table`'s entries, each checked to lie inside `size` bytes, names unique."""
+    entries = []
+    for _ in range(reader.int("tensor count", 0, MAX_ENTRIES)):
+        entry = _Entry(reader.text("tensor name", MAX_NAME), reader.dtype(),
+                       reader.ints("shape"), reader.ints("stride"), reader.int("tensor offset"))
+        entry.check(size)
+        entries.append(entry)
+    if len({entry.name for entry in entries}) != len(entries):
+        raise InvalidHandleError("a bucket's tensor names must be unique")
+    return tuple(entries)
+
+
+def _view(storage: torch.UntypedStorage, entry: _Entry, requires_grad=False,
+          shift: int = 0) -> torch.Tensor:
     typed = torch.TypedStorage(wrap_storage=storage, dtype=entry.dtype, _internal=True)
-    tensor = torch._utils._rebuild_tensor(typed, entry.offset // entry.dtype.itemsize,
+    tensor = torch._utils._rebuild_tensor(typed, (shift + entry.offset) // entry.dtype.itemsize,
                                           entry.shape, entry.stride)
     tensor.requires_grad_(requires_grad)
     return tensor

@@ -27,7 +27,10 @@ _INT = struct.Struct("<q")
 STORAGE = 1  # a hooks' storage handle wrapped with the sender's device (reduce_tensor's args[7])
 TENSOR = 2  # devipc.share
 BUCKET = 3  # devipc.share_tensors
-KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucket handle"}
+ARENA = 4  # devipc.Arena.attach: one consumer's way into an arena
+CHUNK = 5  # devipc.Arena.put: a generation and its table
+KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucket handle",
+              ARENA: "arena attachment", CHUNK: "arena chunk"}
 
 MAX_NDIM = 64
 MAX_BYTES = 1 << 16  # any one bytes or text field

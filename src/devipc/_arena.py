@@ -1,0 +1,328 @@
+"""A reusable arena for streaming weight syncs: one device allocation shared once, refilled chunk
+after chunk, reused only once every consumer acknowledged what it read from it.
+
+A trainer that sends its weights through fresh buckets allocates, shares, opens and frees once per
+sync; through an arena it does so once per consumer and then only copies. The arena holds
+`buffers` equal buffers: generation g goes into buffer g % buffers, so with two the producer fills
+chunk k + 1 while the consumer still works on chunk k.
+
+Acknowledgements live in a small control file (a memfd) that the producer owns and each consumer
+maps: one record per consumer, (state, acknowledged generation, pid). A consumer keeps an OFD
+lock (`_locks`) on its record while attached, so a record that says ATTACHED and whose lock is
+free belongs to a consumer that died: the producer's wait ends there and names it. Every wait is
+bounded by a timeout. Chunk tables travel as devipc wire bytes (`_wire`) by whatever transport
+the user picks.
+"""
+import os
+import secrets
+import time
+
+import torch
+
+from . import _handles, _locks, _sharing, _wire
+from ._errors import AckTimeoutError, ConsumerDiedError, InvalidHandleError
+from ._hooks import hooks_for
+from ._memfd import SharedFile, open_shared_file
+
+__all__ = ["Arena", "ArenaReader", "Chunk", "open_arena"]
+
+_MAGIC = b"ACKS"
+MAX_CONSUMERS = 64
+MAX_BUFFERS = 16
+_HEADER = 64
+_RECORD = 32  # bytes: state, acknowledged generation, pid, unused
+_CONTROL_BYTES = _HEADER + MAX_CONSUMERS * _RECORD
+FREE, PENDING, ATTACHED, CLOSED, GONE = 0, 1, 2, 3, 4
+_STATE_NAMES = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached", CLOSED: "closed",
+                GONE: "died"}
+
+
+class _Records:
+    """The control file's consumer records, through one mapping of it."""
+
+    def __init__(self, mapping):
+        self.mapping = mapping
+
+    def _word(self, index: int, field: int):
+        return self.mapping.int64((_HEADER + _RECORD * index) // 8 + field)
+
+    def state(self, index: int) -> int:
+        return self._word(index, 0).value
+
+    def set_state(self, index: int, state: int) -> None:
+        self._word(index, 0).value = state
+
+    def ack(self, index: int) -> int:
+        return self._word(index, 1).value
+
+    def set_ack(self, index: int, generation: int) -> None:
+        self._word(index, 1).value = generation
+
+    def pid(self, index: int) -> int:
+        return self._word(index, 2).value
+
+    def set_pid(self, index: int, pid: int) -> None:
+        self._word(index, 2).value = pid
+
+    @staticmethod
+    def lock_range(index: int) -> tuple[int, int]:
+        return _HEADER + _RECORD * index, _RECORD
+
+
+def _positive(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_timeout(timeout) -> float:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+class Arena:
+    """Producer: `buffers` buffers of `nbytes` each on `device`, one allocation. `attach()` once
+    per consumer, then `put()` chunk after chunk. Not thread-safe: one producer thread."""
+
+    def __init__(self, nbytes: int, device, buffers: int = 2):
+        self.nbytes = _positive(nbytes, "nbytes")
+        self.buffers = _positive(buffers, "buffers")
+        if buffers > MAX_BUFFERS:
+            raise ValueError(f"an arena has at most {MAX_BUFFERS} buffers, not {buffers}")
+        device = torch.device(device)
+        hooks_for(device)  # UnsupportedDeviceError before anything is allocated
+        self.device = _sharing.local_device(device, device.type)
+        self._storage = torch.empty(nbytes * buffers, dtype=torch.uint8,
+                                    device=self.device).untyped_storage()
+        self._control = SharedFile(_MAGIC, _CONTROL_BYTES)
+        self._records = _Records(self._control.buffer)
+        self._token = secrets.token_bytes(16)
+        self._sends: list[_handles.Handle] = []
+        self.generation = -1  # the last one put
+
+    def attach(self) -> bytes:
+        """One consumer's way in, for `open_arena`: a send of the arena (opened once) and a
+        record in the control file. Chunks put before it are not for that consumer."""
+        self._check_open()
+        free = [i for i in range(MAX_CONSUMERS) if self._records.state(i) == FREE]
+        if not free:
+            raise ValueError(f"an arena has at most {MAX_CONSUMERS} consumers")
+        index = free[0]
+        self._records.set_ack(index, self.generation)
+        self._records.set_pid(index, 0)
+        self._records.set_state(index, PENDING)
+        device, *shared = _sharing.share_device(self._storage)
+        send = _handles.Handle(True, device, _handles._identity(device), tuple(shared), False, ())
+        self._sends.append(send)
+        writer = _wire.Writer(_wire.ARENA).bytes(self._token).bytes(bytes(send))
+        writer.bytes(self._control.handle).int(index).int(self.nbytes).int(self.buffers)
+        return writer.done()
+
+    def put(self, named_tensors, timeout: float = 60.0) -> bytes:
+        """Copy a chunk of named tensors into the next buffer, packed as `share_tensors` packs
+        them, once every consumer acknowledged the generation that used that buffer before;
+        returns the chunk's bytes for `ArenaReader.read`. ConsumerDiedError if a consumer died
+        meanwhile (it no longer counts: put again), AckTimeoutError after `timeout` seconds."""
+        self._check_open()
+        items = _handles.named_items(named_tensors, "Arena.put()")
+        if items[0][1].device != self.device:
+            raise ValueError(f"the arena is on {self.device}, the chunk on {items[0][1].device}")
+        entries, end = _handles.layout(items)
+        if end > self.nbytes:
+            raise ValueError(f"the chunk needs {end} bytes, an arena buffer holds {self.nbytes}: "
+                             f"split it into smaller chunks")
+        generation = self.generation + 1
+        self.wait_for(generation - self.buffers, timeout)
+        buffer = generation % self.buffers
+        _handles.fill(self._storage, buffer * self.nbytes, entries, items)
+        torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
+        self.generation = generation
+        writer = _wire.Writer(_wire.CHUNK).bytes(self._token).int(generation).int(buffer)
+        _handles.write_table(writer, entries)
+        return writer.done()
+
+    def wait_for(self, generation: int, timeout: float = 60.0) -> None:
+        """Return once every consumer acknowledged `generation` (or closed). ConsumerDiedError
+        names the consumers found dead, which stop counting; AckTimeoutError after `timeout`."""
+        timeout = _check_timeout(timeout)
+        deadline, pause = time.monotonic() + timeout, 0.00005
+        while True:
+            waiting = [i for i in range(MAX_CONSUMERS)
+                       if self._records.state(i) in (PENDING, ATTACHED)
+                       and self._records.ack(i) < generation]
+            dead = [(i, self._records.pid(i)) for i in waiting if self._died(i)]
+            if dead:
+                raise ConsumerDiedError(dead, generation)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise AckTimeoutError(
+                    f"after {timeout} s, consumers " + ", ".join(
+                        f"{i} (pid {self._records.pid(i)}, {_STATE_NAMES[self._records.state(i)]},"
+                        f" acknowledged {self._records.ack(i)})" for i in waiting)
+                    + f" have not acknowledged generation {generation}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
+
+    def _died(self, index: int) -> bool:
+        """An attached record whose lock is free: its consumer is gone. Marked GONE."""
+        start, length = _Records.lock_range(index)
+        if self._records.state(index) != ATTACHED or not _locks.try_lock(self._control.fd, start,
+                                                                          length):
+            return False
+        try:
+            if self._records.state(index) != ATTACHED:
+                return False  # it closed in between
+            self._records.set_state(index, GONE)
+            return True
+        finally:
+            _locks.unlock(self._control.fd, start, length)
+
+    def consumers(self) -> dict[int, dict]:
+        """Each consumer record in use: state, last acknowledged generation, pid."""
+        return {i: {"state": _STATE_NAMES[s], "acknowledged": self._records.ack(i),
+                    "pid": self._records.pid(i)}
+                for i in range(MAX_CONSUMERS) if (s := self._records.state(i)) != FREE}
+
+    def _check_open(self) -> None:
+        if self._storage is None:
+            raise ValueError("this arena is closed")
+
+    def close(self) -> None:
+        """Take back unopened sends and drop the producer's references: the memory is freed once
+        the consumers that opened it let go (or died). Idempotent."""
+        if self._storage is None:
+            return
+        for send in self._sends:
+            send.revoke()
+        self._sends.clear()
+        self._storage = None
+        self._control.close()
+
+    def __enter__(self) -> "Arena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<devipc.Arena {self.buffers} x {self.nbytes} bytes on {self.device}, "
+                f"generation {self.generation}>")
+
+
+class Chunk:
+    """One chunk as a consumer sees it: its generation and its tensors, views of the arena that
+    stay valid until the consumer acknowledges the generation."""
+
+    __slots__ = ("generation", "tensors")
+
+    def __init__(self, generation: int, tensors: dict[str, torch.Tensor]):
+        self.generation, self.tensors = generation, tensors
+
+    def __repr__(self) -> str:
+        return f"<devipc.Chunk {self.generation} of {len(self.tensors)} tensors>"
+
+
+class ArenaReader:
+    """Consumer: an arena opened once; `read` each chunk's bytes, then `ack` it."""
+
+    def __init__(self, data, device=None):
+        reader = _wire.Reader(data, (_wire.ARENA,))
+        self._token = reader.bytes("arena token", 64)
+        send = _handles.Handle.from_bytes(reader.bytes("arena handle"))
+        control = reader.bytes("control file handle", 1024)
+        self._index = reader.int("consumer index", 0, MAX_CONSUMERS - 1)
+        self.nbytes = reader.int("buffer size", 1)
+        self.buffers = reader.int("buffer count", 1, MAX_BUFFERS)
+        reader.end()
+        if send.kind != "bucket" or send.nbytes != self.nbytes * self.buffers:
+            raise InvalidHandleError(f"the arena's allocation has {send.nbytes} bytes, not "
+                                     f"{self.buffers} x {self.nbytes}")
+        self._mapping = open_shared_file(control, _MAGIC)
+        try:
+            if self._mapping.size != _CONTROL_BYTES:
+                raise InvalidHandleError(f"an arena control file has {_CONTROL_BYTES} bytes, "
+                                         f"this one {self._mapping.size}")
+            self._records = _Records(self._mapping)
+            if not _locks.try_lock(self._mapping.fd, *_Records.lock_range(self._index)) \
+                    or self._records.state(self._index) != PENDING:
+                raise InvalidHandleError("this arena attachment was already opened (attach once "
+                                         "per consumer) or the arena is closed")
+            self._storage = _handles._open_storage(send, device)  # the one send: opened once
+        except BaseException:
+            self._mapping.close()  # the lock goes with it
+            raise
+        self.device = self._storage.device
+        self.acknowledged = self._records.ack(self._index)
+        self._read = self.acknowledged
+        self._records.set_pid(self._index, os.getpid())
+        self._records.set_state(self._index, ATTACHED)
+
+    def read(self, data) -> Chunk:
+        """The tensors of a chunk's bytes from `Arena.put`, as views of the arena (clone what
+        must outlive the acknowledgement)."""
+        self._check_open()
+        reader = _wire.Reader(data, (_wire.CHUNK,))
+        if reader.bytes("arena token", 64) != self._token:
+            raise InvalidHandleError("this chunk belongs to another arena")
+        generation = reader.int("generation")
+        buffer = reader.int("buffer", 0, self.buffers - 1)
+        entries = _handles.read_table(reader, self.nbytes)
+        reader.end()
+        if generation <= self.acknowledged:
+            raise InvalidHandleError(f"chunk {generation} is older than the acknowledged "
+                                     f"generation {self.acknowledged}: its buffer may be reused")
+        if buffer != generation % self.buffers:
+            raise InvalidHandleError(f"chunk {generation} claims buffer {buffer}, not "
+                                     f"{generation % self.buffers}")
+        self._read = max(self._read, generation)
+        base = buffer * self.nbytes
+        return Chunk(generation, {entry.name: _handles._view(self._storage, entry, shift=base)
+                                  for entry in entries})
+
+    def ack(self, generation) -> None:
+        """Done with every chunk up to `generation` (or a Chunk): the producer may reuse their
+        buffers. Waits for the device work queued on them first."""
+        self._check_open()
+        if isinstance(generation, Chunk):
+            generation = generation.generation
+        if not isinstance(generation, int) or isinstance(generation, bool):
+            raise TypeError(f"acknowledge a generation (int) or a Chunk, not {generation!r}")
+        if generation > self._read:
+            raise ValueError(f"generation {generation} was not read yet (last read: "
+                             f"{self._read})")
+        if generation <= self.acknowledged:
+            return
+        torch.get_device_module(self.device).synchronize(self.device)
+        self._records.set_ack(self._index, generation)
+        self.acknowledged = generation
+
+    def _check_open(self) -> None:
+        if self._storage is None:
+            raise ValueError("this arena reader is closed")
+
+    def close(self) -> None:
+        """Detach: the producer stops waiting for this consumer. Views still held keep the
+        memory mapped until they die. Idempotent."""
+        if self._storage is None:
+            return
+        torch.get_device_module(self.device).synchronize(self.device)
+        self._records.set_state(self._index, CLOSED)
+        self._mapping.close()  # the lock goes with it
+        self._storage = None
+
+    def __enter__(self) -> "ArenaReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<devipc.ArenaReader {self.buffers} x {self.nbytes} bytes on {self.device}, "
+                f"acknowledged {self.acknowledged}>")
+
+
+def open_arena(data, device=None) -> ArenaReader:
+    """Consumer: open an arena from `Arena.attach()`'s bytes, once. `device` as in `open`."""
+    return ArenaReader(data, device)

@@ -1,0 +1,199 @@
+"""The arena: streamed chunks with acknowledgements across spawned processes in both openreg IPC
+modes, flat device memory, a consumer killed mid-stream, close, and bad inputs."""
+import _workers
+import pytest
+import torch
+from _support import TIMEOUT, open_fds, wait_until
+
+import devipc
+
+pytestmark = pytest.mark.usefixtures("ipc_mode")
+
+
+def _drain():
+    torch.accelerator.synchronize()
+    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
+               "every send ended")
+
+
+def _chunk(generation):
+    """A chunk whose values depend on its generation, with mixed dtypes and odd sizes."""
+    return {"w": torch.arange(300, dtype=torch.float32, device="openreg").reshape(20, 15)
+            + generation,
+            "b": torch.full((7,), generation, dtype=torch.int64, device="openreg"),
+            "h": torch.full((33,), generation / 4, dtype=torch.bfloat16, device="openreg")}
+
+
+def _start(children, arena, acknowledge=True):
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    proc = children.start(_workers.arena_consumer, arena.attach(), inbox, outbox, acknowledge)
+    assert outbox.get(timeout=TIMEOUT) == ("attached", "openreg")
+    return proc, inbox, outbox
+
+
+def test_fifty_chunks_stream_with_acknowledgements_and_flat_memory(children):
+    _drain()
+    baseline = torch.openreg.memory_allocated()
+    arena = devipc.Arena(4096, "openreg")
+    with_arena = torch.openreg.memory_allocated()
+    assert with_arena - baseline >= 2 * 4096
+    _, inbox, outbox = _start(children, arena)
+    torch.openreg.reset_peak_memory_stats()
+    after_each, previous = [], None
+    for generation in range(50):
+        source = _chunk(generation)
+        inbox.put(arena.put(source, timeout=TIMEOUT))
+        expected = {name: t.cpu().tolist() for name, t in source.items()}
+        del source
+        after_each.append(torch.openreg.memory_allocated())
+        if generation:  # the consumer works on chunk k while we filled k + 1
+            assert outbox.get(timeout=TIMEOUT) == (generation - 1, previous)
+        previous = expected
+    assert outbox.get(timeout=TIMEOUT) == (49, previous)
+    assert after_each == [with_arena] * 50  # no growth, chunk after chunk
+    assert torch.openreg.max_memory_allocated() <= with_arena + 4096  # plus one chunk's sources
+    arena.wait_for(49, timeout=TIMEOUT)
+    assert arena.consumers()[0]["acknowledged"] == 49
+    inbox.put(None)
+    children.join_ok()
+    arena.close()
+    _drain()
+    assert torch.openreg.memory_allocated() == baseline
+
+
+def test_a_buffer_is_reused_only_after_its_acknowledgement(children):
+    arena = devipc.Arena(4096, "openreg", buffers=2)
+    proc, inbox, outbox = _start(children, arena, acknowledge=False)
+    for generation in range(2):  # two buffers: no acknowledgement needed yet
+        inbox.put(arena.put(_chunk(generation), timeout=TIMEOUT))
+        assert outbox.get(timeout=TIMEOUT)[0] == generation
+    with pytest.raises(devipc.AckTimeoutError, match="acknowledged generation 0"):
+        arena.put(_chunk(2), timeout=0.2)
+    assert arena.generation == 1  # nothing was overwritten
+    inbox.put(None)
+    children.join_ok()  # a consumer that closes stops counting
+    arena.put(_chunk(2), timeout=TIMEOUT)
+    arena.close()
+    _drain()
+
+
+def test_a_consumer_killed_mid_stream_gives_the_arena_back(children):
+    _drain()
+    baseline = torch.openreg.memory_allocated()
+    arena = devipc.Arena(4096, "openreg")
+    proc, inbox, outbox = _start(children, arena, acknowledge=False)
+    for generation in range(2):
+        inbox.put(arena.put(_chunk(generation), timeout=TIMEOUT))
+        assert outbox.get(timeout=TIMEOUT)[0] == generation
+    proc.kill()
+    proc.join(TIMEOUT)
+    with pytest.raises(devipc.ConsumerDiedError, match=f"pid {proc.pid}") as raised:
+        arena.put(_chunk(2), timeout=TIMEOUT)  # ends on the death, long before the timeout
+    assert raised.value.consumers == [(0, proc.pid)] and raised.value.generation == 0
+    assert isinstance(raised.value, devipc.PeerGoneError)
+    del raised  # its traceback holds the chunk's sources
+    assert arena.consumers()[0]["state"] == "died"
+    for generation in range(2, 6):  # the arena is ours again
+        arena.put(_chunk(generation), timeout=TIMEOUT)
+    arena.close()
+    _drain()  # the dead consumer's send was reclaimed
+    assert torch.openreg.memory_allocated() == baseline
+
+
+def test_close_leaves_memory_at_baseline(children):
+    _drain()
+    baseline = torch.openreg.memory_allocated()
+    arena = devipc.Arena(1 << 16, "openreg", buffers=3)
+    unopened = arena.attach()
+    _, inbox, outbox = _start(children, arena)
+    inbox.put(arena.put(_chunk(0), timeout=TIMEOUT))
+    assert outbox.get(timeout=TIMEOUT)[0] == 0
+    arena.close()
+    arena.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        arena.put(_chunk(1))
+    with pytest.raises(devipc.InvalidHandleError):
+        devipc.open_arena(unopened)  # its send was revoked with the arena
+    inbox.put(None)
+    children.join_ok()
+    _drain()
+    assert torch.openreg.memory_allocated() == baseline
+
+
+def test_close_leaves_no_descriptors():
+    """Producer and consumer in one process: the control file, its second open and the mapping
+    of the arena all go."""
+    warm = devipc.open(devipc.share(torch.ones(1, device="openreg")))  # the counter file and
+    del warm  # the consumer's idle open of it exist already
+    _drain()
+    baseline, fds = torch.openreg.memory_allocated(), open_fds()
+    arena = devipc.Arena(1 << 16, "openreg")
+    reader = devipc.open_arena(arena.attach())
+    chunk = reader.read(arena.put(_chunk(0)))
+    assert chunk.tensors["b"].cpu().tolist() == [0] * 7
+    reader.ack(chunk)
+    assert open_fds() > fds
+    del chunk
+    reader.close()
+    arena.close()
+    _drain()
+    assert open_fds() == fds
+    assert torch.openreg.memory_allocated() == baseline
+
+
+def test_bad_inputs_are_refused_clearly():
+    with pytest.raises(ValueError, match="nbytes"):
+        devipc.Arena(0, "openreg")
+    with pytest.raises(ValueError, match="buffers"):
+        devipc.Arena(64, "openreg", buffers=0)
+    with pytest.raises(ValueError, match="at most 16 buffers"):
+        devipc.Arena(64, "openreg", buffers=17)
+    with pytest.raises(devipc.UnsupportedDeviceError):
+        devipc.Arena(64, "cpu")
+    with devipc.Arena(1024, "openreg") as arena, devipc.Arena(1024, "openreg") as other:
+        reader = devipc.open_arena(arena.attach())
+        with pytest.raises(devipc.InvalidHandleError):
+            devipc.open_arena(b"DVIP junk")
+        with pytest.raises(ValueError, match="split it"):
+            arena.put({"big": torch.ones(1024, device="openreg")})
+        with pytest.raises(ValueError, match="unique"):
+            arena.put([("a", torch.ones(1, device="openreg"))] * 2)
+        with pytest.raises(ValueError, match="arena is on openreg:0"):
+            arena.put({"a": torch.ones(1, device="openreg:1")})
+        with pytest.raises(devipc.UnsupportedDeviceError):
+            arena.put({"a": torch.ones(1)})
+        with pytest.raises(ValueError, match="timeout"):
+            arena.put({"a": torch.ones(1, device="openreg")}, timeout=0)
+        data = arena.put({"a": torch.ones(1, device="openreg")})
+        with pytest.raises(devipc.InvalidHandleError, match="another arena"):
+            reader.read(other.put({"a": torch.ones(1, device="openreg")}))
+        with pytest.raises(devipc.InvalidHandleError, match="truncated"):
+            reader.read(data[:-3])
+        bucket = devipc.share_tensors({"a": torch.ones(1, device="openreg")})
+        with pytest.raises(devipc.InvalidHandleError, match="expected a arena chunk"):
+            reader.read(bytes(bucket))
+        assert bucket.revoke()
+        with pytest.raises(ValueError, match="not read yet"):
+            reader.ack(0)
+        chunk = reader.read(data)
+        assert chunk.tensors["a"].cpu().tolist() == [1.0]
+        with pytest.raises(TypeError, match="generation"):
+            reader.ack("0")
+        reader.ack(chunk)
+        with pytest.raises(devipc.InvalidHandleError, match="older than"):
+            reader.read(data)
+        reader.close()
+        with pytest.raises(ValueError, match="closed"):
+            reader.read(data)
+        del chunk
+    _drain()
+
+
+def test_an_attachment_opens_once():
+    with devipc.Arena(1024, "openreg") as arena:
+        data = arena.attach()
+        reader = devipc.open_arena(data)
+        with pytest.raises(devipc.InvalidHandleError, match="already opened"):
+            devipc.open_arena(data)
+        reader.close()
+    _drain()
