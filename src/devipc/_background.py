@@ -2,10 +2,12 @@
 producer's collection (dead consumers, deadlines) and the consumer's releases that wait for
 device work. It exits when nothing is pending and is started again by `wake`.
 """
+import logging
 import os
 import threading
 from collections.abc import Callable
 
+_log = logging.getLogger("devipc")
 INTERVAL = 0.2  # seconds between rounds while work is pending
 
 
@@ -33,6 +35,7 @@ class Background:
             try:
                 more = self._round()
             except Exception:  # noqa: BLE001 - keep the thread alive; the next round retries
+                _log.exception("devipc: a collector round failed; retrying")
                 more = True
             with self._lock:
                 if not more and not self._kicked:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._memory import storage_from_memory
+from ._memory import storage_from_memory, storage_key
 from ._refcount import HELD, RELEASED, REVOKED, SENT, ProducerCounters, ProducerFile
 
 LIMBO_WARN_BLOCKS = 1_000
@@ -57,7 +57,7 @@ class Exports:
 
     def send(self, storage: torch.UntypedStorage) -> tuple[ProducerFile, int]:
         """A slot for one more send of `storage`'s memory."""
-        key = (str(storage.device), storage.data_ptr(), storage.nbytes())
+        key = storage_key(storage)
         with self._lock:
             self._apply_dropped()
             export = self._by_key.get(key)
@@ -151,7 +151,7 @@ class Exports:
 
     def revoke(self, storage: torch.UntypedStorage) -> int:
         """Take back every unopened send of `storage`'s memory; returns how many."""
-        key = (str(storage.device), storage.data_ptr(), storage.nbytes())
+        key = storage_key(storage)
         with self._lock:
             export = self._by_key.get(key)
             slots = [] if export is None else list(export.slots)

@@ -74,6 +74,12 @@ def _on_storage_freed(managed):
             pass
 
 
+def storage_key(storage: torch.UntypedStorage) -> tuple:
+    """(device, data_ptr, nbytes): how devipc's tables recognise a storage's memory. Storages
+    are keyed by their bytes, not by object: two Python storages may wrap one allocation."""
+    return (str(storage.device), storage.data_ptr(), storage.nbytes())
+
+
 def _dlpack_device_type(device: torch.device) -> int:
     if device.type == torch._C._get_privateuse1_backend_name():
         return _KDL_EXT_DEV

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ._hooks import OpenedMemory
+from ._memory import storage_key
 
 
 class OpenedAllocations:
@@ -65,10 +66,6 @@ class ReceivedStorages:
         self._lock = threading.Lock()
         self._by_key: dict[tuple, list[Receipt]] = {}
 
-    @staticmethod
-    def key(storage: torch.UntypedStorage) -> tuple:
-        return (str(storage.device), storage.data_ptr(), storage.nbytes())
-
     def add(self, key: tuple, receipt: Receipt) -> None:
         with self._lock:
             self._by_key.setdefault(key, []).append(receipt)
@@ -83,7 +80,7 @@ class ReceivedStorages:
 
     def get(self, storage: torch.UntypedStorage) -> Receipt | None:
         with self._lock:
-            receipts = self._by_key.get(self.key(storage))
+            receipts = self._by_key.get(storage_key(storage))
             return receipts[0] if receipts else None
 
 
