@@ -277,3 +277,16 @@ def test_errors_name_openreg_not_the_cpu():
     with pytest.raises(NotImplementedError) as error:
         torch.ops.aten._fused_dropout(x, 0.5)  # a CUDA-only op: no CPU kernel either
     assert "'openreg' backend" in str(error.value) and "'CPU' backend" not in str(error.value)
+
+
+def test_conjugate_and_negative_views_resolve_as_on_the_cpu():
+    # copy_ of such views used to recurse until the stack overflowed (conj and neg bits).
+    c = torch.complex(torch.arange(4.0), -torch.arange(4.0))
+    results = []
+    for device in ("cpu", "openreg"):
+        z = c.to(device)
+        results.append([z.conj().resolve_conj(), z.conj() * 2, z.conj().imag.clone(),
+                        z.conj().to(torch.complex128), torch.empty_like(z).copy_(z.conj())])
+    for cpu, dev in zip(*results):
+        assert dev.device.type == "openreg" and not dev.is_conj()
+        torch.testing.assert_close(dev.cpu().resolve_neg(), cpu.resolve_neg())

@@ -66,6 +66,19 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   }
 }
 
+// copy_ of a conjugate or negative view reaches _copy_from with the bit set; the math-op fallbacks
+// would resolve it by a clone, whose copy_ reaches _copy_from again, forever. copy_from handles
+// the bits (the CPU's copy does the conversion), as CUDA's copy kernel does.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
 }
