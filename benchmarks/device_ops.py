@@ -2,7 +2,7 @@
 CPU kernels (in place, on openreg's memory), so the ratio is the cost of the device's path.
 
 Each case runs `--repeats` times per device after a warm-up, the devices alternating; the clock
-stops after torch.openreg.synchronize(). Prints a markdown table: case | CPU ms | openreg ms | ratio.
+stops after torch.openreg.synchronize(). Prints a markdown table: case, CPU ms, openreg ms, ratio.
 Usage: python benchmarks/device_ops.py [--repeats N] [--cases name,...] [--threads N]
 """
 import argparse
