@@ -36,6 +36,9 @@ HEADER_NAMES = {
     "EVENT_DISABLE_TIMING": "orEventDisableTiming",
     "EVENT_INTERPROCESS": "orEventInterprocess",
     "MEMORY_TYPE_UNREGISTERED": "orMemoryTypeUnregistered",
+    "RUNTIME_UNUSED": "orRuntimeUnused",
+    "RUNTIME_INITIALIZED": "orRuntimeInitialized",
+    "RUNTIME_FORKED_AFTER_USE": "orRuntimeForkedAfterUse",
 }
 
 

@@ -6,3 +6,4 @@
 #include "../generator.cpp"
 #include "../hooks.cpp"
 #include "../device_ops.cpp"
+#include "../autocast.cpp"
