@@ -29,6 +29,8 @@ HEADER_NAMES = {
     "NOT_READY": "orErrorNotReady",
     "INVALID_HANDLE": "orErrorInvalidHandle",
     "PEER_GONE": "orErrorPeerGone",
+    "INITIALIZATION": "orErrorInitialization",
+    "INVALID_ENVIRONMENT": "orErrorInvalidEnvironment",
     "HOST_TO_HOST": "orMemcpyHostToHost",
     "HOST_TO_DEVICE": "orMemcpyHostToDevice",
     "DEVICE_TO_HOST": "orMemcpyDeviceToHost",
@@ -83,8 +85,12 @@ def test_structures_match_the_header(structure, c_name):
 DEVICES = """
 import json
 import _native as native
-n = native.device_count()
-print(json.dumps({"count": n, "uuids": [native.device_uuid(i) for i in range(n)]}))
+from devipc_openreg import _runtime as rt
+try:
+    n = native.device_count()
+    print(json.dumps({"count": n, "uuids": [native.device_uuid(i) for i in range(n)]}))
+except rt.OpenRegError as e:
+    print(json.dumps({"code": e.code, "error": str(e)}))
 """
 
 
@@ -101,13 +107,15 @@ def test_device_env_count_visible_and_stable_uuids():
     got = {name: json_from(proc) for name, proc in procs.items()}
     assert got["default"]["count"] == 2
     assert got["four"]["count"] == 4
-    assert got["bad_count"]["count"] == 2  # unparsable: default
     assert got["none"]["count"] == 0
+    # Refused, with the value echoed (tests/openreg/test_env.py covers the cases through torch).
+    assert got["bad_count"]["code"] == got["bad_entries"]["code"] == rt.INVALID_ENVIRONMENT
+    assert "OPENREG_DEVICE_COUNT='many' is not valid" in got["bad_count"]["error"]
+    assert "OPENREG_VISIBLE_DEVICES='7, x,1,1,-1' is not valid" in got["bad_entries"]["error"]
     phys = got["four"]["uuids"]
     assert len(set(phys)) == 4 and all(len(u) == 36 and u.count("-") == 4 for u in phys)
     assert got["default"]["uuids"] == phys[:2]  # same physical index, same UUID, any process
     assert got["renumbered"]["uuids"] == [phys[2], phys[0]]
-    assert got["bad_entries"]["uuids"] == [phys[1]]
 
 
 def test_current_device_is_per_thread_and_uuid_lookup():

@@ -19,6 +19,7 @@ from devipc import InvalidHandleError, PeerGoneError
 # Values from openreg.h; tests/openreg/test_runtime.py checks them against the header.
 IPC_HANDLE_SIZE = 64
 SUCCESS, INVALID_DEVICE, INVALID_HANDLE, PEER_GONE = 0, 3, 6, 7
+INITIALIZATION, INVALID_ENVIRONMENT = 9, 10
 RUNTIME_UNUSED, RUNTIME_INITIALIZED, RUNTIME_FORKED_AFTER_USE = 0, 1, 2
 EVENT_DISABLE_TIMING, EVENT_INTERPROCESS = 2, 4
 
