@@ -393,3 +393,18 @@ print(json.dumps([os.waitstatus_to_exitcode(status), native.device_count(),
 def test_forked_child_cannot_allocate():
     # Its allocator cache would alias the parent's memory and it has no stream workers.
     assert json_from(start_isolated(USE_AFTER_FORK)) == [0, 2, True]
+
+
+def test_host_alloc_is_known_to_the_runtime_and_free_host_refuses_strangers():
+    """orHostAlloc is pin_memory()'s memory: the runtime resolves it (interior pointers too)."""
+    rt.declare({"orHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t],
+                "orFreeHost": [ctypes.c_void_p]})
+    p = ctypes.c_void_p()
+    rt.check(rt.lib.orHostAlloc(ctypes.byref(p), 1000), "host_alloc")
+    device, base, size, offset = native.pointer_attributes(p.value + 999)
+    assert (device, base, size, offset) == (-1, p.value, 1000, 999)
+    rt.check(rt.lib.orFreeHost(p), "free_host")
+    assert native.pointer_attributes(p.value) is None
+    with pytest.raises(rt.OpenRegError, match="not a live pointer returned by orHostAlloc"):
+        rt.check(rt.lib.orFreeHost(p), "free_host")
+    rt.check(rt.lib.orFreeHost(None), "free_host")  # NULL is a no-op
