@@ -3,10 +3,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -100,10 +102,15 @@ const DeviceTable& table() {
 
 thread_local int current = 0;
 
-// The process that first used the runtime (0: none yet). A forked child inherits it, so it sees
-// another pid: it has no stream workers, and its allocator cache would hand out memory the parent
-// still uses.
-std::atomic<pid_t> owner{0};
+// Whether this process used the runtime (an orRuntimeState). The first use registers a fork
+// handler that marks a child forked afterwards: it has no stream workers, and its allocator cache
+// would hand out memory the parent still uses. An atomic load is all a call then costs.
+std::atomic<int> state{orRuntimeUnused};
+pid_t firstUser = 0;  // the process that used it first, for the message
+
+void markForkedChild() {
+  if (state.load() != orRuntimeUnused) state.store(orRuntimeForkedAfterUse);
+}
 
 // Stable across processes and renumbering: the physical index is the only input.
 void formatUuid(int physical, char out[37]) {
@@ -131,15 +138,23 @@ int currentDevice() { return current; }
 // no use (CUDA's NVML-based count is not either), so a parent that only counted forks good
 // children; device queries and frees stay allowed, so inherited objects can still be torn down.
 orError_t checkNotForked(const char* call) {
-  pid_t self = getpid();
-  pid_t first = 0;
-  if (owner.compare_exchange_strong(first, self) || first == self) return orSuccess;
+  int now = state.load(std::memory_order_acquire);
+  if (now == orRuntimeUnused) {
+    static std::once_flag once;  // untouched in a child forked before any use: it may use its own
+    std::call_once(once, [] {
+      firstUser = getpid();
+      pthread_atfork(nullptr, nullptr, &markForkedChild);
+      state.store(orRuntimeInitialized, std::memory_order_release);
+    });
+    now = state.load(std::memory_order_acquire);
+  }
+  if (now == orRuntimeInitialized) return orSuccess;
   // CUDA's wording, so users recognise the cause and the fix.
   return fail(orErrorInitialization,
               "%s: Cannot re-initialize openreg in forked subprocess. To use openreg with "
               "multiprocessing, you must use the 'spawn' start method (openreg was first used in "
               "process %d, which forked this one afterwards)",
-              call, (int)first);
+              call, (int)firstUser);
 }
 
 orError_t checkEnvironment(const char* call) {
@@ -183,11 +198,9 @@ orError_t orSetDevice(int device) {
   return orSuccess;
 }
 
-orError_t orGetRuntimeState(orRuntimeState* state) {
-  if (!state) return fail(orErrorInvalidValue, "orGetRuntimeState: state is NULL");
-  pid_t first = owner.load();
-  *state = first == 0 ? orRuntimeUnused
-           : first == getpid() ? orRuntimeInitialized : orRuntimeForkedAfterUse;
+orError_t orGetRuntimeState(orRuntimeState* out) {
+  if (!out) return fail(orErrorInvalidValue, "orGetRuntimeState: state is NULL");
+  *out = (orRuntimeState)state.load();
   return orSuccess;
 }
 
