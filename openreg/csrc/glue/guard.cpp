@@ -31,9 +31,10 @@ DeviceIndex current_device() {
 
 DeviceIndex checked_index(int64_t index) {
   if (index < 0) return current_device();
-  TORCH_CHECK(index < device_count(), "openreg: invalid device index ", static_cast<int>(index),
-              "; ", static_cast<int>(device_count()),
-              " devices are visible (see OPENREG_DEVICE_COUNT, OPENREG_VISIBLE_DEVICES)");
+  int count = 0;
+  OR_CHECK(orGetDeviceCount(&count));  // names a refused OPENREG_* value
+  TORCH_CHECK(index < count, "openreg: invalid device index ", static_cast<int>(index), "; ",
+              count, " devices are visible (see OPENREG_DEVICE_COUNT, OPENREG_VISIBLE_DEVICES)");
   return static_cast<DeviceIndex>(index);
 }
 

@@ -49,6 +49,9 @@ void registerRegion(const Region& region);
 void unregisterRegion(uintptr_t base);
 bool findRegion(const void* ptr, Region* out);  // ptr may point anywhere inside the region
 
+// ---- pinned host memory (allocator.cpp) ---------------------------------------------------------
+bool findHostBlock(const void* ptr, uintptr_t* base, size_t* size);  // an orHostAlloc block
+
 // A memfd named "openreg:<tag>:<tokenhex>", sized, mapped MAP_SHARED. The fd stays open: an
 // importer reaches the memory through /proc/<pid>/fd/<fd>.
 struct SharedFile {
