@@ -177,3 +177,7 @@ def manual_seed_all(seed: int) -> None:
 
 def initial_seed() -> int:
     return _runtime.initial_seed(current_device()) & _UINT64
+
+from ._streams import Event, Stream, StreamContext, default_stream, set_stream, stream  # noqa: E402
+
+__all__ += ["Event", "Stream", "StreamContext", "default_stream", "set_stream", "stream"]
