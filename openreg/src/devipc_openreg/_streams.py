@@ -134,6 +134,10 @@ class Event:
             raise ValueError("only an openreg Event(interprocess=True) has an IPC handle")
         return _runtime.ipc_get_event_handle(self._event)
 
+    def __reduce__(self):
+        raise TypeError("an openreg Event holds a runtime pointer; only multiprocessing's pickler "
+                        "(torch.multiprocessing included) sends it, as its IPC handle")
+
     def __del__(self):
         event, self._event = getattr(self, "_event", None), None
         if event is not None and _runtime is not None:  # None late in interpreter shutdown
