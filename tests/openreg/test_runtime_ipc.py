@@ -308,6 +308,48 @@ def test_a_killed_importer_that_recorded_releases_the_exporter(children):
         rt.event_destroy(event)
 
 
+def test_a_destroyed_event_keeps_its_slot_until_its_record_ran(gate):
+    stream = native.stream_create(0)
+    event = rt.event_create(interprocess=True, timing=False)
+    gate.hold(stream)
+    rt.event_record(event, stream)
+    handle = rt.ipc_get_event_handle(event)
+    rt.event_destroy(event)  # as devipc's hooks do right after taking the handle
+    opened = rt.ipc_open_event_handle(handle)
+    gate2 = native.Gate()
+    try:
+        assert not native.event_query(opened)  # still the creator's pending record
+        gate.open()
+        within(native.event_synchronize, opened)
+        native.stream_synchronize(stream)
+        # now freed: another event may take the slot, and the old handle waits for nothing
+        others = [rt.event_create(interprocess=True, timing=False) for _ in range(2)]
+        gate2.hold(stream)
+        for other in others:
+            rt.event_record(other, stream)
+        late = rt.ipc_open_event_handle(handle)
+        assert native.event_query(late) and native.event_query(opened)
+        with pytest.raises(rt.OpenRegError, match="destroyed"):
+            rt.event_record(late, stream)
+        gate2.open()
+        native.stream_synchronize(stream)
+        for e in [late, *others]:
+            rt.event_destroy(e)
+    finally:
+        gate.open()
+        gate2.open()
+        rt.event_destroy(opened)
+        native.stream_destroy(stream)
+
+
+def test_event_slots_are_reused():
+    for _ in range(9000):  # more than a page's 8192 slots
+        rt.event_destroy(rt.event_create(interprocess=True, timing=False))
+    live = [rt.event_create(interprocess=True, timing=False) for _ in range(100)]
+    for e in live:
+        rt.event_destroy(e)
+
+
 def test_bad_handles_are_rejected():
     p = native.malloc(4096, 0)
     handle, _ = rt.ipc_get_mem_handle(p)
