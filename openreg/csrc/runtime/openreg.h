@@ -164,10 +164,13 @@ orError_t orIpcGetMemHandle(orIpcMemHandle_t* handle, size_t* offset, const void
 orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHandle_t handle);
 orError_t orIpcCloseMemHandle(void* base);  // unmaps at the last close
 
-// The handle captures the event's latest record (the event needs orEventInterprocess). An event
-// opened from it can be waited on (orStreamWaitEvent), queried and synchronized, then destroyed
-// with orEventDestroy. If the exporter dies before the record completes, waiters are released.
-// Opening refuses (orErrorInvalidHandle) a handle naming a record the exporter never made.
+// As in CUDA, the handle names the EVENT (which needs orEventInterprocess), not one record: every
+// process that opened it may record it, and a query, synchronize or stream wait, in any of them,
+// is for its latest record at that moment, whoever made it. If the process that made that record
+// exits before it completes, stream waits are released and orEventQuery/orEventSynchronize fail
+// with orErrorPeerGone. Opening refuses (orErrorInvalidHandle) a slot or epoch the exporter never
+// handed out; a handle of an event its creator has since destroyed opens with nothing to wait for
+// and cannot be recorded. Destroy an opened event with orEventDestroy.
 orError_t orIpcGetEventHandle(orIpcEventHandle_t* handle, orEvent_t event);
 orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle);
 

@@ -286,3 +286,8 @@ def ipc_collect() -> int:
     import devipc  # the core, not this package: it names no device
 
     return devipc.ipc_collect()
+
+
+from ._streams import Event, Stream, StreamContext, default_stream, set_stream, stream  # noqa: E402
+
+__all__ += ["Event", "Stream", "StreamContext", "default_stream", "set_stream", "stream"]

@@ -274,3 +274,37 @@ def ipc_open_event_handle(handle):
     e = _vp()
     check(lib.orIpcOpenEventHandle(ctypes.byref(e), h), "ipc_open_event_handle")
     return e.value
+
+
+# ---- streams and events of torch.openreg (_streams) --------------------------------------------
+declare({
+    "orEventQuery": [_vp],
+    "orEventSynchronize": [_vp],
+    "orEventElapsedTime": [_P(ctypes.c_float), _vp, _vp],
+})
+NOT_READY = 5  # orErrorNotReady (checked against openreg.h with the constants above)
+
+
+def exchange_stream(device, stream_id):
+    """Makes torch stream `stream_id` this thread's current stream of `device`; returns the id of
+    the one it replaces."""
+    return _ops.exchange_stream(device, stream_id)
+
+
+def event_query(event):
+    """True when the event's latest record has completed (or it was never recorded)."""
+    err = lib.orEventQuery(event)
+    if err == NOT_READY:
+        return False
+    check(err, "event_query")
+    return True
+
+
+def event_synchronize(event):
+    check(lib.orEventSynchronize(event), "event_synchronize")
+
+
+def event_elapsed_ms(start, end):
+    ms = ctypes.c_float()
+    check(lib.orEventElapsedTime(ctypes.byref(ms), start, end), "event_elapsed_time")
+    return ms.value
