@@ -38,3 +38,7 @@ _register()
 from . import _ipc_hooks  # noqa: E402  (needs the device registered)
 
 _ipc_hooks.register()
+
+from . import _distributed  # noqa: E402  (torch.distributed is imported by torch already)
+
+_distributed.register()

@@ -1,0 +1,115 @@
+"""Ranks of the process-group tests, run in spawned children: they do the collectives on openreg
+tensors and send back plain lists (no tensors through pipes: those would use shared memory), so
+the test compares them with values it computes on CPU."""
+import datetime
+import gc
+import os
+
+import torch
+
+N = 6  # elements each rank contributes
+
+
+def rank_input(rank: int, dtype=torch.float32) -> torch.Tensor:
+    """What `rank` contributes, on CPU: distinct per rank and per element."""
+    return (torch.arange(N) * (rank + 1) + rank + 1).to(dtype)
+
+
+def _counts():
+    """This process's descriptors and the /dev/shm entries of openreg, devipc and torch (the
+    directory is shared with every other process on the machine)."""
+    shm = [e for e in os.listdir("/dev/shm") if "openreg" in e or "devipc" in e
+           or e.startswith("torch_")]
+    return len(os.listdir("/proc/self/fd")), sorted(shm)
+
+
+def collectives(conn, rank, world, store_path, backend):
+    """Every op of the backend once; sends {op: result as a list} and the leak counts."""
+    import torch.distributed as dist
+
+    import devipc_openreg  # noqa: F401  (registers the device and the backend)
+
+    warm = torch.ones(1, device="openreg")  # the allocator's first segment is not a leak
+    before = _counts()
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    out = {"config": str(dist.get_backend_config()), "name": dist.group.WORLD.name()}
+
+    def dev(dtype=torch.float32):
+        return rank_input(rank, dtype).to("openreg")
+
+    for op in ("SUM", "MAX", "MIN", "PRODUCT", "AVG"):
+        x = dev()
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+        out[f"all_reduce_{op}"] = x.tolist()
+    x = dev(torch.int64)
+    dist.all_reduce(x)
+    out["all_reduce_int64"] = x.tolist()
+
+    base = torch.zeros(N + 4, device="openreg")  # a view at an offset: only its elements change
+    base[2:2 + N] = dev()
+    dist.all_reduce(base[2:2 + N])
+    out["all_reduce_view"] = base.tolist()
+
+    x = dev()
+    dist.broadcast(x, src=world - 1)
+    out["broadcast"] = x.tolist()
+
+    gathered = [torch.empty(N, device="openreg") for _ in range(world)]
+    dist.all_gather(gathered, dev())
+    out["all_gather"] = [g.tolist() for g in gathered]
+
+    flat = torch.empty(world * N, device="openreg")
+    dist.all_gather_single(flat, dev())
+    out["all_gather_single"] = flat.tolist()
+
+    chunks = [dev() * (r + 1) for r in range(world)]  # chunk r goes to rank r
+    part = torch.empty(N, device="openreg")
+    dist.reduce_scatter(part, chunks)
+    out["reduce_scatter"] = part.tolist()
+
+    part = torch.empty(N, device="openreg")
+    dist.reduce_scatter_single(part, torch.cat(chunks))
+    out["reduce_scatter_single"] = part.tolist()
+
+    received = torch.empty(N, device="openreg")  # a ring: each rank sends to the next one
+    sent = dist.isend(dev(), (rank + 1) % world)
+    dist.recv(received, (rank - 1) % world)
+    sent.wait()
+    out["recv"] = received.tolist()
+
+    x = dev()
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    out["all_reduce_async"] = x.tolist()
+
+    objects = [None] * world  # object collectives go through cpu tensors
+    dist.all_gather_object(objects, {"rank": rank})
+    out["all_gather_object"] = objects
+
+    dist.barrier()
+    dist.destroy_process_group()
+    del warm, work, sent  # gloo's work holds the group's connections
+    gc.collect()
+    out["counts"] = before, _counts()
+    conn.send(out)
+
+
+def dead_peer(conn, rank, world, store_path):
+    """Rank 1 dies after the group is up; rank 0's all_reduce must raise, not hang."""
+    import torch.distributed as dist
+
+    import devipc_openreg  # noqa: F401
+
+    dist.init_process_group("oreg", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=10))
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(N, device="openreg"))
+    except RuntimeError as e:
+        conn.send(str(e))
+    else:
+        conn.send(None)
+    dist.destroy_process_group()

@@ -1,0 +1,133 @@
+"""The "oreg" process-group backend: registered as vendors register theirs, each op across 2 and 3
+spawned processes against values computed on CPU, stream ordering, errors, a dead peer, leaks.
+
+The backend moves bytes with gloo over CPU aliases of openreg memory, never with devipc handles,
+so openreg's IPC modes do not apply here.
+"""
+import functools
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from _distributed_workers import collectives, dead_peer, rank_input
+from _support import recv
+
+import devipc_openreg  # noqa: F401  (registers the device and the backend)
+from devipc_openreg import _distributed, _runtime
+
+
+def _reduced(world, op, dtype=torch.float32):
+    inputs = torch.stack([rank_input(r, dtype) for r in range(world)])
+    if op == "AVG":
+        return inputs.sum(0) / world
+    return {"SUM": inputs.sum(0), "MAX": inputs.amax(0), "MIN": inputs.amin(0),
+            "PRODUCT": inputs.prod(0)}[op]
+
+
+def _expected(rank, world):
+    """What `collectives` must report on `rank`, computed on CPU."""
+    total = _reduced(world, "SUM")
+    expected = {f"all_reduce_{op}": _reduced(world, op)
+                for op in ("SUM", "MAX", "MIN", "PRODUCT", "AVG")}
+    expected.update({
+        "all_reduce_int64": _reduced(world, "SUM", torch.int64),
+        "all_reduce_view": torch.cat([torch.zeros(2), total, torch.zeros(2)]),
+        "broadcast": rank_input(world - 1),
+        "all_gather": torch.stack([rank_input(r) for r in range(world)]),
+        "all_gather_single": torch.cat([rank_input(r) for r in range(world)]),
+        "reduce_scatter": total * (rank + 1),
+        "reduce_scatter_single": total * (rank + 1),
+        "recv": rank_input((rank - 1) % world),
+        "all_reduce_async": total,
+    })
+    return expected
+
+
+def test_registered_the_way_vendors_register_theirs():
+    assert dist.Backend("oreg") == "oreg" == dist.Backend.OREG
+    assert dist.Backend.default_device_backend_map["openreg"] == "oreg"
+    assert dist.get_default_backend_for_device("openreg") == "oreg"
+    assert "openreg" in dist.Backend.backend_capability["oreg"]
+    _distributed.register()  # idempotent
+    assert dist.Backend.backend_list.count("oreg") == 1
+
+
+@pytest.mark.parametrize("world, backend", [(2, "oreg"), (3, None)])
+def test_collectives_match_cpu(children, tmp_path, world, backend):
+    """backend None: on a machine whose accelerator is openreg, the default picks "oreg"."""
+    store = tmp_path / "store"
+    conns = [children.start_piped(collectives, rank, world, str(store), backend)[1]
+             for rank in range(world)]
+    results = [recv(conn) for conn in conns]
+    children.join_ok()
+    for rank, got in enumerate(results):
+        assert got["config"] == ("openreg:oreg" if backend is None else "openreg:oreg,cpu:oreg")
+        assert got["name"] == "oreg"
+        for op, want in _expected(rank, world).items():
+            torch.testing.assert_close(torch.tensor(got[op], dtype=want.dtype), want,
+                                       msg=lambda m, op=op, rank=rank: f"rank {rank}, {op}: {m}")
+        assert got["all_gather_object"] == [{"rank": r} for r in range(world)]
+        before, after = got["counts"]
+        assert after == before, "descriptors or /dev/shm entries left after the group's end"
+
+
+def test_a_dead_peer_raises_instead_of_hanging(children, tmp_path):
+    conns = [children.start_piped(dead_peer, rank, 2, str(tmp_path / "store"))[1]
+             for rank in range(2)]
+    error = recv(conns[0])
+    children.join_ok()
+    assert error is not None and "all_reduce on the 'oreg' (openreg) process group" in error
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-rank group in this process, destroyed whatever happens."""
+    dist.init_process_group("oreg", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_reads_inputs_only_after_the_current_stream_wrote_them(group, gate):
+    x = torch.zeros(1 << 16, device="openreg")
+    stream = torch.accelerator.current_stream()
+    gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+    x.copy_(torch.full((1 << 16,), 3.0), non_blocking=True)  # queued behind the gate
+    gathered = [torch.empty_like(x)]
+    threading.Timer(0.2, gate.open).start()  # when it opens does not change the outcome
+    dist.all_gather(gathered, x)  # gloo copies x into gathered[0] on the host
+    assert torch.equal(gathered[0].cpu(), torch.full((1 << 16,), 3.0))
+
+
+def test_async_work_keeps_its_tensors_and_completes(group):
+    x = torch.arange(8.0, device="openreg")
+    work = dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
+    assert work.wait() and work.is_completed() and work.is_success()
+    assert torch.equal(x.cpu(), torch.arange(8.0))
+    future = dist.broadcast(x, src=0, async_op=True).get_future()
+    future.wait()
+    assert future.done()
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (functools.partial(dist.all_reduce, torch.zeros(2, device="meta")), ValueError,
+     "serves openreg and cpu tensors; all_reduce got a tensor on meta"),
+    (functools.partial(dist.all_reduce, torch.ones(2, dtype=torch.int64, device="openreg"),
+                       op=dist.ReduceOp.AVG), TypeError, "AVG .* needs floating point"),
+    (functools.partial(dist.reduce, torch.ones(2, device="openreg"), 0, op=dist.ReduceOp.AVG),
+     ValueError, "reduce on the 'oreg' process group does not support"),
+    (functools.partial(dist.all_reduce, torch.ones(2).to_sparse()),
+     ValueError, "needs dense tensors"),
+])
+def test_bad_calls_raise_errors_that_name_the_backend(group, call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_shut_down_group_refuses_work(group):
+    dist.destroy_process_group(group)
+    with pytest.raises(RuntimeError, match="was shut down"):
+        group.allreduce([torch.ones(2, device="openreg")], dist.AllreduceOptions())
