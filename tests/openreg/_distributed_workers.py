@@ -87,29 +87,45 @@ def collectives(conn, rank, world, store_path, backend):
     dist.all_gather_object(objects, {"rank": rank})
     out["all_gather_object"] = objects
 
+    torch.manual_seed(0)  # DDP: the same model everywhere, gradients averaged over the ranks
+    model = torch.nn.Linear(N, 2).to("openreg")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.stack([dev(), dev(), dev()])).sum().backward()
+    out["ddp_weight_grad"] = model.weight.grad.tolist()
+
+    pair = dist.new_group([0, 1])  # a subgroup: ranks 0 and 1 only
+    x = dev()
+    if rank < 2:
+        dist.all_reduce(x, group=pair)
+    out["subgroup_all_reduce"] = x.tolist()
+
     dist.barrier()
     dist.destroy_process_group()
-    del warm, work, sent  # gloo's work holds the group's connections
+    del warm, work, sent, model, ddp  # gloo's work holds the group's connections
     gc.collect()
     out["counts"] = before, _counts()
     conn.send(out)
 
 
-def dead_peer(conn, rank, world, store_path):
-    """Rank 1 dies after the group is up; rank 0's all_reduce must raise, not hang."""
+def lost_peer(conn, rank, world, store_path, how):
+    """Rank 1 dies ("dies") or stops taking part ("stalls", until the test tells it to go on)
+    once the group is up; rank 0's all_reduce must raise within the group's timeout."""
     import torch.distributed as dist
 
     import devipc_openreg  # noqa: F401
 
     dist.init_process_group("oreg", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=10))
+                            world_size=world, timeout=datetime.timedelta(seconds=3))
     dist.barrier()
     if rank == 1:
-        os._exit(0)
-    try:
-        dist.all_reduce(torch.ones(N, device="openreg"))
-    except RuntimeError as e:
-        conn.send(str(e))
+        if how == "dies":
+            os._exit(0)
+        conn.recv()
     else:
-        conn.send(None)
+        try:
+            dist.all_reduce(torch.ones(N, device="openreg"))
+        except RuntimeError as e:
+            conn.send(str(e))
+        else:
+            conn.send(None)
     dist.destroy_process_group()

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from _distributed_workers import collectives, dead_peer, rank_input
+from _distributed_workers import collectives, lost_peer, rank_input
 from _support import recv
 
 import devipc_openreg  # noqa: F401  (registers the device and the backend)
@@ -40,6 +40,8 @@ def _expected(rank, world):
         "reduce_scatter_single": total * (rank + 1),
         "recv": rank_input((rank - 1) % world),
         "all_reduce_async": total,
+        "ddp_weight_grad": _reduced(world, "SUM").mul(3 / world).expand(2, -1),
+        "subgroup_all_reduce": rank_input(0) + rank_input(1) if rank < 2 else rank_input(rank),
     })
     return expected
 
@@ -72,10 +74,13 @@ def test_collectives_match_cpu(children, tmp_path, world, backend):
         assert after == before, "descriptors or /dev/shm entries left after the group's end"
 
 
-def test_a_dead_peer_raises_instead_of_hanging(children, tmp_path):
-    conns = [children.start_piped(dead_peer, rank, 2, str(tmp_path / "store"))[1]
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+def test_a_lost_peer_raises_instead_of_hanging(children, tmp_path, how):
+    conns = [children.start_piped(lost_peer, rank, 2, str(tmp_path / "store"), how)[1]
              for rank in range(2)]
     error = recv(conns[0])
+    if how == "stalls":
+        conns[1].send("go on")
     children.join_ok()
     assert error is not None and "all_reduce on the 'oreg' (openreg) process group" in error
 
@@ -108,8 +113,7 @@ def test_async_work_keeps_its_tensors_and_completes(group):
     assert work.wait() and work.is_completed() and work.is_success()
     assert torch.equal(x.cpu(), torch.arange(8.0))
     future = dist.broadcast(x, src=0, async_op=True).get_future()
-    future.wait()
-    assert future.done()
+    assert future.wait()[0] is x  # the openreg tensor, not gloo's host alias of it
 
 
 @pytest.mark.parametrize("call, error, match", [

@@ -39,6 +39,7 @@ from . import _ipc_hooks  # noqa: E402  (needs the device registered)
 
 _ipc_hooks.register()
 
-from . import _distributed  # noqa: E402  (torch.distributed is imported by torch already)
+if torch.distributed.is_available():  # imported by torch already: registering costs ~2 ms
+    from . import _distributed
 
-_distributed.register()
+    _distributed.register()

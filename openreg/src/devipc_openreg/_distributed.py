@@ -17,7 +17,6 @@ import datetime
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 BACKEND = "oreg"
 _DEVICES = ["openreg", "cpu"]  # cpu tensors (object collectives, barrier) go to gloo as they are
@@ -26,8 +25,9 @@ _REFUSED_OPS = (dist.ReduceOp.PREMUL_SUM,)
 
 
 def register() -> None:
-    """Makes "oreg" a torch.distributed backend and openreg's default one; idempotent."""
-    if BACKEND.upper() not in dist.Backend._plugins:
+    """Makes "oreg" a torch.distributed backend and openreg's default one; idempotent. Without
+    gloo in this torch build there is nothing to build on, and "oreg" stays unknown."""
+    if dist.is_gloo_available() and BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, devices=_DEVICES)
 
 
@@ -49,22 +49,26 @@ def _host_alias(tensor: torch.Tensor) -> torch.Tensor:
 
 class _Prepared:
     """The arguments of one call with every openreg tensor replaced by its host alias, after the
-    work queued on the streams that use them is done."""
+    work queued on the current streams of their devices is done."""
 
     def __init__(self, what: str, args):
         self.what = what
-        self.tensors = []
-        self.args = [self._map(arg) for arg in args]
-        for index in sorted({t.device.index for t in self.tensors}):
+        self.originals = {}  # id(alias): (alias, openreg tensor), for the work's future
+        devices = set()
+        for arg in args:
+            self._check(arg, devices)
+        for index in sorted(devices):
             torch.openreg.current_stream(index).synchronize()
-        self.args = [self._alias(arg) for arg in self.args]
+        self.args = [self._alias(arg) for arg in args]
 
-    def _map(self, arg):
+    def _check(self, arg, devices):
         """Checks the tensors of `arg` (a tensor or nested lists of them); other values pass."""
         if isinstance(arg, (list, tuple)):
-            return [self._map(a) for a in arg]
+            for a in arg:
+                self._check(a, devices)
+            return
         if not isinstance(arg, torch.Tensor):
-            return arg
+            return
         if arg.device.type not in _DEVICES:
             raise ValueError(f"the {BACKEND!r} process group serves openreg and cpu tensors; "
                              f"{self.what} got a tensor on {arg.device}")
@@ -72,34 +76,40 @@ class _Prepared:
             raise ValueError(f"the {BACKEND!r} process group needs dense tensors without conj/neg "
                              f"bits; {self.what} got one with layout {arg.layout}")
         if arg.device.type == "openreg":
-            self.tensors.append(arg)
-        return arg
+            devices.add(arg.device.index)
 
     def _alias(self, arg):
-        if isinstance(arg, list):
+        if isinstance(arg, (list, tuple)):
             return [self._alias(a) for a in arg]
         if isinstance(arg, torch.Tensor) and arg.device.type == "openreg":
-            return _host_alias(arg)
+            alias = _host_alias(arg)
+            self.originals[id(alias)] = (alias, arg)
+            return alias
         return arg
+
+    def restore(self, value):
+        """`value` (a future's result) with each alias of ours replaced by its openreg tensor."""
+        if isinstance(value, (list, tuple)):
+            return [self.restore(v) for v in value]
+        if isinstance(value, torch.Tensor) and id(value) in self.originals:
+            return self.originals[id(value)][1]
+        return value
 
 
 class _Work(dist.Work):
-    """gloo's work on the aliases, holding the openreg tensors until it is waited for."""
+    """gloo's work on the aliases; its errors and its future's result speak of openreg."""
 
     def __init__(self, inner, prepared: _Prepared):
         super().__init__()
         self._inner = inner
-        self._what = prepared.what
-        self._keep = prepared.tensors
+        self._prepared = prepared
 
     def wait(self, timeout=None):
         try:
-            done = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+            return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as e:
-            raise RuntimeError(f"{self._what} on the {BACKEND!r} (openreg) process group: {e}") \
-                from e
-        self._keep = []
-        return done
+            raise RuntimeError(f"{self._prepared.what} on the {BACKEND!r} (openreg) process "
+                               f"group: {e}") from e
 
     def is_completed(self):
         return self._inner.is_completed()
@@ -111,7 +121,8 @@ class _Work(dist.Work):
         return self._inner.exception()
 
     def get_future(self):
-        return self._inner.get_future()
+        prepared = self._prepared
+        return self._inner.get_future().then(lambda done: prepared.restore(done.value()))
 
 
 class OpenRegProcessGroup(dist.ProcessGroup):
@@ -119,7 +130,8 @@ class OpenRegProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
-        self._gloo = ProcessGroupGloo(PrefixStore(f"{BACKEND}/gloo/", store), rank, size, timeout)
+        store = dist.PrefixStore(f"{BACKEND}/gloo/", store)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
 
     def getBackendName(self) -> str:  # noqa: N802  (the name torch's C++ asks for)
         return BACKEND
