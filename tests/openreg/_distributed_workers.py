@@ -23,8 +23,9 @@ def _counts():
     return len(os.listdir("/proc/self/fd")), sorted(shm)
 
 
-def collectives(conn, rank, world, store_path, backend):
-    """Every op of the backend once; sends {op: result as a list} and the leak counts."""
+def collectives(conn, rank, world, store_path, backend, ddp):
+    """Every op of the backend once, and a DDP step if `ddp` (it imports dynamo: seconds); sends
+    {op: result as a list} and the leak counts."""
     import torch.distributed as dist
 
     import devipc_openreg  # noqa: F401  (registers the device and the backend)
@@ -87,11 +88,13 @@ def collectives(conn, rank, world, store_path, backend):
     dist.all_gather_object(objects, {"rank": rank})
     out["all_gather_object"] = objects
 
-    torch.manual_seed(0)  # DDP: the same model everywhere, gradients averaged over the ranks
-    model = torch.nn.Linear(N, 2).to("openreg")
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    ddp(torch.stack([dev(), dev(), dev()])).sum().backward()
-    out["ddp_weight_grad"] = model.weight.grad.tolist()
+    if ddp:  # the same model everywhere, gradients averaged over the ranks
+        torch.manual_seed(0)
+        model = torch.nn.Linear(N, 2).to("openreg")
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped(torch.stack([dev(), dev(), dev()])).sum().backward()
+        out["ddp_weight_grad"] = model.weight.grad.tolist()
+        del model, wrapped
 
     pair = dist.new_group([0, 1])  # a subgroup: ranks 0 and 1 only
     x = dev()
@@ -101,7 +104,7 @@ def collectives(conn, rank, world, store_path, backend):
 
     dist.barrier()
     dist.destroy_process_group()
-    del warm, work, sent, model, ddp  # gloo's work holds the group's connections
+    del warm, work, sent  # gloo's work holds the group's connections
     gc.collect()
     out["counts"] = before, _counts()
     conn.send(out)
@@ -114,8 +117,9 @@ def lost_peer(conn, rank, world, store_path, how):
 
     import devipc_openreg  # noqa: F401
 
-    dist.init_process_group("oreg", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=3))
+    store = dist.FileStore(store_path, world)  # the rendezvous keeps the store's long timeout
+    dist.init_process_group("oreg", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=3))
     dist.barrier()
     if rank == 1:
         if how == "dies":
