@@ -47,6 +47,10 @@ def collectives(conn, rank, world, store_path, backend, ddp):
     dist.all_reduce(x)
     out["all_reduce_int64"] = x.tolist()
 
+    pair = [dev(), dev()[:2]]
+    dist.all_reduce_coalesced(pair)
+    out["all_reduce_coalesced"] = torch.cat(pair).tolist()
+
     base = torch.zeros(N + 4, device="openreg")  # a view at an offset: only its elements change
     base[2:2 + N] = dev()
     dist.all_reduce(base[2:2 + N])

@@ -32,6 +32,7 @@ def _expected(rank, world, ddp):
                 for op in ("SUM", "MAX", "MIN", "PRODUCT", "AVG")}
     expected.update({
         "all_reduce_int64": _reduced(world, "SUM", torch.int64),
+        "all_reduce_coalesced": torch.cat([total, total[:2]]),
         "all_reduce_view": torch.cat([torch.zeros(2), total, torch.zeros(2)]),
         "broadcast": rank_input(world - 1),
         "all_gather": torch.stack([rank_input(r) for r in range(world)]),
@@ -125,13 +126,23 @@ def test_async_work_keeps_its_tensors_and_completes(group):
     (functools.partial(dist.all_reduce, torch.ones(2, dtype=torch.int64, device="openreg"),
                        op=dist.ReduceOp.AVG), TypeError, "AVG .* needs floating point"),
     (functools.partial(dist.reduce, torch.ones(2, device="openreg"), 0, op=dist.ReduceOp.AVG),
-     ValueError, "reduce on the 'oreg' process group does not support"),
+     ValueError, "reduce on the 'oreg' process group does not support AVG"),
+    (functools.partial(dist.all_reduce, torch.ones(2, device="openreg"),
+                       op=dist._make_nccl_premul_sum(2.0)),
+     RuntimeError, "all_reduce on the 'oreg' \\(openreg\\) process group: .*PREMUL_SUM"),
     (functools.partial(dist.all_reduce, torch.ones(2).to_sparse()),
      ValueError, "needs dense tensors"),
 ])
 def test_bad_calls_raise_errors_that_name_the_backend(group, call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_coalescing_is_refused_clearly(group):
+    x = torch.ones(2, device="openreg")
+    with pytest.raises(NotImplementedError, match="'oreg' .* does not coalesce"):
+        with dist._coalescing_manager(device=x.device):
+            dist.all_reduce(x)
 
 
 def test_a_shut_down_group_refuses_work(group):

@@ -21,7 +21,6 @@ import torch.distributed as dist
 BACKEND = "oreg"
 _DEVICES = ["openreg", "cpu"]  # cpu tensors (object collectives, barrier) go to gloo as they are
 _AVG, _SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
-_REFUSED_OPS = (dist.ReduceOp.PREMUL_SUM,)
 
 
 def register() -> None:
@@ -146,32 +145,40 @@ class OpenRegProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"{what} on the {BACKEND!r} (openreg) process group: {e}") from e
         return _Work(inner, prepared)
 
+    def _reduce_op(self, what: str, tensors, opts, options_type):
+        """`opts` as gloo can serve it: gloo has no AVG, so each share is divided by the group
+        size here and the shares are summed."""
+        if opts.reduceOp != _AVG:  # gloo refuses what it cannot do (PREMUL_SUM) by itself
+            return opts
+        if not all(t.is_floating_point() or t.is_complex() for t in tensors):
+            raise TypeError(f"{what} with AVG on the {BACKEND!r} process group needs floating "
+                            f"point or complex tensors")
+        for t in tensors:
+            t.div_(self.size())
+        summed = options_type()
+        summed.reduceOp, summed.timeout = _SUM, opts.timeout
+        return summed
+
     # ---- collectives ----
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
-        if opts.reduceOp in _REFUSED_OPS:
-            raise ValueError(f"all_reduce on the {BACKEND!r} process group does not support "
-                             f"{opts.reduceOp}")
-        if opts.reduceOp == _AVG:
-            # gloo has no AVG: sum the shares, each already divided by the group size.
-            if not all(t.is_floating_point() or t.is_complex() for t in tensors):
-                raise TypeError(f"all_reduce with AVG on the {BACKEND!r} process group needs "
-                                f"floating point or complex tensors")
-            for t in tensors:
-                t.div_(self.size())
-            summed = dist.AllreduceOptions()
-            summed.reduceOp, summed.timeout = _SUM, opts.timeout
-            opts = summed
+        opts = self._reduce_op("all_reduce", tensors, opts, dist.AllreduceOptions)
         return self._run("all_reduce", "allreduce", tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        opts = self._reduce_op("all_reduce_coalesced", tensors, opts,
+                               dist.AllreduceCoalescedOptions)
+        return self._run("all_reduce_coalesced", "allreduce_coalesced", tensors, opts)
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
         return self._run("broadcast", "broadcast", tensors, opts)
 
     def reduce(self, tensors, opts):
-        if opts.reduceOp == _AVG or opts.reduceOp in _REFUSED_OPS:
-            raise ValueError(f"reduce on the {BACKEND!r} process group does not support "
-                             f"{opts.reduceOp}")
+        if opts.reduceOp == _AVG:
+            raise ValueError(f"reduce on the {BACKEND!r} process group does not support AVG "
+                             f"(only all_reduce does)")
         return self._run("reduce", "reduce", tensors, opts)
 
     def allgather(self, output_lists, inputs, opts=None):
@@ -211,6 +218,19 @@ class OpenRegProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         return self._run("barrier", "barrier", dist.BarrierOptions())
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._run("all_gather_coalesced", "allgather_coalesced", output_lists, inputs,
+                         opts)
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"the {BACKEND!r} (openreg) process group does not coalesce collectives; issue "
+            f"them one by one")
+
+    _start_coalescing = _end_coalescing = _unsupported
+    all_gather_single_coalesced = reduce_scatter_single_coalesced = _unsupported
 
     # ---- point to point ----
     def send(self, tensors, dst: int, tag: int = 0):
