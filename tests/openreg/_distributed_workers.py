@@ -77,6 +77,34 @@ def collectives(conn, rank, world, store_path, backend, ddp):
     dist.reduce_scatter_single(part, torch.cat(chunks))
     out["reduce_scatter_single"] = part.tolist()
 
+    x = dev(torch.int64)
+    dist.all_reduce(x, op=dist.ReduceOp.BOR)
+    out["all_reduce_BOR"] = x.tolist()
+
+    x = dev()
+    dist.reduce(x, dst=0)
+    if rank == 0:
+        out["reduce"] = x.tolist()
+
+    gathered = [torch.empty(N, device="openreg") for _ in range(world)] if rank == 0 else None
+    dist.gather(dev(), gathered, dst=0)
+    if rank == 0:
+        out["gather"] = [g.tolist() for g in gathered]
+
+    x = torch.empty(N, device="openreg")  # rank r gets 10 * rank_input(r) from rank 0
+    pieces = [rank_input(r).mul(10).to("openreg") for r in range(world)] if rank == 0 else None
+    dist.scatter(x, pieces, src=0)
+    out["scatter"] = x.tolist()
+
+    # all to all: chunk j of rank r is rank_input(r) + 100 j, and goes to rank j
+    x = torch.cat([dev() + 100 * j for j in range(world)])
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    out["all_to_all_single"] = y.tolist()
+    ys = [torch.empty(N, device="openreg") for _ in range(world)]
+    dist.all_to_all(ys, list(x.chunk(world)))
+    out["all_to_all"] = torch.cat(ys).tolist()
+
     received = torch.empty(N, device="openreg")  # a ring: each rank sends to the next one
     sent = dist.isend(dev(), (rank + 1) % world)
     dist.recv(received, (rank - 1) % world)

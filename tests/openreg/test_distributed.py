@@ -32,6 +32,11 @@ def _expected(rank, world, ddp):
                 for op in ("SUM", "MAX", "MIN", "PRODUCT", "AVG")}
     expected.update({
         "all_reduce_int64": _reduced(world, "SUM", torch.int64),
+        "all_reduce_BOR": functools.reduce(
+            torch.bitwise_or, [rank_input(r, torch.int64) for r in range(world)]),
+        "scatter": rank_input(rank) * 10,
+        "all_to_all_single": torch.cat([rank_input(j) + 100 * rank for j in range(world)]),
+        "all_to_all": torch.cat([rank_input(j) + 100 * rank for j in range(world)]),
         "all_reduce_coalesced": torch.cat([total, total[:2]]),
         "all_reduce_view": torch.cat([torch.zeros(2), total, torch.zeros(2)]),
         "broadcast": rank_input(world - 1),
@@ -43,6 +48,9 @@ def _expected(rank, world, ddp):
         "all_reduce_async": total,
         "subgroup_all_reduce": rank_input(0) + rank_input(1) if rank < 2 else rank_input(rank),
     })
+    if rank == 0:
+        expected["reduce"] = total
+        expected["gather"] = torch.stack([rank_input(r) for r in range(world)])
     if ddp:  # 3 rows of the rank's input, the gradients averaged
         expected["ddp_weight_grad"] = _reduced(world, "SUM").mul(3 / world).expand(2, -1)
     return expected
