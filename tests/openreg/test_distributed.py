@@ -128,19 +128,21 @@ def test_async_work_keeps_its_tensors_and_completes(group):
     assert future.wait()[0] is x  # the openreg tensor, not gloo's host alias of it
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (functools.partial(dist.all_reduce, torch.zeros(2, device="meta")), ValueError,
+def _ones(dtype=torch.float32):
+    return torch.ones(2, dtype=dtype, device="openreg")
+
+
+@pytest.mark.parametrize("call, error, match", [  # tensors made in the test, not at collection
+    (lambda: dist.all_reduce(torch.zeros(2, device="meta")), ValueError,
      "serves openreg and cpu tensors; all_reduce got a tensor on meta"),
-    (functools.partial(dist.all_reduce, torch.ones(2, dtype=torch.int64, device="openreg"),
-                       op=dist.ReduceOp.AVG), TypeError, "AVG .* needs floating point"),
-    (functools.partial(dist.reduce, torch.ones(2, device="openreg"), 0, op=dist.ReduceOp.AVG),
-     ValueError, "reduce on the 'oreg' process group does not support AVG"),
-    (functools.partial(dist.all_reduce, torch.ones(2, device="openreg"),
-                       op=dist._make_nccl_premul_sum(2.0)),
-     RuntimeError, "all_reduce on the 'oreg' \\(openreg\\) process group: .*PREMUL_SUM"),
-    (functools.partial(dist.all_reduce, torch.ones(2).to_sparse()),
-     ValueError, "needs dense tensors"),
-])
+    (lambda: dist.all_reduce(_ones(torch.int64), op=dist.ReduceOp.AVG), TypeError,
+     "AVG .* needs floating point"),
+    (lambda: dist.reduce(_ones(), 0, op=dist.ReduceOp.AVG), ValueError,
+     "reduce on the 'oreg' process group does not support AVG"),
+    (lambda: dist.all_reduce(_ones(), op=dist._make_nccl_premul_sum(2.0)), RuntimeError,
+     "all_reduce on the 'oreg' \\(openreg\\) process group: .*PREMUL_SUM"),
+    (lambda: dist.all_reduce(torch.ones(2).to_sparse()), ValueError, "needs dense tensors"),
+], ids=["meta", "avg-int", "reduce-avg", "premul-sum", "sparse"])
 def test_bad_calls_raise_errors_that_name_the_backend(group, call, error, match):
     with pytest.raises(error, match=match):
         call()
