@@ -18,6 +18,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from . import _device
+
 BACKEND = "oreg"
 _DEVICES = ["openreg", "cpu"]  # cpu tensors (object collectives, barrier) go to gloo as they are
 _AVG, _SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
@@ -57,7 +59,7 @@ class _Prepared:
         for arg in args:
             self._check(arg, devices)
         for index in sorted(devices):
-            torch.openreg.current_stream(index).synchronize()
+            _device.current_stream(index).synchronize()
         self.args = [self._alias(arg) for arg in args]
 
     def _check(self, arg, devices):
@@ -73,7 +75,8 @@ class _Prepared:
                              f"{self.what} got a tensor on {arg.device}")
         if arg.layout != torch.strided or arg.is_conj() or arg.is_neg():
             raise ValueError(f"the {BACKEND!r} process group needs dense tensors without conj/neg "
-                             f"bits; {self.what} got one with layout {arg.layout}")
+                             f"bits; {self.what} got a {arg.layout} one (conj {arg.is_conj()}, "
+                             f"neg {arg.is_neg()})")
         if arg.device.type == "openreg":
             devices.add(arg.device.index)
 
