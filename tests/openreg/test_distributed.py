@@ -98,7 +98,7 @@ def test_a_lost_peer_raises_instead_of_hanging(children, tmp_path, how):
 
 
 @pytest.fixture
-def group(tmp_path):
+def group():
     """A one-rank group in this process, destroyed whatever happens."""
     dist.init_process_group("oreg", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -119,7 +119,7 @@ def test_reads_inputs_only_after_the_current_stream_wrote_them(group, gate):
     assert torch.equal(gathered[0].cpu(), torch.full((1 << 16,), 3.0))
 
 
-def test_async_work_keeps_its_tensors_and_completes(group):
+def test_async_work_completes_and_its_future_gives_the_openreg_tensors(group):
     x = torch.arange(8.0, device="openreg")
     work = dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
     assert work.wait() and work.is_completed() and work.is_success()
