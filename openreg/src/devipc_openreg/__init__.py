@@ -38,3 +38,7 @@ _register()
 from . import _ipc_hooks  # noqa: E402  (needs the device registered)
 
 _ipc_hooks.register()
+
+from . import _compile  # noqa: E402
+
+_compile.register()

@@ -1,0 +1,192 @@
+"""torch.compile on openreg: dynamo's DeviceInterface and inductor's backend for the device.
+
+openreg memory is host memory, so inductor's CPU C++ code generation serves it: kernels take raw
+pointers, which for openreg are host addresses. The Python wrapper allocates buffers on the
+kernel's openreg device and synchronizes that device's current stream before each C++ kernel, as
+work queued there earlier (an asynchronous copy, say) may still be writing what the kernel reads.
+
+Both registrations wait for first need, since importing dynamo takes seconds: the DeviceInterface
+is registered as soon as `torch._dynamo.device_interface` has been imported, the inductor backend
+when inductor first asks `torch.openreg` for its `Scheduling` (`init_backend_registration`).
+"""
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections import namedtuple
+
+import torch
+
+from . import _device
+
+_NAME = "openreg"
+_DEVICE_INTERFACE = "torch._dynamo.device_interface"
+_INDUCTOR_HOOKS = ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
+_Properties = namedtuple("_Properties", ["name", "multi_processor_count"])
+_worker_device = None  # set by DeviceInterface.Worker.set_device
+
+
+def register() -> None:
+    """Makes dynamo and inductor know openreg, each when it is loaded or asks (idempotent)."""
+    if _DEVICE_INTERFACE in sys.modules:
+        _register_interface(sys.modules[_DEVICE_INTERFACE])
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+    _device.__getattr__ = _inductor_hook  # module __getattr__: only for names it lacks
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Registers the DeviceInterface right after dynamo's device_interface module has run, before
+    anything can look a device up there; then leaves sys.meta_path."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _DEVICE_INTERFACE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            _register_interface(module)
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+def _register_interface(module) -> None:
+    module.register_interface_for_device(_NAME, _interface(module.DeviceInterface))
+
+
+def _exchange_device(index: int) -> int:
+    """Makes `index` current unless it is negative; returns the device that was current."""
+    previous = _device.current_device()
+    if index >= 0 and index != previous:
+        _device.set_device(index)
+    return previous
+
+
+def _interface(base):
+    """openreg's DeviceInterface: torch.openreg's functions under the names dynamo calls."""
+
+    class OpenRegInterface(base):
+        device = _device.device
+        Stream = torch.Stream
+        Event = torch.Event
+
+        class Worker:
+            """For inductor's compile workers: no device call once a device is set."""
+
+            @staticmethod
+            def set_device(device: int) -> None:
+                global _worker_device
+                _worker_device = device
+
+            @staticmethod
+            def current_device() -> int:
+                return _device.current_device() if _worker_device is None else _worker_device
+
+            @staticmethod
+            def get_device_properties(device=None):
+                return _Properties(_NAME, os.cpu_count() or 1)  # the host's CPUs run kernels
+
+        current_device = staticmethod(_device.current_device)
+        set_device = staticmethod(_device.set_device)
+        device_count = staticmethod(_device.device_count)
+        is_available = staticmethod(_device.is_available)
+        synchronize = staticmethod(_device.synchronize)
+        current_stream = staticmethod(_device.current_stream)
+        memory_allocated = staticmethod(_device.memory_allocated)
+        exchange_device = staticmethod(_exchange_device)
+        maybe_exchange_device = staticmethod(_exchange_device)
+
+        @staticmethod
+        def get_raw_stream(device_idx: int) -> int:
+            return 0  # kernels run on the host, after the wrapper synchronized the stream
+
+        @staticmethod
+        def get_compute_capability(device=None) -> str:
+            return ""
+
+        @staticmethod
+        def is_bf16_supported(including_emulation: bool = False) -> bool:
+            return True
+
+    return OpenRegInterface
+
+
+def _inductor_hook(name: str):
+    """torch.openreg's attributes that inductor looks up (`_get_custom_mod_func`): inductor's
+    code generators are imported at this first look-up."""
+    if name not in _INDUCTOR_HOOKS:
+        raise AttributeError(f"module 'torch.openreg' has no attribute {name!r}")
+    return _inductor_backend()[_INDUCTOR_HOOKS.index(name)]
+
+
+def _refused(wrapper: str):
+    """A wrapper codegen that refuses by name: inductor's C++ and FX wrappers would have to order
+    kernels after openreg's stream themselves, which is not provided."""
+
+    class Refused:
+        supports_caching = False  # read before create()
+
+        @staticmethod
+        def create(*args, **kwargs):
+            raise NotImplementedError(
+                f"torch.compile on openreg generates inductor's Python wrapper only; {wrapper} is "
+                f"not supported for openreg")
+
+    return Refused
+
+
+@functools.cache
+def _inductor_backend():
+    """(scheduling, Python wrapper, C++ wrapper, FX wrapper) of openreg; registers its device
+    op overrides, which inductor has no hook for."""
+    from torch._inductor.codegen import common, cpu_device_op_overrides, wrapper
+    from torch._inductor.codegen.cpp import CppScheduling
+    from torch._inductor.virtualized import V
+
+    class DeviceOps(cpu_device_op_overrides.CpuDeviceOpOverrides):
+        def set_device(self, device_idx: int) -> str:
+            return f"torch.openreg.set_device({device_idx})"
+
+        def synchronize(self) -> str:
+            return "torch.openreg.synchronize()"
+
+        def device_guard(self, device_idx: int) -> str:
+            return f"torch.openreg.device({device_idx})"
+
+    class Wrapper(wrapper.PythonWrapperCodegen):
+        @staticmethod
+        def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
+            if is_subgraph:
+                return wrapper.SubgraphPythonWrapperCodegen(
+                    subgraph_name, parent_wrapper, partition_signatures)
+            return Wrapper()
+
+        def make_allocation(self, name, device, *args, **kwargs):
+            # Inductor sets the current device around kernels of GPUs only: name the index, or
+            # buffers of openreg:1 would land on the current device.
+            line = super().make_allocation(name, device, *args, **kwargs)
+            if device.type == _NAME and device.index is not None:
+                line = line.replace(f"device='{_NAME}'", f"device='{device}'")
+            return line
+
+        def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,
+                                         triton=True, **kwargs):
+            device = device or V.graph.get_current_device_or_throw()
+            if device.type != _NAME or triton:
+                return super()._generate_kernel_call_helper(
+                    kernel_name, call_args, device=device, triton=triton, **kwargs)
+            index = "" if device.index is None else device.index
+            self.writeline(f"torch.openreg.current_stream({index}).synchronize()")
+            self.writeline(self.wrap_kernel_call(kernel_name, call_args))
+
+    common.register_device_op_overrides(_NAME, DeviceOps())
+    return (CppScheduling, Wrapper,
+            _refused("the C++ wrapper (torch._inductor.config.cpp_wrapper, AOTInductor)"),
+            _refused("the FX wrapper (torch._inductor.config.fx_wrapper)"))
