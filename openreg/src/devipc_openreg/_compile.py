@@ -4,6 +4,7 @@ openreg memory is host memory, so inductor's CPU C++ code generation serves it: 
 pointers, which for openreg are host addresses. The Python wrapper allocates buffers on the
 kernel's openreg device and synchronizes that device's current stream before each C++ kernel, as
 work queued there earlier (an asynchronous copy, say) may still be writing what the kernel reads.
+Inductor knows C++ kernels by the device type "cpu"; `_as_cpp` extends that to openreg.
 
 Both registrations wait for first need, since importing dynamo takes seconds: the DeviceInterface
 is registered as soon as `torch._dynamo.device_interface` has been imported, the inductor backend
@@ -34,6 +35,9 @@ def register() -> None:
     elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
     _device.__getattr__ = _inductor_hook  # module __getattr__: only for names it lacks
+    common = sys.modules.get("torch._inductor.codegen.common")
+    if common is not None:  # inductor may have set up its backends already, without openreg
+        common.register_backend_for_device(_NAME, *_inductor_backend())
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -144,11 +148,13 @@ def _refused(wrapper: str):
 
 @functools.cache
 def _inductor_backend():
-    """(scheduling, Python wrapper, C++ wrapper, FX wrapper) of openreg; registers its device
-    op overrides, which inductor has no hook for."""
+    """(scheduling, Python wrapper, C++ wrapper, FX wrapper) of openreg. Also registers its
+    device op overrides and makes inductor generate openreg's kernels as C++ (`_as_cpp`)."""
     from torch._inductor.codegen import common, cpu_device_op_overrides, wrapper
     from torch._inductor.codegen.cpp import CppScheduling
     from torch._inductor.virtualized import V
+
+    _as_cpp(V)
 
     class DeviceOps(cpu_device_op_overrides.CpuDeviceOpOverrides):
         def set_device(self, device_idx: int) -> str:
@@ -160,13 +166,8 @@ def _inductor_backend():
         def device_guard(self, device_idx: int) -> str:
             return f"torch.openreg.device({device_idx})"
 
-    class Wrapper(wrapper.PythonWrapperCodegen):
-        @staticmethod
-        def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
-            if is_subgraph:
-                return wrapper.SubgraphPythonWrapperCodegen(
-                    subgraph_name, parent_wrapper, partition_signatures)
-            return Wrapper()
+    class OpenRegCalls:
+        """What the Python wrapper does differently for openreg."""
 
         def make_allocation(self, name, device, *args, **kwargs):
             # Inductor sets the current device around kernels of GPUs only: name the index, or
@@ -186,7 +187,43 @@ def _inductor_backend():
             self.writeline(f"torch.openreg.current_stream({index}).synchronize()")
             self.writeline(self.wrap_kernel_call(kernel_name, call_args))
 
+    class SubgraphWrapper(OpenRegCalls, wrapper.SubgraphPythonWrapperCodegen):
+        pass
+
+    class Wrapper(OpenRegCalls, wrapper.PythonWrapperCodegen):
+        @staticmethod
+        def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
+            if is_subgraph:
+                return SubgraphWrapper(subgraph_name, parent_wrapper, partition_signatures)
+            return Wrapper()
+
     common.register_device_op_overrides(_NAME, DeviceOps())
     return (CppScheduling, Wrapper,
             _refused("the C++ wrapper (torch._inductor.config.cpp_wrapper, AOTInductor)"),
             _refused("the FX wrapper (torch._inductor.config.fx_wrapper)"))
+
+
+def _as_cpp(V) -> None:
+    """Inductor 2.13 chooses C++ code generation by the device type "cpu" in two places that
+    openreg's kernels pass through: which backend generates a kernel (else it takes the Triton
+    path and fails on C++ kernels: masked loads, integer ops) and which nodes skip the loop
+    reorderings C++ generation does not support (else fusion fails). Both learn that openreg's
+    kernels are C++ too; every other device keeps inductor's answer."""
+    from torch._inductor import scheduler, utils
+    from torch._inductor.codegen import common
+
+    backend_of = utils.get_current_backend
+    is_cpu = scheduler.BaseSchedulerNode.is_cpu
+
+    def get_current_backend(device_type=None):
+        if (device_type or V.graph.get_current_device_or_throw().type) == _NAME:
+            return "cpp"
+        return backend_of(device_type)
+
+    def node_is_cpu(node) -> bool:
+        device = node.get_device()
+        return is_cpu(node) or (device is not None and device.type == _NAME)
+
+    for module in (utils, common, scheduler):  # each bound the name at import
+        module.get_current_backend = get_current_backend
+    scheduler.BaseSchedulerNode.is_cpu = node_is_cpu
