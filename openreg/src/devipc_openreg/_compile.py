@@ -47,10 +47,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != _DEVICE_INTERFACE:
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
-            return spec
+            return None  # left to the other finders; this one stays, harmless
+        sys.meta_path.remove(self)  # the import stops at the spec returned: safe to remove
         exec_module = spec.loader.exec_module
 
         def exec_and_register(module):
