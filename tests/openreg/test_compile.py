@@ -132,6 +132,18 @@ def test_compiled_module_forward_and_backward_match_cpu(tmp_path):
     assert out["graphs"] == 2 and out["cpp"]  # forward and backward, each with C++ kernels
 
 
+def test_cached_compilation_runs_in_a_new_process(tmp_path):
+    code = """
+        import json, torch, devipc_openreg
+        from torch._dynamo.utils import counters
+        y = torch.compile(lambda x: (x * 2 + 1).sum(0))(torch.ones(3, 4, device="openreg"))
+        print(json.dumps([str(y.device), y.cpu().tolist(), sorted(counters["inductor"])]))
+    """
+    first, second = compiled(code, tmp_path), compiled(code, tmp_path)  # one cache for both
+    assert first == ["openreg:0", [9.0] * 4, ["fxgraph_cache_miss"]]
+    assert second == ["openreg:0", [9.0] * 4, ["fxgraph_cache_hit"]]
+
+
 def test_compiled_kernel_waits_for_pending_copy_on_the_current_stream(tmp_path):
     # The stream is held by a gate that a timer opens; without the wrapper's synchronization the
     # kernel would read the zeros the pending copy has not overwritten yet.
