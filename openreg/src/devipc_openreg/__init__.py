@@ -42,3 +42,8 @@ _ipc_hooks.register()
 from . import _compile  # noqa: E402
 
 _compile.register()
+
+if torch.distributed.is_available():  # imported by torch already: registering costs ~2 ms
+    from . import _distributed
+
+    _distributed.register()

@@ -34,7 +34,9 @@ def register() -> None:
         _register_interface(sys.modules[_DEVICE_INTERFACE])
     elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
-    _device.__getattr__ = _inductor_hook  # module __getattr__: only for names it lacks
+    fallback = vars(_device).get("__getattr__")
+    if fallback is None or not hasattr(fallback, "inductor_hooks"):
+        _device.__getattr__ = _inductor_hook(fallback)  # module __getattr__: for names it lacks
     common = sys.modules.get("torch._inductor.codegen.common")
     if common is not None:  # inductor may have set up its backends already, without openreg
         common.register_backend_for_device(_NAME, *_inductor_backend())
@@ -122,12 +124,20 @@ def _interface(base):
     return OpenRegInterface
 
 
-def _inductor_hook(name: str):
-    """torch.openreg's attributes that inductor looks up (`_get_custom_mod_func`): inductor's
-    code generators are imported at this first look-up."""
-    if name not in _INDUCTOR_HOOKS:
+def _inductor_hook(fallback):
+    """torch.openreg's `__getattr__`, answering the names inductor looks up there
+    (`_get_custom_mod_func`) by importing inductor's code generators; `fallback` answers the
+    others."""
+
+    def module_getattr(name: str):
+        if name in _INDUCTOR_HOOKS:
+            return _inductor_backend()[_INDUCTOR_HOOKS.index(name)]
+        if fallback is not None:
+            return fallback(name)
         raise AttributeError(f"module 'torch.openreg' has no attribute {name!r}")
-    return _inductor_backend()[_INDUCTOR_HOOKS.index(name)]
+
+    module_getattr.inductor_hooks = _INDUCTOR_HOOKS
+    return module_getattr
 
 
 def _refused(wrapper: str):
