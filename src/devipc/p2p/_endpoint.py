@@ -78,6 +78,8 @@ class Endpoint:
         kind, mem, mem_offset, counter, anchor, fd, event, extra = NONE, b"", 0, b"", 0, 0, b"", b""
         if self._transport is not None:
             extra = bytes(self._transport.descriptor_extra(reg, offset, nbytes))
+            if reg.device.type != "cpu":  # no events across hosts: the queued work ends now
+                torch.get_device_module(reg.device).synchronize(reg.device)
         else:
             export = export_of(reg)
             if export is None or not reg.alive:
@@ -298,7 +300,10 @@ class Connection:
                                          "from an Endpoint(transport='nixl')")
             if not tensor.is_contiguous():
                 raise ValueError("the NIXL path moves contiguous local tensors only")
-            local.append((tensor.data_ptr(), desc.nbytes, tensor.device.index or 0))
+            local.append((tensor.data_ptr(), desc.nbytes, tensor.device))
+        for device in {tensor.device for tensor in locals_} - {torch.device("cpu")}:
+            # NIXL moves the bytes outside the device's streams: work queued on them first
+            torch.get_device_module(device).synchronize(device)
         handle = self._endpoint._transport.post(op, self._agent, local,
                                                 [desc.extra for desc in descs])
         return Transfer(handle=handle, keep=(locals_,))

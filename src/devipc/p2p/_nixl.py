@@ -157,8 +157,7 @@ class NixlTransport:
         self._scratch = np.zeros(_SCRATCH_WORDS, dtype=np.int64)
         self._scratch_reg = self._register(self._scratch.ctypes.data, self._scratch.nbytes,
                                            "DRAM", 0)
-        self._closed = False
-        registry.add_listener(self)
+        self._closed = False  # the endpoint adds this transport as a registry listener
 
     # -- this process's memory --
     def _register(self, addr: int, nbytes: int, kind: str, dev_id: int) -> _Local:
