@@ -23,7 +23,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .. import _wire
@@ -37,6 +36,11 @@ from .._errors import (
 )
 from .._hooks import get_ipc_hooks
 from ._registry import PAGE_BYTES, PAGE_SLOTS, registry, word_index
+
+try:
+    import numpy as np
+except ImportError:  # NIXL needs numpy: without it, load_nixl says how to install both
+    np = None
 
 __all__ = ["NixlTransport", "load_nixl", "memory_kind"]
 
@@ -148,7 +152,7 @@ class NixlTransport:
         self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
         if "UCX" not in self._agent.backends:
             raise DevIpcError("NIXL's UCX backend could not be created on this machine")
-        self._regs: dict[int, _Local | None] = {}  # registration id -> its NIXL side (None: no kind)
+        self._regs: dict[int, _Local | None] = {}  # registration id -> NIXL side (None: no kind)
         self._bases: list[int] = []  # sorted bases of self._ranges
         self._ranges: list[_Local] = []
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
