@@ -42,14 +42,16 @@ try:
 except ImportError:  # NIXL needs numpy: without it, load_nixl says how to install both
     np = None
 
-__all__ = ["NixlTransport", "load_nixl", "memory_kind"]
+__all__ = ["NixlTransport", "load_nixl", "memory_kind", "new_agent"]
 
 INSTALL = "pip install 'devipc[nixl]'"
 KINDS = ("DRAM", "VRAM")
 LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
 _SCRATCH_WORDS = 4096  # liveness words read per NIXL request
 _DECODED_MAX = 1 << 16
+PROGRESS_DELAY_US = 100
 _api = None
+_agent_lock = threading.Lock()
 
 
 def load_nixl():
@@ -73,6 +75,29 @@ def load_nixl():
         return api
     raise ImportError(f"devipc.p2p's NIXL transport needs NIXL, which is not installed: "
                       f"{INSTALL}") from None
+
+
+def new_agent(name: str):
+    """A NIXL agent with the UCX backend whose progress thread waits for events: NIXL's Python API
+    asks for a poll delay of 0, a busy loop that keeps one core spinning for as long as the agent
+    lives; any delay makes the thread sleep in poll() on UCX's event fd (waking at least every
+    millisecond), and transfers posted here progress in the calling thread anyway."""
+    api = load_nixl()
+    bind, config = api.nixlBind, api.nixl_agent_config(backends=["UCX"])
+    real = getattr(bind, "nixlAgent", None)
+    if real is None:  # another NIXL layout: its defaults
+        return api.nixl_agent(name, config)
+
+    def make(agent_name, agent_config):
+        agent_config.pthrDelay = PROGRESS_DELAY_US
+        return real(agent_name, agent_config)
+
+    with _agent_lock:
+        bind.nixlAgent = make
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgent = real
 
 
 def memory_kind(device: torch.device) -> str:
@@ -146,10 +171,9 @@ class NixlTransport:
     """One NIXL agent (UCX backend) of an endpoint; thread-safe (one lock around the agent)."""
 
     def __init__(self, name: str):
-        api = load_nixl()
         self.name = name
         self._lock = threading.RLock()
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self._agent = new_agent(name)
         if "UCX" not in self._agent.backends:
             raise DevIpcError("NIXL's UCX backend could not be created on this machine")
         self._regs: dict[int, _Local | None] = {}  # registration id -> NIXL side (None: no kind)
