@@ -32,6 +32,7 @@ def owner(conn):
             tensor.copy_(values)
             tensors[tensor_id] = tensor
             conn.send((tensor_id, endpoint.advertise(tensor)))
+            del tensor  # only `tensors` holds it: "drop" must be its last reference
         elif command == "advertise":  # (id, offset, nbytes) -> descriptor
             conn.send(endpoint.advertise(*args))
         elif command == "get":
