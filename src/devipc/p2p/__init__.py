@@ -6,13 +6,25 @@ and writes between processes through it.
     peer = endpoint.connect(peer_metadata)      # the peer's endpoint.metadata(), out of band
     peer.read(local, remote_descriptor)         # the peer's endpoint.advertise(its tensor)
 
-The core never imports this package; `import devipc.p2p` to use it.
+The core never imports this package; `import devipc.p2p` to use it. Its errors are devipc's
+(`devipc._errors`), named here too.
 """
+from .._errors import (
+    DevIpcError,
+    InvalidHandleError,
+    NotRegisteredError,
+    PeerGoneError,
+    RemoteTensorFreedError,
+    TransferSizeError,
+    UnsupportedDeviceError,
+)
 from ._endpoint import Connection, Endpoint
 from ._registry import Registration, registry
 from ._transfer import Transfer
 
-__all__ = ["Connection", "Endpoint", "Registration", "Transfer", "add_listener", "create_tensor",
+__all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "NotRegisteredError",
+           "PeerGoneError", "Registration", "RemoteTensorFreedError", "Transfer",
+           "TransferSizeError", "UnsupportedDeviceError", "add_listener", "create_tensor",
            "deregister", "free_tensor", "get_tensor_id_by_tensor", "register", "registration",
            "remove_listener"]
 

@@ -1,12 +1,13 @@
 """Owner side: what a registration exports so that same-host peers can map it, made once, at
 its first advertisement, and undone when the registration ends.
 
-A device storage is exported as one devipc send, the anchor (`devipc._sharing.share_device`): its
-memory is then held by devipc until the storage dies *and* every slot taken for it ended. A peer
-takes a slot of its own in the anchor's ref-counter file (the forwarding path of the core), so
-the owner's code never runs for it, and the memory can never be reused while a peer maps it. A
-CPU storage lives in fd-backed shared memory: a peer maps the file itself, whose pages live while
-anyone maps them.
+A device storage is exported through one devipc send, the anchor (`devipc._sharing.share_device`):
+from then on devipc holds its memory until the storage dies *and* every slot taken for it ended.
+The anchor itself is taken back at once (the storage keeps the export alive while it lives); what
+stays is its ref-counter file and the export's number in it. A peer takes a slot of its own in
+that file for that export (the core's forwarding path), so the owner's code never runs for it,
+and the memory can never be reused while a peer maps it. A CPU storage lives in fd-backed shared
+memory: a peer maps the file itself, whose pages live while anyone maps them.
 """
 import os
 import threading
@@ -15,6 +16,7 @@ import torch
 
 from .. import _sharing
 from .._hooks import hooks_for
+from .._refcount import SLOTS_PER_FILE
 
 __all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]
 
@@ -27,10 +29,15 @@ class DeviceExport:
     def __init__(self, storage: torch.UntypedStorage):
         _, self.mem, _, self.mem_offset, self.counter, self.anchor, _, _ = \
             _sharing.share_device(storage)
+        _sharing.revoke_send(self.counter, self.anchor)
+
+    def usable(self) -> bool:
+        """Whether peers can still take slots in the anchor's file (not full, not closed)."""
+        file = _sharing._exports._counters.file(self.counter)
+        return file is not None and file.counter.cursor() < SLOTS_PER_FILE
 
     def close(self) -> None:
-        """The anchor is taken back; slots peers hold keep the memory until they let go."""
-        _sharing.revoke_send(self.counter, self.anchor)
+        pass  # the export lives while the storage does, then while peers' slots do
 
 
 class CpuExport:
@@ -40,14 +47,18 @@ class CpuExport:
         self.fd = storage._get_shared_fd()
         self.inode = os.fstat(self.fd).st_ino
 
+    def usable(self) -> bool:
+        return True
+
     def close(self) -> None:
         pass  # the fd belongs to the storage; peers' mappings keep their pages
 
 
 def export_of(reg):
-    """The registration's export, made on first use; None once the storage died."""
+    """The registration's export, made on first use (again when the anchor's counter file
+    filled up); None once the storage died."""
     with _lock:
-        if reg.export is None:
+        if reg.export is None or not reg.export.usable():
             storage = reg.storage()
             if storage is None:
                 return None

@@ -8,6 +8,7 @@ released after the device work queued on them; a CPU mapping is unmapped once no
 and the transfer raises RemoteTensorFreedError. Memory the peer maps can never be reused under
 it: a device allocation is held by the slot the peer took, a shared file's pages by the mapping.
 """
+import contextlib
 import ctypes
 import errno
 import os
@@ -22,6 +23,7 @@ from .._errors import (
     PeerGoneError,
     RemoteTensorFreedError,
 )
+from .._hooks import hooks_for
 from .._memfd import MappedFile, _alive, open_shared_file
 from .._refcount import _MAGIC as COUNTER_MAGIC
 from .._refcount import FILE_BYTES, CounterFile
@@ -115,12 +117,22 @@ class Peer:
         """Take a slot of our own in the anchor's counter file (the core's forwarding path), then
         check the registration: its word is cleared before its memory can be let go, so a live
         word read after the slot was taken means the slot holds that memory."""
-        index = self._take_slot(desc)
-        if not self._live(desc.reg_id, desc.slot):
-            _sharing.release_ipc_counter_device(desc.counter, index)
-            raise self._freed(desc)
-        storage = _sharing.new_shared_device(desc.device, desc.mem, desc.storage_bytes,
-                                             desc.mem_offset, desc.counter, index, b"", False)
+        hooks_for(desc.device)  # UnsupportedDeviceError: this process cannot reach it
+        try:
+            index = self._take_slot(desc)
+        except InvalidHandleError:
+            if not self._live(desc.reg_id, desc.slot):  # its file went with the export
+                raise self._freed(desc) from None
+            raise
+        try:
+            if not self._live(desc.reg_id, desc.slot):
+                raise self._freed(desc)
+            storage = _sharing.new_shared_device(desc.device, desc.mem, desc.storage_bytes,
+                                                 desc.mem_offset, desc.counter, index, b"", False)
+        except BaseException:
+            with contextlib.suppress(DevIpcError, OSError):  # never left SENT
+                _sharing.release_ipc_counter_device(desc.counter, index)
+            raise
         data = torch.empty(0, dtype=torch.uint8, device=storage.device)
         data.set_(storage, 0, (desc.storage_bytes,))
         return RemoteEntry(desc, data)
