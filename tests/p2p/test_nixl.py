@@ -3,7 +3,7 @@ Skipped, with the reason, where NIXL is not installed; the error without it is t
 import _nixl_workers
 import pytest
 import torch
-from _support import TIMEOUT, recv, run_python
+from _support import TIMEOUT, open_fds, recv, run_python
 
 import devipc.p2p as p2p
 from devipc import InvalidHandleError, PeerGoneError, UnsupportedDeviceError
@@ -184,3 +184,25 @@ def test_without_nixl_the_error_says_how_to_install_it():
         "except ImportError as error:\n"
         "    print(error)\n").stdout
     assert "pip install 'devipc[nixl]'" in out
+
+
+@needs_nixl
+def test_closed_endpoints_leave_no_descriptors_or_registrations(loopback):
+    """Two NIXL endpoints of one process reach each other too; closing them gives back every fd
+    (NIXL's and UCX's first use in a process keeps some: that is taken before counting)."""
+    tensor, tensor_id = p2p.create_tensor((1024,), torch.float32, "openreg")
+    try:
+        p2p.Endpoint(transport="nixl").close()
+        before = open_fds()
+        for _ in range(3):
+            with p2p.Endpoint(transport="nixl") as owner, \
+                    p2p.Endpoint(transport="nixl") as peer:
+                tensor.fill_(2.0)
+                local = torch.zeros(1024, device="openreg")
+                peer.connect(owner.metadata()).read(local, owner.advertise(tensor))
+                assert (local == 2).all()
+                transport = owner._transport
+            assert transport._ranges == [] and transport._agent is None
+        assert open_fds() == before
+    finally:
+        p2p.deregister(tensor_id)
