@@ -8,6 +8,7 @@ field by field: they come from other processes, and anything malformed is Invali
                      inode | fd | event | transport extra
 """
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,9 @@ class Metadata:
                                      f"{len(page)}")
         extra = reader.bytes("transport metadata")
         reader.end()
+        if struct.unpack_from("<i", page, 6)[0] != pid:  # _memfd's handle: magic, version, pid
+            raise InvalidHandleError(f"the registry page handle names another process than "
+                                     f"pid {pid}")
         return cls(transport, host, pid, page, extra)
 
 
@@ -127,7 +131,7 @@ class Descriptor:
                                or anchor >= SLOTS_PER_FILE):
             raise InvalidHandleError("a device descriptor needs a memory handle, a ref-counter "
                                      "handle and an anchor slot inside the file")
-        if kind == CPU and (device.type != "cpu" or mem or counter):
+        if kind == CPU and (device != torch.device("cpu", 0) or mem or counter or mem_offset):
             raise InvalidHandleError("a CPU descriptor names a CPU tensor by fd and inode only")
         return cls(page, reg_id, slot, storage_bytes, offset, nbytes, device, identity, kind, mem,
                    mem_offset, counter, anchor, fd, event, extra)

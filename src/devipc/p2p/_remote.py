@@ -46,6 +46,12 @@ class RemoteEntry:
         self._dropped = False
 
 
+def where(desc: Descriptor) -> tuple:
+    """Everything a descriptor says about the memory of its registration: every descriptor of
+    one registration says the same."""
+    return (desc.device, desc.storage_bytes, desc.mem_offset, desc.counter, desc.anchor)
+
+
 class Peer:
     """A peer process reached through its registry page. Thread-safe."""
 
@@ -84,7 +90,9 @@ class Peer:
     # -- opening --
     def open(self, desc: Descriptor) -> RemoteEntry:
         """The opened registration `desc` names; RemoteTensorFreedError if it ended."""
-        key = (desc.kind, desc.mem, desc.anchor, desc.fd, desc.reg_id, desc.slot)
+        # (handle, generation), and the rest of what it says about the memory: a descriptor
+        # that says otherwise (forged) gets an entry of its own, never another one's
+        key = (desc.kind, desc.mem, desc.fd, desc.reg_id, desc.slot, where(desc))
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and self._live(desc.reg_id, desc.slot):
@@ -167,7 +175,7 @@ class Peer:
                                      f"descriptor is stale or forged") from None
         try:
             stat = os.fstat(fd)
-            if stat.st_ino != desc.anchor or stat.st_size < desc.storage_bytes:
+            if stat.st_ino != desc.anchor or stat.st_size != desc.storage_bytes:
                 raise InvalidHandleError(f"{path} is not the shared file this descriptor names "
                                          f"(stale or forged)")
             mapping = MappedFile(fd, stat.st_size)
