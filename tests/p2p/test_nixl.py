@@ -44,6 +44,10 @@ def owner(children, loopback):
         endpoint.close()
 
 
+def flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x41]) + data[at + 1:]
+
+
 def ask(conn, *command):
     conn.send(command)
     return recv(conn)
@@ -126,10 +130,12 @@ def test_bad_input_is_a_clear_error(owner):
         connection.read(torch.zeros(63), whole)
     with pytest.raises(InvalidHandleError):
         connection.read(torch.zeros(64), whole[:-3])
-    from devipc.p2p._descriptor import Descriptor
+    from devipc.p2p._descriptor import Descriptor, Metadata
 
     desc = Descriptor.from_bytes(whole)
-    for extra in (b"", desc.extra[:-1], desc.extra[:20], b"DVIP" + bytes(40)):
+    damaged = [b"", desc.extra[:-1], desc.extra[:20], b"DVIP" + bytes(40)]
+    damaged += [flip(desc.extra, at) for at in range(0, len(desc.extra), 7)]  # NIXL's blob too
+    for extra in damaged:
         forged = Descriptor(**{**desc.__dict__, "extra": extra}).to_bytes()
         with pytest.raises(InvalidHandleError):
             connection.read(torch.zeros(64), forged)
@@ -138,6 +144,11 @@ def test_bad_input_is_a_clear_error(owner):
     with p2p.Endpoint() as ipc, p2p.Endpoint(transport="nixl") as nixl:
         with pytest.raises(ValueError, match="transport"):  # a NIXL peer, an IPC endpoint
             ipc.connect(nixl.metadata())
+        meta = Metadata.from_bytes(nixl.metadata())
+        for at in range(0, len(meta.extra), 5):  # damaged bytes never reach NIXL's parser
+            damaged = Metadata(**{**meta.__dict__, "extra": flip(meta.extra, at)}).to_bytes()
+            with pytest.raises(InvalidHandleError):
+                nixl.connect(damaged)
 
 
 @needs_nixl

@@ -17,8 +17,11 @@ remote key; over TCP or shared memory, nothing does).
 NIXL is imported on first use: `import devipc.p2p` works without it.
 """
 import bisect
+import hashlib
+import hmac
 import importlib
 import logging
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -135,11 +138,11 @@ class Remote:
     def to_bytes(self) -> bytes:
         writer = _wire.Writer(_wire.P2P_NIXL).text(self.agent).text(self.kind)
         writer.int(self.dev_id).int(self.addr).int(self.nbytes).int(self.reg_id).int(self.slot)
-        return writer.int(self.page).bytes(self.partial).done()
+        return sealed(writer.int(self.page).bytes(self.partial))
 
     @classmethod
     def from_bytes(cls, data) -> "Remote":
-        reader = _wire.Reader(data, (_wire.P2P_NIXL,))
+        reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL,))
         agent = reader.text("NIXL agent name", 256)
         kind = reader.text("memory kind", 8)
         if kind not in KINDS:
@@ -155,6 +158,48 @@ class Remote:
         if not agent or not partial:
             raise InvalidHandleError("a NIXL descriptor needs an agent name and metadata")
         return cls(agent, kind, dev_id, addr, nbytes, reg_id, slot, page, partial)
+
+
+_DIGEST = 16
+_SEAL = 4 + _DIGEST  # the digest field: its length and itself
+
+
+def _seal_of(body: bytes) -> bytes:
+    """A last wire field (u32 length | payload) holding the digest of everything before it."""
+    return struct.pack("<I", _DIGEST) + hashlib.blake2b(body, digest_size=_DIGEST).digest()
+
+
+def sealed(writer: "_wire.Writer") -> bytes:
+    """The message with a digest as its last field. NIXL parses its metadata blobs itself, and a
+    damaged one can crash it (fuzzing found segfaults): damaged bytes must never reach it."""
+    body = writer.done()
+    return body + _seal_of(body)
+
+
+def unsealed(data) -> bytes:
+    """The message `sealed` made, its digest checked and removed; InvalidHandleError if damaged."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidHandleError(f"a NIXL part is bytes, got {type(data).__name__}")
+    data = bytes(data)
+    body = data[:-_SEAL]
+    if len(data) <= _SEAL or not hmac.compare_digest(data[-_SEAL:], _seal_of(body)):
+        raise InvalidHandleError("a NIXL part of a descriptor or of metadata is damaged (its "
+                                 "digest does not match)")
+    return body
+
+
+def agent_metadata_to_bytes(agent: str, blob: bytes) -> bytes:
+    return sealed(_wire.Writer(_wire.P2P_NIXL_AGENT).text(agent).bytes(blob))
+
+
+def agent_metadata_from_bytes(data) -> tuple[str, bytes]:
+    reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL_AGENT,))
+    agent = reader.text("NIXL agent name", 256)
+    blob = reader.bytes("NIXL agent metadata")
+    reader.end()
+    if not agent or not blob:
+        raise InvalidHandleError("NIXL agent metadata needs an agent name and its metadata")
+    return agent, blob
 
 
 class _Local:
@@ -234,7 +279,7 @@ class NixlTransport:
     # -- what peers need --
     def metadata(self) -> bytes:
         with self._lock:
-            return self._agent.get_agent_metadata()
+            return agent_metadata_to_bytes(self.name, self._agent.get_agent_metadata())
 
     def descriptor_extra(self, reg, offset: int, nbytes: int) -> bytes:
         if reg.id not in self._regs:
@@ -247,13 +292,20 @@ class NixlTransport:
                       reg.slot, self._page.base, local.partial).to_bytes()
 
     def connect(self, peer_metadata: bytes) -> str:
+        name, blob = agent_metadata_from_bytes(peer_metadata)
         with self._lock:
+            if self._closed:
+                raise ValueError("this NIXL transport is closed")
             try:
-                agent = self._agent.add_remote_agent(bytes(peer_metadata))
+                agent = self._agent.add_remote_agent(blob)
             except Exception as error:  # NIXL's own exception types
                 raise InvalidHandleError(f"NIXL could not load the peer's agent metadata: "
                                          f"{type(error).__name__}: {error}") from None
             agent = agent.decode() if isinstance(agent, bytes) else str(agent)
+            if agent != name:
+                self._agent.remove_remote_agent(agent)
+                raise InvalidHandleError(f"NIXL metadata of agent {agent!r} claims to be of "
+                                         f"{name!r}")
             self._peers.setdefault(agent, set())
         return agent
 
