@@ -14,6 +14,10 @@ one that ended. The check happens before the transfer is posted: a deregistratio
 while a transfer is in flight is not seen by it (over RDMA, the deregistration revokes the
 remote key; over TCP or shared memory, nothing does).
 
+NIXL parses its metadata blobs itself and can crash on damaged ones, so every NIXL part devipc
+sends ends with a digest, checked before NIXL sees anything: damaged bytes are InvalidHandleError.
+(Bytes forged with a matching digest still reach NIXL's parser: peers are trusted, as in NIXL.)
+
 NIXL is imported on first use: `import devipc.p2p` works without it.
 """
 import bisect
