@@ -476,6 +476,9 @@ class NixlTransfer:
                 raise self._error
             return True
         nixl = self._transport._agent
+        if nixl is None:  # the endpoint closed under it: NIXL cancelled what was in flight
+            self._finished, self._error = True, ValueError("the NIXL transport was closed")
+            raise self._error
         for i, handle in enumerate(self.handles):
             if self.states[i] == "PROC":
                 self.states[i] = nixl.check_xfer_state(handle)
