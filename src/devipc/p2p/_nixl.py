@@ -44,11 +44,6 @@ from .._errors import (
 from .._hooks import get_ipc_hooks
 from ._registry import PAGE_BYTES, PAGE_SLOTS, registry, word_index
 
-try:
-    import numpy as np
-except ImportError:  # NIXL needs numpy: without it, load_nixl says how to install both
-    np = None
-
 __all__ = ["NixlTransport", "load_nixl", "memory_kind", "new_agent"]
 
 INSTALL = "pip install 'devipc[nixl]'"
@@ -231,9 +226,8 @@ class NixlTransport:
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
         self._decoded: dict[bytes, Remote] = {}
         self._page = self._register(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
-        self._scratch = np.zeros(_SCRATCH_WORDS, dtype=np.int64)
-        self._scratch_reg = self._register(self._scratch.ctypes.data, self._scratch.nbytes,
-                                           "DRAM", 0)
+        self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
+        self._scratch_reg = self._register(self._scratch.data_ptr(), 8 * _SCRATCH_WORDS, "DRAM", 0)
         self._closed = False  # the endpoint adds this transport as a registry listener
 
     # -- this process's memory --
@@ -373,9 +367,8 @@ class NixlTransport:
         for start in range(0, len(items), _SCRATCH_WORDS):
             chunk = items[start:start + _SCRATCH_WORDS]
             scratch = self._scratch_reg.base
-            local = np.array([(scratch + 8 * i, 8, 0) for i in range(len(chunk))], np.uint64)
-            remote = np.array([(page + 8 * word_index(slot), 8, 0) for (page, slot), _ in chunk],
-                              np.uint64)
+            local = [(scratch + 8 * i, 8, 0) for i in range(len(chunk))]
+            remote = [(page + 8 * word_index(slot), 8, 0) for (page, slot), _ in chunk]
             handle = self._request("READ", agent, local, "DRAM", remote, "DRAM")
             try:
                 self._finish_now(handle, agent)
@@ -431,8 +424,7 @@ class NixlTransport:
             transfer = NixlTransfer(self, agent, temps)
             temps = []
             for (local_kind, remote_kind), (mine, theirs) in groups.items():
-                handle = self._request(op, agent, np.array(mine, np.uint64), local_kind,
-                                       np.array(theirs, np.uint64), remote_kind)
+                handle = self._request(op, agent, mine, local_kind, theirs, remote_kind)
                 transfer.handles.append(handle)
                 transfer.states.append(self._post(handle, agent))
             transfer.check()
