@@ -12,7 +12,7 @@ from _support import Children, foreign_memfd_maps, open_fds, recv, wait_until
 import devipc
 import devipc.p2p as p2p
 
-pytestmark = pytest.mark.usefixtures("ipc_mode")
+both_modes = pytest.mark.usefixtures("ipc_mode")
 
 
 class Owner:
@@ -68,6 +68,7 @@ def _shm_maps() -> int:
 PLACES = [("openreg", "openreg"), ("cpu", "cpu"), ("openreg", "cpu"), ("cpu", "openreg")]
 
 
+@both_modes
 @pytest.mark.parametrize("remote_device,local_device", PLACES)
 def test_read_and_write_whole_tensors_and_byte_ranges(owner, peer, remote_device, local_device):
     values = torch.arange(64, dtype=torch.float32)
@@ -88,6 +89,7 @@ def test_read_and_write_whole_tensors_and_byte_ranges(owner, peer, remote_device
     owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_dtypes_cross_bit_for_bit(owner, peer, device):
     generator = torch.Generator().manual_seed(0)
@@ -103,6 +105,7 @@ def test_dtypes_cross_bit_for_bit(owner, peer, device):
         owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_non_contiguous_local_tensors(owner, peer, device):
     values = torch.arange(32, dtype=torch.float32).view(4, 8)
@@ -124,6 +127,7 @@ def test_non_contiguous_local_tensors(owner, peer, device):
     owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_vectors_and_async_transfers(owner, peer, device):
     values = torch.arange(1024, dtype=torch.int32)
@@ -154,6 +158,7 @@ def test_vectors_and_async_transfers(owner, peer, device):
     owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 @pytest.mark.parametrize("how", ["free", "deregister", "drop"])
 def test_a_freed_remote_tensor_raises_and_its_mapping_is_closed(owner, peer, device, how):
@@ -183,7 +188,8 @@ def test_a_freed_remote_tensor_raises_and_its_mapping_is_closed(owner, peer, dev
     _owner_idle(owner)
 
 
-def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children):
+def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monkeypatch):
+    monkeypatch.setenv("OPENREG_IPC_EVENTS", "1")  # the owner's events: pages of its own too
     _settle()
     owner = Owner(children)  # its pipe and sentinel stay open until the test ends
     fds, maps, mapped = open_fds(), foreign_memfd_maps(), devipc.stats()["mapped"]
@@ -208,20 +214,27 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children):
 
 
 def test_several_peers_at_once(children):
-    peers = 3
-    tensor, tensor_id = p2p.create_tensor((peers * 64,), torch.uint8, "openreg")
+    """Two spawned peers and this process's own connection write and read one tensor."""
+    peers = 2
+    tensor, tensor_id = p2p.create_tensor(((peers + 1) * 64,), torch.uint8, "openreg")
     tensor.zero_()
     with p2p.Endpoint() as endpoint:
         whole = endpoint.advertise(tensor)
         pipes = [children.start_piped(_p2p_workers.peer, endpoint.metadata(), whole,
                                       endpoint.advertise(tensor_id, 64 * i, 64), i + 1)[1]
                  for i in range(peers)]
+        ourselves = endpoint.connect(endpoint.metadata())
+        ourselves.write(torch.full((64,), peers + 1, dtype=torch.uint8, device="openreg"),
+                        endpoint.advertise(tensor_id, 64 * peers, 64))
         assert [recv(pipe) for pipe in pipes] == ["written"] * peers
-        expected = [i + 1 for i in range(peers) for _ in range(64)]
+        expected = [i + 1 for i in range(peers + 1) for _ in range(64)]
         assert tensor.cpu().tolist() == expected
         for pipe in pipes:
             pipe.send("read")
         assert [recv(pipe) for pipe in pipes] == [expected] * peers
+        mine = torch.empty_like(tensor)
+        ourselves.read(mine, whole)
+        assert mine.cpu().tolist() == expected
         for pipe in pipes:
             pipe.send("exit")
         children.join_ok()
