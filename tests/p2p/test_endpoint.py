@@ -56,7 +56,7 @@ def _owner_idle(owner: Owner) -> None:
     """Wait until the owner holds no export, send or registration (its counter file and cached
     device memory stay)."""
     wait_until(lambda: (lambda s: (s["exports"], s["sent"], s["live"]))(owner.call("stats"))
-               == (0, 0, 0), "the owner holds no exports, sends or registrations")
+               == (0, 0, 0), "the owner holds no exports, sends or registrations", 10)
 
 
 def _shm_maps() -> int:
@@ -124,6 +124,9 @@ def test_non_contiguous_local_tensors(owner, peer, device):
     peer.read(contiguous, odd)  # bytes: any offset
     now = owner.call("get", tensor_id).contiguous().view(-1).view(torch.uint8)
     assert contiguous.cpu().tolist() == now[2:18].tolist()
+    strided_bytes = torch.zeros(8, 2, dtype=torch.uint8, device=device).t()  # 2 x 8
+    peer.read(strided_bytes, odd)
+    assert strided_bytes.cpu().tolist() == now[2:18].view(2, 8).tolist()
     owner.call("drop", tensor_id)
 
 
