@@ -195,17 +195,19 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monke
     monkeypatch.setenv("OPENREG_IPC_EVENTS", "1")  # the owner's events: pages of its own too
     _settle()
     owner = Owner(children)  # its pipe and sentinel stay open until the test ends
-    fds, maps, mapped = open_fds(), foreign_memfd_maps(), devipc.stats()["mapped"]
+    local = torch.zeros(64, device="openreg")  # this process's own device memory, cached
     _, on_device = owner.call("create", torch.arange(64, dtype=torch.float32), "openreg")
     _, on_cpu = owner.call("create", torch.arange(64, dtype=torch.float32), "cpu")
+    # (sending CPU tensors through the pipe started multiprocessing's fd-passing socket)
+    fds, maps, mapped = open_fds(), foreign_memfd_maps(), devipc.stats()["mapped"]
     endpoint = p2p.Endpoint()
     connection = endpoint.connect(owner.metadata)
-    connection.read(torch.zeros(64, device="openreg"), on_device)
+    connection.read(local, on_device)
     connection.read(torch.zeros(64), on_cpu)
     owner.proc.kill()
     owner.proc.join(30)
     with pytest.raises(p2p.PeerGoneError, match=f"{owner.pid} has exited"):
-        connection.read(torch.zeros(64, device="openreg"), on_device)
+        connection.read(local, on_device)
     assert connection.mapped() == 0
     with pytest.raises(p2p.PeerGoneError):
         endpoint.connect(owner.metadata)
@@ -213,7 +215,7 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monke
     _settle()
     assert devipc.stats()["mapped"] == mapped
     wait_until(lambda: foreign_memfd_maps() <= maps, "no mapping of the dead owner's memory")
-    wait_until(lambda: open_fds() <= fds, "no descriptor left")
+    wait_until(lambda: open_fds() <= fds, "no descriptor left", 10)
 
 
 def test_several_peers_at_once(children):
@@ -244,3 +246,22 @@ def test_several_peers_at_once(children):
     del tensor
     wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
                "the peers' slots ended after they exited")
+
+
+def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
+    """The owner frees a tensor that a SIGKILLed peer had opened: the core reclaims the dead
+    peer's slot, and the memory goes."""
+    tensor, _ = p2p.create_tensor((4096,), torch.uint8, "openreg")
+    tensor.fill_(1)
+    memory = torch.accelerator.memory_allocated()
+    with p2p.Endpoint() as endpoint:
+        proc, pipe = children.start_piped(_p2p_workers.read_and_wait, endpoint.metadata(),
+                                          endpoint.advertise(tensor))
+        assert recv(pipe) == 4096
+        proc.kill()
+        proc.join(30)
+        p2p.free_tensor(tensor)
+        del tensor
+        wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
+                   "the dead peer's slot was reclaimed and the export ended")
+    assert torch.accelerator.memory_allocated() < memory

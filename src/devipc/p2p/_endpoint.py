@@ -227,7 +227,7 @@ class Connection:
             if desc is None:
                 desc = Descriptor.from_bytes(remote)
                 if len(self._decoded) >= _DECODED_KEPT:
-                    self._decoded.pop(next(iter(self._decoded)))
+                    self._decoded.clear()  # simple, and safe with other threads calling
                 self._decoded[remote] = desc
         if desc.page != self._page_handle:
             raise InvalidHandleError("this descriptor was advertised by another process than "
