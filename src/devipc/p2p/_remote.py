@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import select
 import threading
 
 import torch
@@ -69,15 +70,24 @@ class Peer:
                                      f"{self._page.size}")
         self._words = (ctypes.c_int64 * PAGE_SLOTS).from_address(
             self._page.address + 8 * word_index(0))
+        try:  # readable once the process exits, and never another process with its pid
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self._pidfd = -1
 
     # -- liveness --
     def check_alive(self) -> None:
         if self._page is None:
             raise ValueError("this connection is closed")
-        if not _alive(self.pid):
+        if not self._running():
             self.close()
             raise PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
                                 f"read or written any more; this connection is closed")
+
+    def _running(self) -> bool:
+        if self._pidfd >= 0:
+            return not select.select([self._pidfd], [], [], 0)[0]
+        return _alive(self.pid)
 
     def _live(self, reg_id: int, slot: int) -> bool:
         """Whether the owner's registration `reg_id` still lives (an aligned 8-byte load). Call
@@ -239,5 +249,8 @@ class Peer:
             page, self._page, self._words = self._page, None, None
             if page is not None:
                 page.close()  # under the lock: no `_live` reads it meanwhile
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
         for entry in entries:
             self._drop(entry)
