@@ -68,3 +68,15 @@ def peer(conn, metadata, whole, mine, index):
     conn.send(out.cpu().tolist())
     assert recv(conn) == "exit"
     endpoint.close()
+
+
+def read_and_wait(conn, metadata, descriptor):
+    """Opens the owner's tensor by reading it, then waits to be killed."""
+    import devipc_openreg  # noqa: F401
+
+    connection = p2p.Endpoint().connect(metadata)
+    local = torch.empty(p2p._descriptor.Descriptor.from_bytes(descriptor).nbytes,
+                        dtype=torch.uint8, device="openreg")
+    connection.read(local, descriptor)
+    conn.send(local.sum().item())
+    recv(conn)  # never comes: the test kills this process

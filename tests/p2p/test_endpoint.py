@@ -12,7 +12,7 @@ from _support import Children, foreign_memfd_maps, open_fds, recv, wait_until
 import devipc
 import devipc.p2p as p2p
 
-pytestmark = pytest.mark.usefixtures("ipc_mode")
+both_modes = pytest.mark.usefixtures("ipc_mode")
 
 
 class Owner:
@@ -56,7 +56,7 @@ def _owner_idle(owner: Owner) -> None:
     """Wait until the owner holds no export, send or registration (its counter file and cached
     device memory stay)."""
     wait_until(lambda: (lambda s: (s["exports"], s["sent"], s["live"]))(owner.call("stats"))
-               == (0, 0, 0), "the owner holds no exports, sends or registrations")
+               == (0, 0, 0), "the owner holds no exports, sends or registrations", 10)
 
 
 def _shm_maps() -> int:
@@ -68,6 +68,7 @@ def _shm_maps() -> int:
 PLACES = [("openreg", "openreg"), ("cpu", "cpu"), ("openreg", "cpu"), ("cpu", "openreg")]
 
 
+@both_modes
 @pytest.mark.parametrize("remote_device,local_device", PLACES)
 def test_read_and_write_whole_tensors_and_byte_ranges(owner, peer, remote_device, local_device):
     values = torch.arange(64, dtype=torch.float32)
@@ -88,6 +89,7 @@ def test_read_and_write_whole_tensors_and_byte_ranges(owner, peer, remote_device
     owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_dtypes_cross_bit_for_bit(owner, peer, device):
     generator = torch.Generator().manual_seed(0)
@@ -103,6 +105,7 @@ def test_dtypes_cross_bit_for_bit(owner, peer, device):
         owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_non_contiguous_local_tensors(owner, peer, device):
     values = torch.arange(32, dtype=torch.float32).view(4, 8)
@@ -121,9 +124,13 @@ def test_non_contiguous_local_tensors(owner, peer, device):
     peer.read(contiguous, odd)  # bytes: any offset
     now = owner.call("get", tensor_id).contiguous().view(-1).view(torch.uint8)
     assert contiguous.cpu().tolist() == now[2:18].tolist()
+    strided_bytes = torch.zeros(8, 2, dtype=torch.uint8, device=device).t()  # 2 x 8
+    peer.read(strided_bytes, odd)
+    assert strided_bytes.cpu().tolist() == now[2:18].view(2, 8).tolist()
     owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_vectors_and_async_transfers(owner, peer, device):
     values = torch.arange(1024, dtype=torch.int32)
@@ -154,6 +161,7 @@ def test_vectors_and_async_transfers(owner, peer, device):
     owner.call("drop", tensor_id)
 
 
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 @pytest.mark.parametrize("how", ["free", "deregister", "drop"])
 def test_a_freed_remote_tensor_raises_and_its_mapping_is_closed(owner, peer, device, how):
@@ -183,20 +191,23 @@ def test_a_freed_remote_tensor_raises_and_its_mapping_is_closed(owner, peer, dev
     _owner_idle(owner)
 
 
-def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children):
+def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monkeypatch):
+    monkeypatch.setenv("OPENREG_IPC_EVENTS", "1")  # the owner's events: pages of its own too
     _settle()
     owner = Owner(children)  # its pipe and sentinel stay open until the test ends
-    fds, maps, mapped = open_fds(), foreign_memfd_maps(), devipc.stats()["mapped"]
+    local = torch.zeros(64, device="openreg")  # this process's own device memory, cached
     _, on_device = owner.call("create", torch.arange(64, dtype=torch.float32), "openreg")
     _, on_cpu = owner.call("create", torch.arange(64, dtype=torch.float32), "cpu")
+    # (sending CPU tensors through the pipe started multiprocessing's fd-passing socket)
+    fds, maps, mapped = open_fds(), foreign_memfd_maps(), devipc.stats()["mapped"]
     endpoint = p2p.Endpoint()
     connection = endpoint.connect(owner.metadata)
-    connection.read(torch.zeros(64, device="openreg"), on_device)
+    connection.read(local, on_device)
     connection.read(torch.zeros(64), on_cpu)
     owner.proc.kill()
     owner.proc.join(30)
     with pytest.raises(p2p.PeerGoneError, match=f"{owner.pid} has exited"):
-        connection.read(torch.zeros(64, device="openreg"), on_device)
+        connection.read(local, on_device)
     assert connection.mapped() == 0
     with pytest.raises(p2p.PeerGoneError):
         endpoint.connect(owner.metadata)
@@ -204,27 +215,53 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children):
     _settle()
     assert devipc.stats()["mapped"] == mapped
     wait_until(lambda: foreign_memfd_maps() <= maps, "no mapping of the dead owner's memory")
-    wait_until(lambda: open_fds() <= fds, "no descriptor left")
+    wait_until(lambda: open_fds() <= fds, "no descriptor left", 10)
 
 
 def test_several_peers_at_once(children):
-    peers = 3
-    tensor, tensor_id = p2p.create_tensor((peers * 64,), torch.uint8, "openreg")
+    """Two spawned peers and this process's own connection write and read one tensor."""
+    peers = 2
+    tensor, tensor_id = p2p.create_tensor(((peers + 1) * 64,), torch.uint8, "openreg")
     tensor.zero_()
     with p2p.Endpoint() as endpoint:
         whole = endpoint.advertise(tensor)
         pipes = [children.start_piped(_p2p_workers.peer, endpoint.metadata(), whole,
                                       endpoint.advertise(tensor_id, 64 * i, 64), i + 1)[1]
                  for i in range(peers)]
+        ourselves = endpoint.connect(endpoint.metadata())
+        ourselves.write(torch.full((64,), peers + 1, dtype=torch.uint8, device="openreg"),
+                        endpoint.advertise(tensor_id, 64 * peers, 64))
         assert [recv(pipe) for pipe in pipes] == ["written"] * peers
-        expected = [i + 1 for i in range(peers) for _ in range(64)]
+        expected = [i + 1 for i in range(peers + 1) for _ in range(64)]
         assert tensor.cpu().tolist() == expected
         for pipe in pipes:
             pipe.send("read")
         assert [recv(pipe) for pipe in pipes] == [expected] * peers
+        mine = torch.empty_like(tensor)
+        ourselves.read(mine, whole)
+        assert mine.cpu().tolist() == expected
         for pipe in pipes:
             pipe.send("exit")
         children.join_ok()
     del tensor
     wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
                "the peers' slots ended after they exited")
+
+
+def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
+    """The owner frees a tensor that a SIGKILLed peer had opened: the core reclaims the dead
+    peer's slot, and the memory goes."""
+    tensor, _ = p2p.create_tensor((4096,), torch.uint8, "openreg")
+    tensor.fill_(1)
+    memory = torch.accelerator.memory_allocated()
+    with p2p.Endpoint() as endpoint:
+        proc, pipe = children.start_piped(_p2p_workers.read_and_wait, endpoint.metadata(),
+                                          endpoint.advertise(tensor))
+        assert recv(pipe) == 4096
+        proc.kill()
+        proc.join(30)
+        p2p.free_tensor(tensor)
+        del tensor
+        wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
+                   "the dead peer's slot was reclaimed and the export ended")
+    assert torch.accelerator.memory_allocated() < memory

@@ -6,6 +6,7 @@ through NIXL even on one host (`_nixl.NixlTransport`, imported only then); an ob
 same methods may be passed instead. The owner's Python code takes no part in a transfer: its
 metadata and descriptors are all a peer needs.
 """
+import ctypes
 import os
 import secrets
 import threading
@@ -181,17 +182,17 @@ class Connection:
     # -- the API --
     def read(self, local: torch.Tensor, remote) -> None:
         """Copy the remote range into `local` (same byte size)."""
-        self.read_async(local, remote).wait()
+        self._post(READ, [local], [remote], wait=True)
 
     def write(self, local: torch.Tensor, remote) -> None:
         """Copy `local` into the remote range (same byte size)."""
-        self.write_async(local, remote).wait()
+        self._post(WRITE, [local], [remote], wait=True)
 
     def readv(self, locals_, remotes) -> None:
-        self.readv_async(locals_, remotes).wait()
+        self._post(READ, list(locals_), list(remotes), wait=True)
 
     def writev(self, locals_, remotes) -> None:
-        self.writev_async(locals_, remotes).wait()
+        self._post(WRITE, list(locals_), list(remotes), wait=True)
 
     def read_async(self, local: torch.Tensor, remote) -> Transfer:
         return self._post(READ, [local], [remote])
@@ -228,14 +229,15 @@ class Connection:
             if desc is None:
                 desc = Descriptor.from_bytes(remote)
                 if len(self._decoded) >= _DECODED_KEPT:
-                    self._decoded.pop(next(iter(self._decoded)))
+                    self._decoded.clear()  # simple, and safe with other threads calling
                 self._decoded[remote] = desc
         if desc.page != self._page_handle:
             raise InvalidHandleError("this descriptor was advertised by another process than "
                                      "the one this connection reaches")
         return desc
 
-    def _post(self, op: str, locals_: list, remotes: list) -> Transfer:
+    def _post(self, op: str, locals_: list, remotes: list, wait: bool = False) -> Transfer:
+        """Queue (or, host to host, run) the copies; with `wait`, return once they are done."""
         if len(locals_) != len(remotes):
             raise ValueError(f"{len(locals_)} local tensors for {len(remotes)} remote "
                              f"descriptors")
@@ -243,36 +245,48 @@ class Connection:
         for local, desc in zip(locals_, descs):
             _check_local(local, desc)
         if self._agent is not None:
-            return self._post_network(op, locals_, descs)
-        if self._peer is None:
+            transfer = self._post_network(op, locals_, descs)
+        elif self._peer is None:
             raise ValueError("this connection is closed")
-        self._peer.check_alive()
-        self._peer.sweep()
-        entries = [self._peer.open(desc) for desc in descs]
-        pairs = [_pair(op, local, entry, desc) for local, entry, desc in
-                 zip(locals_, entries, descs)]
-        devices = {t.device for pair in pairs for t in pair if t.device.type != "cpu"}
-        if not devices:
-            return self._on_host(pairs, entries)
-        self._wait_for_owner(entries, descs, devices)
-        with torch.no_grad():
-            for dst, src in pairs:
-                dst.copy_(src)
-        transfer = Transfer(record_events(devices), keep=(pairs, entries))
-        if any(entry.device.type == "cpu" for entry in entries):
-            transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
+        else:
+            transfer = self._post_ipc(op, locals_, descs, wait)
+        if wait:
+            transfer.wait()
         return transfer
 
-    def _on_host(self, pairs, entries) -> Transfer:
-        self._peer.pin(entries)
+    def _post_ipc(self, op: str, locals_: list, descs: list, wait: bool) -> Transfer:
+        peer = self._peer
+        peer.check_alive()
+        peer.sweep()
+        entries = [peer.open(desc) for desc in descs]
+        devices = {entry.device for entry in entries if entry.device.type != "cpu"}
+        devices.update(local.device for local in locals_ if not local.is_cpu)
+        pairs = [_pair(op, local, entry, desc) for local, entry, desc in
+                 zip(locals_, entries, descs)]
+        peer.pin(entries)  # CPU mappings stay while copies use them
+        if not devices and not wait:
+            return self._on_host(pairs, entries, locals_)
+        try:
+            if devices:
+                self._wait_for_owner(entries, descs, devices)
+            _copy(pairs)
+            transfer = Transfer(record_events(devices), keep=(pairs, entries, locals_))
+            if any(entry.device.type == "cpu" for entry in entries):
+                transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
+        finally:
+            peer.unpin(entries)
+        return transfer
+
+    def _on_host(self, pairs, entries, locals_) -> Transfer:
+        """Host copies off the calling thread (the async calls). The job holds the local tensors:
+        the pairs may be bare addresses."""
 
         def copy():
             try:
-                with torch.no_grad():
-                    for dst, src in pairs:
-                        dst.copy_(src)
+                _copy(pairs)
             finally:
                 self._peer.unpin(entries)
+                locals_.clear()
 
         try:
             return Transfer(future=run_on_host(copy))
@@ -312,21 +326,38 @@ class Connection:
         return f"<devipc.p2p.Connection to process {self.peer_pid}>"
 
 
+def _copy(pairs) -> None:
+    """Each (destination, source, bytes): host addresses by memmove (one thread, no dispatch),
+    tensors by `copy_`, the device's own copy path on the current stream."""
+    with torch.no_grad():
+        for dst, src, nbytes in pairs:
+            if nbytes is None:
+                dst.copy_(src)
+            else:
+                ctypes.memmove(dst, src, nbytes)
+
+
 def _check_local(local, desc: Descriptor) -> None:
-    if not isinstance(local, torch.Tensor):
+    if type(local) is not torch.Tensor and not isinstance(local, torch.Tensor):
         raise TypeError(f"a local tensor is a torch.Tensor, not {type(local).__name__}")
-    nbytes = local.numel() * local.element_size()
+    nbytes = local.nbytes
     if nbytes != desc.nbytes:
         raise TransferSizeError(f"the local tensor has {nbytes} bytes, the remote range "
                                 f"{desc.nbytes}")
 
 
 def _pair(op: str, local: torch.Tensor, entry: RemoteEntry, desc: Descriptor) -> tuple:
-    """(destination, source) of one copy: byte views when the local tensor is contiguous, else
-    the remote range viewed with the local tensor's dtype and shape (copy_ handles strides)."""
+    """(destination, source, bytes) of one copy: addresses when both sides are contiguous host
+    memory; else tensors (bytes None): byte views when the local tensor is contiguous, else the
+    remote range viewed with the local tensor's dtype and shape (copy_ handles strides)."""
+    if entry.host is not None and local.is_cpu and local.is_contiguous():
+        here, there = local.data_ptr(), entry.host + desc.offset
+        return (here, there, desc.nbytes) if op == READ else (there, here, desc.nbytes)
     remote = entry.data[desc.offset:desc.offset + desc.nbytes]
-    if local.is_contiguous():
-        local_view = local.reshape(-1).view(torch.uint8)
+    if local.dtype is torch.uint8 and local.dim() == 1 and local.is_contiguous():
+        local_view = local
+    elif local.is_contiguous():
+        local_view = local.view(-1).view(torch.uint8)
     else:
         if desc.offset % local.element_size():
             raise TransferSizeError(f"a non-contiguous local tensor of {local.dtype} needs a "
@@ -334,4 +365,4 @@ def _pair(op: str, local: torch.Tensor, entry: RemoteEntry, desc: Descriptor) ->
                                     f"this one starts at byte {desc.offset}")
         remote = remote.view(local.dtype).view(local.shape)
         local_view = local
-    return (local_view, remote) if op == READ else (remote, local_view)
+    return (local_view, remote, None) if op == READ else (remote, local_view, None)

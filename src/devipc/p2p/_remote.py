@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import select
 import threading
 
 import torch
@@ -28,18 +29,21 @@ from .._memfd import MappedFile, _alive, open_shared_file
 from .._refcount import _MAGIC as COUNTER_MAGIC
 from .._refcount import FILE_BYTES, CounterFile
 from ._descriptor import DEVICE, Descriptor, Metadata
-from ._registry import PAGE_BYTES, PAGE_MAGIC, word_index
+from ._registry import PAGE_BYTES, PAGE_MAGIC, PAGE_SLOTS, word_index
 
 __all__ = ["Peer", "RemoteEntry"]
 
 
 class RemoteEntry:
-    """One registration of the peer, opened here: `data` is all of its bytes (uint8)."""
+    """One registration of the peer, opened here: `data` is all of its bytes (uint8); `host`
+    their address when they are host memory this process mapped itself (CPU), else None."""
 
-    __slots__ = ("reg_id", "slot", "data", "device", "waited", "_mapping", "_pins", "_dropped")
+    __slots__ = ("reg_id", "slot", "data", "device", "host", "waited", "_mapping", "_pins",
+                 "_dropped")
 
     def __init__(self, desc: Descriptor, data: torch.Tensor, mapping: MappedFile | None = None):
         self.reg_id, self.slot, self.data, self.device = desc.reg_id, desc.slot, data, data.device
+        self.host = None if mapping is None else mapping.address
         self.waited: set[bytes] = set()  # events of advertisements already waited for
         self._mapping = mapping  # CPU: our mapping of the owner's shared file
         self._pins = 0  # host copies using the mapping now
@@ -64,18 +68,36 @@ class Peer:
             self._page.close()
             raise InvalidHandleError(f"a registry page has {PAGE_BYTES} bytes, this one "
                                      f"{self._page.size}")
+        self._words = (ctypes.c_int64 * PAGE_SLOTS).from_address(
+            self._page.address + 8 * word_index(0))
+        try:  # readable once the process exits, and never another process with its pid
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self._pidfd = -1
 
     # -- liveness --
     def check_alive(self) -> None:
         if self._page is None:
             raise ValueError("this connection is closed")
-        if not _alive(self.pid):
+        if not self._running():
             self.close()
             raise PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
                                 f"read or written any more; this connection is closed")
 
+    def _running(self) -> bool:
+        if self._pidfd >= 0:
+            return not select.select([self._pidfd], [], [], 0)[0]
+        return _alive(self.pid)
+
     def _live(self, reg_id: int, slot: int) -> bool:
-        return self._page.int64(word_index(slot)).value == reg_id
+        """Whether the owner's registration `reg_id` still lives (an aligned 8-byte load). Call
+        with the lock: `close` unmaps the page under it."""
+        words = self._words
+        return words is not None and words[slot] == reg_id
+
+    def _is_live(self, reg_id: int, slot: int) -> bool:
+        with self._lock:
+            return self._live(reg_id, slot)
 
     def sweep(self) -> int:
         """Drop every cached registration the owner ended; how many."""
@@ -102,7 +124,7 @@ class Peer:
         if entry is not None:
             self._drop(entry)
             raise self._freed(desc)
-        if not self._live(desc.reg_id, desc.slot):
+        if not self._is_live(desc.reg_id, desc.slot):
             raise self._freed(desc)
         entry = self._open_device(desc) if desc.kind == DEVICE else self._open_cpu(desc)
         with self._lock:
@@ -129,11 +151,11 @@ class Peer:
         try:
             index = self._take_slot(desc)
         except InvalidHandleError:
-            if not self._live(desc.reg_id, desc.slot):  # its file went with the export
+            if not self._is_live(desc.reg_id, desc.slot):  # its file went with the export
                 raise self._freed(desc) from None
             raise
         try:
-            if not self._live(desc.reg_id, desc.slot):
+            if not self._is_live(desc.reg_id, desc.slot):
                 raise self._freed(desc)
             storage = _sharing.new_shared_device(desc.device, desc.mem, desc.storage_bytes,
                                                  desc.mem_offset, desc.counter, index, b"", False)
@@ -181,7 +203,7 @@ class Peer:
             mapping = MappedFile(fd, stat.st_size)
         finally:
             os.close(fd)
-        if not self._live(desc.reg_id, desc.slot):  # the fd may have been reused meanwhile
+        if not self._is_live(desc.reg_id, desc.slot):  # the fd may have been reused meanwhile
             mapping.close()
             raise self._freed(desc)
         buffer = (ctypes.c_uint8 * desc.storage_bytes).from_address(mapping.address)
@@ -224,8 +246,11 @@ class Peer:
         """Drop every cached registration and the page. Idempotent."""
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
-            page, self._page = self._page, None
+            page, self._page, self._words = self._page, None, None
+            if page is not None:
+                page.close()  # under the lock: no `_live` reads it meanwhile
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
         for entry in entries:
             self._drop(entry)
-        if page is not None:
-            page.close()
