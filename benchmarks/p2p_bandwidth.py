@@ -11,8 +11,8 @@ apart on both sides, so that nothing merges them into one range): one readv/writ
 NIXL request of 1,000 descriptors, 1,000 copy_ calls for memcpy. The owner process only
 registers and advertises; every transfer is posted by this process. GB/s are 10^9 bytes/s.
 
-Each figure is the median of 5 rounds that interleave the four methods.
-Usage: python benchmarks/p2p_bandwidth.py [--max-mib 256] [--seconds 0.25] [--rounds 5] [--no-doc]
+Each figure is the median of 9 rounds that interleave the four methods.
+Usage: python benchmarks/p2p_bandwidth.py [--max-mib 256] [--seconds 0.8] [--rounds 9] [--no-doc]
 UCX picks its own transports (UCX_TLS and friends are read from the environment).
 """
 import argparse
@@ -38,8 +38,8 @@ SECTION = "## P2P bandwidth (`benchmarks/p2p_bandwidth.py`)"
 METHODS = ("memcpy", "devipc", "devipc-nixl", "nixl")
 ABOUT = """\
 One-sided reads and writes between two processes on this project's 2-core machine (no GPU; other
-jobs were running on it), one run, GB/s (10^9 bytes/s), each figure the median of 5 rounds that
-interleave the methods:
+jobs were running on it), one run, GB/s (10^9 bytes/s), each figure the median of {rounds} rounds
+that interleave the methods ({seconds} s per method and size in all):
 
 - **memcpy (1 thread)**: `copy_` of CPU tensors in one process, `torch.set_num_threads(1)`;
 - **devipc**: `devipc.p2p`, `Endpoint()`, same host through openreg's IPC hooks; openreg tensors
@@ -281,9 +281,9 @@ def write_doc(text: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-mib", type=int, default=256, help="largest size (MiB)")
-    parser.add_argument("--seconds", type=float, default=0.25,
+    parser.add_argument("--seconds", type=float, default=0.8,
                         help="time per method and size, over all rounds")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (median)")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     args.max_bytes = args.max_mib << 20
@@ -295,7 +295,8 @@ def main():
     if not args.no_doc:
         command = "python benchmarks/p2p_bandwidth.py" + "".join(
             f" {a}" for a in sys.argv[1:] if a != "--no-doc")
-        write_doc(f"{SECTION}\n\n{ABOUT}\n\n`{command}`, one run:\n\n{result}\n")
+        about = ABOUT.format(rounds=args.rounds, seconds=args.seconds)
+        write_doc(f"{SECTION}\n\n{about}\n\n`{command}`, one run:\n\n{result}\n")
 
 
 if __name__ == "__main__":
