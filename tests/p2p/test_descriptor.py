@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from _support import wait_until
+from _support import open_fds, wait_until
 
 import devipc
 import devipc.p2p as p2p
@@ -142,3 +142,16 @@ def test_mutated_descriptors_fail_cleanly(loop):
     with pytest.raises(p2p.RemoteTensorFreedError):
         connection.read(local, data)
     assert connection.mapped() == 0  # whatever the mutants opened was closed too
+
+
+def test_a_dropped_connection_lets_go_of_what_it_opened(loop):
+    endpoint, _, device, _ = loop
+    fds, mapped = open_fds(), devipc.stats()["mapped"]
+    connection = endpoint.connect(endpoint.metadata())
+    connection.read(torch.zeros(64, device="openreg"), endpoint.advertise(device))
+    assert devipc.stats()["mapped"] == mapped + 1
+    del connection
+    torch.accelerator.synchronize()
+    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["mapped"] == mapped,
+               "the dropped connection's mapping released")
+    assert open_fds() <= fds

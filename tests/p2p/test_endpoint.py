@@ -3,14 +3,20 @@ whole tensors and byte ranges, dtypes, strided local tensors, vectors, async tra
 peers; a freed, deregistered or collected remote tensor raises and its mapping is closed; a
 SIGKILLed owner gives a clear error and leaves nothing behind."""
 import os
+import sys
+import threading
 
 import _p2p_workers
 import pytest
 import torch
-from _support import Children, foreign_memfd_maps, open_fds, recv, wait_until
+from _support import TIMEOUT, Children, foreign_memfd_maps, open_fds, recv, wait_until
 
 import devipc
 import devipc.p2p as p2p
+from devipc_openreg import _runtime
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
+from _native import Gate  # noqa: E402 - the openreg tests' stream gate
 
 both_modes = pytest.mark.usefixtures("ipc_mode")
 
@@ -86,6 +92,31 @@ def test_read_and_write_whole_tensors_and_byte_ranges(owner, peer, remote_device
     assert torch.equal(owner.call("get", tensor_id), expected)
     peer.write(torch.zeros(64, device=local_device), whole)
     assert not owner.call("get", tensor_id).any()
+    owner.call("drop", tensor_id)
+
+
+@both_modes
+def test_device_transfers_are_queued_on_the_callers_current_stream(owner, peer):
+    _settle()  # releases of earlier tests' mappings (closing one waits for the device) first
+    tensor_id, whole = owner.call("create", torch.arange(16, dtype=torch.float32), "openreg")
+    local = torch.zeros(16, device="openreg")
+    hundreds = torch.full((16,), 100.0, device="openreg")
+    stream = torch.accelerator.current_stream()
+    gate = Gate()
+    safety = threading.Timer(TIMEOUT, gate.open)  # a failing test must not hang the stream
+    safety.start()
+    try:
+        gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+        local.copy_(hundreds)  # the caller's own work (asynchronous), queued first
+        transfer = peer.read_async(local, whole)
+        assert not transfer.done()  # queued behind the gate, behind add_
+        with pytest.raises(TimeoutError):
+            transfer.wait(0.01)
+    finally:
+        gate.open()
+        safety.cancel()
+    transfer.wait(TIMEOUT)
+    assert transfer.done() and local.cpu().tolist() == list(range(16))  # read after copy_
     owner.call("drop", tensor_id)
 
 

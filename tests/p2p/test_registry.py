@@ -180,3 +180,14 @@ def test_thousands_of_cycles_leave_nothing_behind(device):
     assert devipc.stats() == stats
     wait_until(lambda: open_fds() <= fds, "no descriptor left")
     assert shm_entries() == shm
+
+
+def test_a_storage_received_through_devipc_is_not_advertised_again():
+    tensor = torch.ones(4, device="openreg")
+    received = devipc.open(bytes(devipc.share(tensor)))
+    received_id = p2p.register(received)  # registering is fine: a listener may want it
+    with p2p.Endpoint() as endpoint, pytest.raises(devipc.ReshareError, match="clone"):
+        endpoint.advertise(received)
+    p2p.deregister(received_id)
+    del received, tensor
+    _settle()

@@ -10,10 +10,16 @@ import ctypes
 import os
 import secrets
 import threading
+import weakref
 
 import torch
 
-from .._errors import InvalidHandleError, TransferSizeError, UnsupportedDeviceError
+from .._errors import (
+    InvalidHandleError,
+    NotRegisteredError,
+    TransferSizeError,
+    UnsupportedDeviceError,
+)
 from .._handles import _identity
 from ._descriptor import CPU, DEVICE, NONE, Descriptor, Metadata, host_identity
 from ._export import export_of, order_for_peers
@@ -47,7 +53,7 @@ class Endpoint:
                              f"{transport!r}")
         if self._transport is not None:
             registry.add_listener(self._transport)
-        self._connections: list[Connection] = []
+        self._connections: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -67,7 +73,7 @@ class Endpoint:
                              f"{self.transport!r}: make both with the same transport")
         connection = Connection(self, meta)
         with self._lock:
-            self._connections.append(connection)
+            self._connections.add(connection)
         return connection
 
     def advertise(self, tensor_or_id, offset: int = 0, nbytes: int | None = None) -> bytes:
@@ -102,7 +108,7 @@ class Endpoint:
             if self._closed:
                 return
             self._closed = True
-            connections, self._connections = self._connections, []
+            connections, self._connections = list(self._connections), weakref.WeakSet()
         for connection in connections:
             connection.close()
         if self._transport is not None:
@@ -123,9 +129,7 @@ class Endpoint:
         return f"<devipc.p2p.Endpoint {self.name} over {self.transport}>"
 
 
-def _gone(reg: Registration):
-    from .._errors import NotRegisteredError
-
+def _gone(reg: Registration) -> NotRegisteredError:
     return NotRegisteredError(f"tensor id {reg.id} is not registered any more")
 
 
@@ -178,7 +182,7 @@ class Connection:
                 f"peer process {meta.pid} runs on another host or PID namespace: the device's "
                 f"IPC hooks cannot reach its memory. Use Endpoint(transport='nixl') on both sides")
         self._peer = Peer(meta)
-
+        weakref.finalize(self, self._peer.close)  # a dropped connection lets go of the peer
     # -- the API --
     def read(self, local: torch.Tensor, remote) -> None:
         """Copy the remote range into `local` (same byte size)."""

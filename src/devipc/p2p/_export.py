@@ -15,6 +15,7 @@ import threading
 import torch
 
 from .. import _sharing
+from .._errors import ReshareError
 from .._hooks import hooks_for
 from .._refcount import SLOTS_PER_FILE
 
@@ -27,6 +28,9 @@ class DeviceExport:
     __slots__ = ("mem", "mem_offset", "counter", "anchor")
 
     def __init__(self, storage: torch.UntypedStorage):
+        if _sharing.received_via_ipc(storage):
+            raise ReshareError("this storage was received from another process through devipc: "
+                               "advertise a clone() of it, or have its owner advertise it")
         _, self.mem, _, self.mem_offset, self.counter, self.anchor, _, _ = \
             _sharing.share_device(storage)
         _sharing.revoke_send(self.counter, self.anchor)
