@@ -3,14 +3,19 @@ device, five ways, one run:
 
   torch-cpu     torch's reduce_tensor path: CPU tensors already share_memory_()'d, one per message
   per-tensor    devipc: openreg tensors through the queue, one handle each
-  bucket        devipc.share_state_dict: one packed bucket, one handle
-  arena         devipc.Arena with a bucket 1/8 of the total: chunks, each copied out, acknowledged
+  bucket        devipc.share_state_dict: the weights copied into one bucket, one handle
+  packed        the trainer keeps its weights in devipc.pack()'s one allocation:
+                share_state_dict(copy=False), one handle, no copy
+  arena         devipc.Arena of 2 buffers, each 1/8 of the total: chunks, each copied out by the
+                consumer and acknowledged; the producer fills one buffer while the other is read
+  arena-1       the same with one buffer: no overlap, the measure of what double-buffering buys
   via-cpu       copy through the host: .cpu() per tensor, the queue, .to("openreg")
 
 Then the arena's device memory across >= 50 chunks.
 Usage: python benchmarks/weight_sync.py [--mib N]
 """
 import argparse
+import statistics
 import time
 
 import torch
@@ -61,11 +66,12 @@ def checksum(tensors) -> float:
 
 
 def consumer(inbox, outbox):
-    reader = None
+    readers = {}
     while (message := inbox.get(timeout=TIMEOUT)) is not None:
         mode, payload = message
         if mode == "attach":
-            reader = devipc.open_arena(payload)
+            name, data = payload
+            readers[name] = devipc.open_arena(data)
             outbox.put("attached")
             continue
         held = []
@@ -73,18 +79,20 @@ def consumer(inbox, outbox):
             for _ in range(payload):
                 tensor = inbox.get(timeout=TIMEOUT)
                 held.append(tensor.to("openreg") if mode == "via-cpu" else tensor)
-        elif mode == "bucket":
+        elif mode in ("bucket", "packed"):
             held = list(devipc.open_state_dict(payload).values())
-        elif mode == "arena":
+        elif mode in readers:
+            reader = readers[mode]
             while (data := inbox.get(timeout=TIMEOUT)) is not None:
                 chunk = reader.read(data)
                 held += [t.clone() for t in chunk.tensors.values()]
                 reader.ack(chunk)
                 del chunk
         torch.accelerator.synchronize()
+        outbox.put("done")  # the clock stops here; the check below is not timed
         outbox.put(checksum(held))
         del held
-    if reader is not None:
+    for reader in readers.values():
         reader.close()
 
 
@@ -92,7 +100,7 @@ def progress(text):
     print(f"  {text}", flush=True)
 
 
-def sync(mode, state, cpu_state, arena, inbox, outbox) -> tuple[float, int]:
+def sync(mode, state, cpu_state, packed, arenas, inbox, outbox) -> tuple[float, int]:
     """Seconds until the consumer holds every tensor; handles opened in the consumer."""
     start = time.perf_counter()
     if mode in ("torch-cpu", "per-tensor", "via-cpu"):
@@ -104,14 +112,19 @@ def sync(mode, state, cpu_state, arena, inbox, outbox) -> tuple[float, int]:
     elif mode == "bucket":
         inbox.put((mode, bytes(devipc.share_state_dict(state))))
         opened = 1
+    elif mode == "packed":
+        inbox.put((mode, bytes(devipc.share_state_dict(packed, copy=False))))
+        opened = 1
     else:
+        arena = arenas[mode]
         inbox.put((mode, None))
         for chunk in chunks_of(state, arena.nbytes):
             inbox.put(arena.put(chunk, timeout=TIMEOUT))
         inbox.put(None)
         opened = 0  # the arena was opened once, before
-    got = outbox.get(timeout=TIMEOUT)
+    assert outbox.get(timeout=TIMEOUT) == "done"
     elapsed = time.perf_counter() - start
+    got = outbox.get(timeout=TIMEOUT)
     expected = checksum(state.values())
     assert abs(got - expected) <= 1e-3 * max(1.0, abs(expected)), (mode, got, expected)
     return elapsed, opened
@@ -135,12 +148,15 @@ def arena_memory(state, arena, inbox, outbox, rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="total size of the state_dict")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="syncs after the first (a trainer syncs every step), median shown")
     args = parser.parse_args()
     total = args.mib << 20
     shapes = transformer_shapes(total)
     gen = torch.Generator().manual_seed(0)
     cpu_state = {name: torch.randn(shape, generator=gen) for name, shape in shapes}
     state = {name: tensor.to("openreg") for name, tensor in cpu_state.items()}
+    packed = devipc.pack(state)  # the same weights, kept in one allocation
     for tensor in cpu_state.values():
         tensor.share_memory_()
     nbytes = sum(t.nbytes for t in state.values())
@@ -152,20 +168,28 @@ def main():
     proc.start()
     try:
         biggest = max(-(-t.nbytes // 256) * 256 for t in state.values())
-        arena = devipc.Arena(max(nbytes // 8, biggest), "openreg")
-        inbox.put(("attach", arena.attach()))
-        assert outbox.get(timeout=TIMEOUT) == "attached"
+        arenas = {"arena": devipc.Arena(max(nbytes // 8, biggest), "openreg", buffers=2),
+                  "arena-1": devipc.Arena(max(nbytes // 8, biggest), "openreg", buffers=1)}
+        for name, one in arenas.items():
+            inbox.put(("attach", (name, one.attach())))
+            assert outbox.get(timeout=TIMEOUT) == "attached"
+        arena = arenas["arena"]
         results = {}
-        for mode in ("torch-cpu", "per-tensor", "bucket", "arena", "via-cpu"):
-            progress(f"{mode} ...")
-            results[mode] = sync(mode, state, cpu_state, arena, inbox, outbox)
-            progress(f"{mode}: {results[mode][0]:.3f} s")
-            devipc.ipc_collect()
+        for mode in ("torch-cpu", "per-tensor", "bucket", "packed", "arena", "arena-1",
+                     "via-cpu"):
+            times = []
+            for step in range(1 + args.steps):
+                devipc.ipc_collect()  # what the last sync released, as the collector would
+                seconds, opened = sync(mode, state, cpu_state, packed, arenas, inbox, outbox)
+                times.append(seconds)
+                progress(f"{mode} sync {step + 1}/{1 + args.steps}: {seconds:.3f} s")
+            results[mode] = (times[0], statistics.median(times[1:]), opened)
         chunks = sum(1 for _ in chunks_of(state, arena.nbytes))
         rounds = -(-50 // chunks)
         progress(f"arena memory over {rounds * chunks} chunks ...")
         before, seen, peak = arena_memory(state, arena, inbox, outbox, rounds)
-        arena.close()
+        for one in arenas.values():
+            one.close()
         inbox.put(None)
         proc.join(TIMEOUT)
         torch.accelerator.synchronize()
@@ -177,18 +201,23 @@ def main():
         if proc.is_alive():
             proc.kill()
     after_close = torch.openreg.memory_allocated() - before
-    print("\n| mode | seconds | GB/s | handles opened |\n|---|---:|---:|---:|")
-    for mode, (seconds, opened) in results.items():
-        print(f"| {mode} | {seconds:.3f} | {nbytes / seconds / 1e9:.2f} | {opened} |")
-    bucket = results["bucket"][0]
-    print(f"\nper-tensor / bucket = {results['per-tensor'][0] / bucket:.1f}x, "
-          f"torch-cpu / bucket = {results['torch-cpu'][0] / bucket:.1f}x, "
-          f"via-cpu / bucket = {results['via-cpu'][0] / bucket:.1f}x")
+    arena_bytes = sum(one.buffers * one.nbytes for one in arenas.values())
+    print("\n| mode | first sync s | later syncs s (median) | GB/s (later) | handles opened |"
+          "\n|---|---:|---:|---:|---:|")
+    for mode, (first, later, opened) in results.items():
+        print(f"| {mode} | {first:.3f} | {later:.3f} | {nbytes / later / 1e9:.2f} | {opened} |")
+    for column, what in ((1, "later syncs"), (0, "first sync")):
+        for bucket in ("packed", "bucket"):
+            print(f"{what}: " + ", ".join(
+                f"{mode} / {bucket} = {results[mode][column] / results[bucket][column]:.1f}x"
+                for mode in ("per-tensor", "torch-cpu", "arena", "via-cpu")))
+    print(f"double-buffering: arena-1 / arena = "
+          f"{results['arena-1'][1] / results['arena'][1]:.2f}x (later syncs)")
     print(f"arena: {arena.buffers} x {arena.nbytes / 2**20:.1f} MiB, {len(seen)} chunks; "
           f"memory_allocated after each put, relative to before: min {min(seen)}, "
           f"max {max(seen)} bytes; peak +{peak / 2**20:.1f} MiB; "
-          f"after close: {(after_close + arena.buffers * arena.nbytes) / 2**20:+.1f} MiB "
-          f"against before the arena existed")
+          f"after close: {(after_close + arena_bytes) / 2**20:+.1f} MiB "
+          f"against before the arenas existed")
 
 
 if __name__ == "__main__":

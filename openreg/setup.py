@@ -6,8 +6,12 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+# Building must not load an installed openreg through torch's autoload: its natives may be the
+# stale ones this build replaces.
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"

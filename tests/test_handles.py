@@ -164,6 +164,50 @@ def test_a_bucket_of_mixed_dtypes_crosses_processes(children):
     _drain()
 
 
+def test_packed_weights_are_shared_where_they_lie(children):
+    source = {"w": torch.arange(6, dtype=torch.float32, device="openreg").reshape(2, 3),
+              "mask": torch.tensor([True, False, True], device="openreg"),
+              "z": torch.tensor([1 + 2j], dtype=torch.complex64, device="openreg"),
+              "empty": torch.empty(0, 5, device="openreg")}
+    packed = devipc.pack(source)
+    assert len({t.untyped_storage().data_ptr() for t in packed.values()}) == 1
+    assert all(t.storage_offset() * t.element_size() % 256 == 0 for t in packed.values())
+    for name, tensor in source.items():
+        assert torch.equal(packed[name].cpu(), tensor.cpu()), name
+    allocated = torch.openreg.memory_allocated()
+    handle = devipc.share_tensors(packed, copy=False)
+    assert torch.openreg.memory_allocated() == allocated  # no copy
+    assert handle.local["w"] is packed["w"]
+    inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
+    children.start(_workers.open_bucket_and_write, inbox, outbox)
+    try:
+        inbox.put(bytes(handle))
+        report, same_mapping = outbox.get(timeout=TIMEOUT)
+        assert same_mapping and report["w"][3] == source["w"].cpu().tolist()
+        assert outbox.get(timeout=TIMEOUT) == "written"
+        assert packed["w"].cpu().tolist() == [[5.0] * 3] * 2  # theirs, in the trainer's weights
+        packed["mask"].fill_(False)
+        torch.accelerator.synchronize()
+        inbox.put("filled")
+        assert outbox.get(timeout=TIMEOUT)["mask"][3] == [False] * 3  # ours, there
+    finally:
+        inbox.put("exit")
+    children.join_ok()
+    del handle
+    _drain()
+
+
+def test_share_without_copy_needs_views_of_one_storage():
+    with pytest.raises(ValueError, match="views of one storage"):
+        devipc.share_tensors({"a": torch.ones(2, device="openreg"),
+                              "b": torch.ones(2, device="openreg")}, copy=False)
+    base = torch.arange(8, dtype=torch.float32, device="openreg")
+    handle = devipc.share_tensors({"head": base[:3], "odd": base[1::2]}, copy=False)
+    assert [(e.offset, e.stride) for e in handle._entries] == [(0, (1,)), (4, (2,))]
+    assert handle.revoke()
+    _drain()
+
+
 def test_bucket_arguments_are_checked():
     one = torch.ones(2, device="openreg")
     with pytest.raises(ValueError, match="unique"):

@@ -26,6 +26,31 @@ def test_a_state_dict_round_trips_with_its_ties():
                "the send ended")
 
 
+def test_weights_kept_packed_are_sent_without_a_copy():
+    """The trainer's pattern: weights live in devipc.pack's allocation, each sync one handle."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)).to("openreg")
+    model[1].weight = model[0].weight  # tied
+    packed = devipc.pack(model.state_dict())
+    assert packed["0.weight"] is not packed["1.weight"]
+    assert packed["0.weight"].data_ptr() == packed["1.weight"].data_ptr()  # still tied
+    for name, parameter in model.named_parameters():
+        parameter.data = packed[name]
+    with torch.no_grad():
+        model[1].bias.add_(1)  # a training step writes the packed memory
+    allocated = torch.openreg.memory_allocated()
+    opened = devipc.open_state_dict(bytes(devipc.share_state_dict(model.state_dict(),
+                                                                   copy=False)))
+    assert torch.openreg.memory_allocated() == allocated
+    assert torch.equal(opened["1.bias"].cpu(), model[1].bias.detach().cpu())
+    with torch.no_grad():
+        model[1].bias.zero_()  # the next step: the opened weights are the same memory
+    assert opened["1.bias"].cpu().tolist() == [0.0] * 10
+    del opened
+    torch.accelerator.synchronize()
+    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
+               "the send ended")
+
+
 def test_what_is_not_a_tensor_is_refused():
     with pytest.raises(TypeError, match="_extra_state"):
         devipc.share_state_dict({"w": torch.ones(1, device="openreg"), "_extra_state": 3})

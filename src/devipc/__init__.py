@@ -28,7 +28,7 @@ from ._hooks import (
 
 # isort: split
 from ._arena import Arena, ArenaReader, Chunk, open_arena
-from ._handles import Handle, open, open_tensors, share, share_tensors
+from ._handles import Handle, open, open_tensors, pack, share, share_tensors
 from ._reductions import install, installed, rebuild_device_tensor, uninstall
 from ._sharing import (
     ipc_collect,
@@ -66,6 +66,7 @@ __all__ = [
     "open_arena",
     "open_state_dict",
     "open_tensors",
+    "pack",
     "rebuild_device_tensor",
     "received_via_ipc",
     "register_ipc_hooks",

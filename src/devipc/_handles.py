@@ -16,7 +16,7 @@ from ._errors import InvalidHandleError
 from ._hooks import hooks_for
 from ._refcount import SLOTS_PER_FILE
 
-__all__ = ["Handle", "open", "open_tensors", "share", "share_tensors"]
+__all__ = ["Handle", "open", "open_tensors", "pack", "share", "share_tensors"]
 
 ALIGNMENT = 256  # bytes between the starts of a bucket's tensors
 MAX_ENTRIES = 1 << 20
@@ -168,23 +168,51 @@ def share(tensor: torch.Tensor) -> Handle:
                   (entry,))
 
 
-def share_tensors(named_tensors) -> Handle:
-    """One send of many tensors: copied into one new allocation on their device, each at an
-    offset aligned to 256 bytes, shared with one memory handle and one slot."""
-    return pack_and_share(named_tensors, aliases=False)
+def share_tensors(named_tensors, copy: bool = True) -> Handle:
+    """One send of many tensors, one memory handle and one slot. With `copy` (a snapshot), they
+    are copied into one new allocation on their device, each at an offset aligned to 256 bytes.
+    With `copy=False`, they must all be views of one storage (`devipc.pack` makes such weights),
+    which is shared as it is: no copy, and the consumer sees later writes, as with `share`."""
+    return pack_and_share(named_tensors, aliases=False, copy=copy)
 
 
-def pack_and_share(named_tensors, aliases: bool) -> Handle:
+def pack(named_tensors) -> dict[str, torch.Tensor]:
+    """The tensors copied into one new allocation on their device, laid out as a bucket: weights
+    kept there (`param.data = packed[name]`) are sent with `share_tensors(packed, copy=False)`,
+    one handle and no copy per sync. Names of one same view stay tied."""
+    items = named_items(named_tensors, "pack()")
+    entries, end = layout(items, aliases=True)
+    storage = torch.empty(max(end, 1), dtype=torch.uint8, device=items[0][1].device)
+    return fill(storage.untyped_storage(), 0, entries, items)
+
+
+def pack_and_share(named_tensors, aliases: bool, copy: bool = True) -> Handle:
     """`share_tensors`; with `aliases`, names of one same view share its bytes (tied weights)."""
     items = named_items(named_tensors, "share_tensors()")
     device = items[0][1].device
-    entries, end = layout(items, aliases)
-    storage = torch.empty(max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
-    local = fill(storage, 0, entries, items)
+    if copy:
+        entries, end = layout(items, aliases)
+        storage = torch.empty(max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
+        local = fill(storage, 0, entries, items)
+    else:
+        storage, entries = in_place(items)
+        local = dict(items)
     _, *shared = _sharing.share_device(storage)
     _sharing.counts["buckets_shared"] += 1
     _sharing.counts["bucket_tensors_shared"] += len(entries)
     return Handle(True, device, _identity(device), tuple(shared), False, tuple(entries), local)
+
+
+def in_place(items) -> tuple[torch.UntypedStorage, list[_Entry]]:
+    """The one storage `items` are views of, and their entries where they already lie."""
+    storages = {tensor.untyped_storage().data_ptr() for _, tensor in items}
+    if len(storages) != 1:
+        raise ValueError(f"share_tensors(copy=False) needs views of one storage (devipc.pack "
+                         f"makes them), got tensors of {len(storages)} storages: pass copy=True "
+                         f"to pack a copy")
+    entries = [_Entry(name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                      tensor.storage_offset() * tensor.element_size()) for name, tensor in items]
+    return items[0][1].untyped_storage(), entries
 
 
 def named_items(named_tensors, what: str) -> list[tuple[str, torch.Tensor]]:

@@ -11,8 +11,9 @@ from ._handles import Handle, open_tensors, pack_and_share
 __all__ = ["open_state_dict", "share_state_dict"]
 
 
-def share_state_dict(state_dict) -> Handle:
-    """One send of a state_dict (any mapping of names to tensors), packed into one bucket."""
+def share_state_dict(state_dict, copy: bool = True) -> Handle:
+    """One send of a state_dict (any mapping of names to tensors) as one bucket: packed into a
+    new allocation, or with `copy=False` shared where it lies (weights kept in `devipc.pack`)."""
     if not hasattr(state_dict, "items"):
         raise TypeError(f"a state_dict is a mapping of names to tensors, not "
                         f"{type(state_dict).__name__}")
@@ -21,7 +22,7 @@ def share_state_dict(state_dict) -> Handle:
             raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a tensor: "
                             f"send what is not a tensor separately")
     return pack_and_share([(name, value.detach()) for name, value in state_dict.items()],
-                          aliases=True)
+                          aliases=True, copy=copy)
 
 
 def open_state_dict(handle, device=None) -> dict[str, torch.Tensor]:

@@ -29,6 +29,8 @@ HEADER_NAMES = {
     "NOT_READY": "orErrorNotReady",
     "INVALID_HANDLE": "orErrorInvalidHandle",
     "PEER_GONE": "orErrorPeerGone",
+    "INITIALIZATION": "orErrorInitialization",
+    "INVALID_ENVIRONMENT": "orErrorInvalidEnvironment",
     "HOST_TO_HOST": "orMemcpyHostToHost",
     "HOST_TO_DEVICE": "orMemcpyHostToDevice",
     "DEVICE_TO_HOST": "orMemcpyDeviceToHost",
@@ -36,6 +38,9 @@ HEADER_NAMES = {
     "EVENT_DISABLE_TIMING": "orEventDisableTiming",
     "EVENT_INTERPROCESS": "orEventInterprocess",
     "MEMORY_TYPE_UNREGISTERED": "orMemoryTypeUnregistered",
+    "RUNTIME_UNUSED": "orRuntimeUnused",
+    "RUNTIME_INITIALIZED": "orRuntimeInitialized",
+    "RUNTIME_FORKED_AFTER_USE": "orRuntimeForkedAfterUse",
 }
 
 
@@ -80,8 +85,12 @@ def test_structures_match_the_header(structure, c_name):
 DEVICES = """
 import json
 import _native as native
-n = native.device_count()
-print(json.dumps({"count": n, "uuids": [native.device_uuid(i) for i in range(n)]}))
+from devipc_openreg import _runtime as rt
+try:
+    n = native.device_count()
+    print(json.dumps({"count": n, "uuids": [native.device_uuid(i) for i in range(n)]}))
+except rt.OpenRegError as e:
+    print(json.dumps({"code": e.code, "error": str(e)}))
 """
 
 
@@ -98,13 +107,15 @@ def test_device_env_count_visible_and_stable_uuids():
     got = {name: json_from(proc) for name, proc in procs.items()}
     assert got["default"]["count"] == 2
     assert got["four"]["count"] == 4
-    assert got["bad_count"]["count"] == 2  # unparsable: default
     assert got["none"]["count"] == 0
+    # Refused, with the value echoed (tests/openreg/test_env.py covers the cases through torch).
+    assert got["bad_count"]["code"] == got["bad_entries"]["code"] == rt.INVALID_ENVIRONMENT
+    assert "OPENREG_DEVICE_COUNT='many' is not valid" in got["bad_count"]["error"]
+    assert "OPENREG_VISIBLE_DEVICES='7, x,1,1,-1' is not valid" in got["bad_entries"]["error"]
     phys = got["four"]["uuids"]
     assert len(set(phys)) == 4 and all(len(u) == 36 and u.count("-") == 4 for u in phys)
     assert got["default"]["uuids"] == phys[:2]  # same physical index, same UUID, any process
     assert got["renumbered"]["uuids"] == [phys[2], phys[0]]
-    assert got["bad_entries"]["uuids"] == [phys[1]]
 
 
 def test_current_device_is_per_thread_and_uuid_lookup():
@@ -382,3 +393,18 @@ print(json.dumps([os.waitstatus_to_exitcode(status), native.device_count(),
 def test_forked_child_cannot_allocate():
     # Its allocator cache would alias the parent's memory and it has no stream workers.
     assert json_from(start_isolated(USE_AFTER_FORK)) == [0, 2, True]
+
+
+def test_host_alloc_is_known_to_the_runtime_and_free_host_refuses_strangers():
+    """orHostAlloc is pin_memory()'s memory: the runtime resolves it (interior pointers too)."""
+    rt.declare({"orHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t],
+                "orFreeHost": [ctypes.c_void_p]})
+    p = ctypes.c_void_p()
+    rt.check(rt.lib.orHostAlloc(ctypes.byref(p), 1000), "host_alloc")
+    device, base, size, offset = native.pointer_attributes(p.value + 999)
+    assert (device, base, size, offset) == (-1, p.value, 1000, 999)
+    rt.check(rt.lib.orFreeHost(p), "free_host")
+    assert native.pointer_attributes(p.value) is None
+    with pytest.raises(rt.OpenRegError, match="not a live pointer returned by orHostAlloc"):
+        rt.check(rt.lib.orFreeHost(p), "free_host")
+    rt.check(rt.lib.orFreeHost(None), "free_host")  # NULL is a no-op

@@ -20,12 +20,13 @@ from _support import FRESH_TIMEOUT, fresh_env, run_python, zombie_child
 from devipc import InvalidHandleError, PeerGoneError
 from devipc_openreg import _runtime as rt
 
-# HandleData: magic, version, kind, pid, fd, size, physical, slot, seq, token, 12 zero bytes.
+# HandleData: magic, version, kind, pid, fd, size, physical, slot, epoch, token, 12 zero bytes.
 LAYOUT = "=IHHiiQiiI16s12x"
 MEMORY, EVENT = 1, 2
-PAGE_BYTES = 32768  # an event handle's page: progress[4096], then reserved[4096], uint32 each
-SLOTS = 4096
-SLOT_AT = 28  # offset of slot (i32) and seq (u32) in a handle
+SLOT_LAYOUT = "=IIQ"  # an event page's slot: epoch, completed, latest (recorder pid << 32 | seq)
+SLOTS = 8192
+PAGE_BYTES = SLOTS * struct.calcsize(SLOT_LAYOUT)
+SLOT_AT = 28  # offset of slot (i32) and epoch (u32) in a handle
 
 
 def test_the_layout_matches_a_real_handle():
@@ -33,7 +34,7 @@ def test_the_layout_matches_a_real_handle():
     try:
         handle, _ = rt.ipc_get_mem_handle(p)
         assert struct.calcsize(LAYOUT) == len(handle) == rt.IPC_HANDLE_SIZE
-        magic, version, kind, pid, _fd, size, physical, slot, _seq, _token = \
+        magic, version, kind, pid, _fd, size, physical, slot, _epoch, _token = \
             struct.unpack(LAYOUT, handle)
         assert (handle[:4], version, kind, pid, physical, slot) == \
             (b"ORIP", 1, MEMORY, os.getpid(), 0, -1)
@@ -63,9 +64,9 @@ def test_handle_of_an_exited_but_unreaped_producer_says_peer_gone(kind):
 
 
 def forged(kind, fd, size, token, physical=0):
-    slot = -1
+    slot, epoch = (-1, 0) if kind == MEMORY else (0, 1)  # an event: slot 0, first epoch
     return struct.pack(LAYOUT, 0x5049524F, 1, kind, os.getpid(), fd, size,
-                       physical if kind == MEMORY else -1, slot, 0, token)
+                       physical if kind == MEMORY else -1, slot, epoch, token)
 
 
 # (handle kind, what its fd is, that file's name); {hex} is the forged handle's token.
@@ -129,6 +130,7 @@ def test_the_exact_memfd_name_is_opened(kind):
             assert (got_size, device) == (size, 0)
             rt.ipc_close_mem_handle(base)
         else:
+            os.pwrite(fd, struct.pack("=I", 1), 0)  # slot 0 handed out, at epoch 1
             rt.event_destroy(rt.ipc_open_event_handle(forged(kind, fd, size, token)))
     finally:
         os.close(fd)
@@ -157,57 +159,69 @@ except InvalidHandleError as error:
 
 
 # ---- event pages: what a handle may name ------------------------------------------------------
-def slot_seq(handle):
+def slot_epoch(handle):
     return struct.unpack_from("=iI", handle, SLOT_AT)
 
 
-def with_slot_seq(handle, slot, seq):
+def with_slot_epoch(handle, slot, epoch):
     forged = bytearray(handle)
-    struct.pack_into("=iI", forged, SLOT_AT, slot, seq)
+    struct.pack_into("=iI", forged, SLOT_AT, slot, epoch)
     return bytes(forged)
 
 
-def test_the_page_publishes_progress_and_reservations():
+def read_slot(fd, slot):
+    with open(f"/proc/self/fd/{fd}", "rb") as page, \
+            mmap.mmap(page.fileno(), PAGE_BYTES, prot=mmap.PROT_READ) as m:
+        return struct.unpack_from(SLOT_LAYOUT, m, struct.calcsize(SLOT_LAYOUT) * slot)
+
+
+def test_the_page_holds_the_event_state():
     """The layout of docs/ipc-handles.md, read from this process's own page."""
     stream = native.stream_create(0)
     ev = rt.event_create(interprocess=True, timing=False)
     try:
+        handle = rt.ipc_get_event_handle(ev)
+        _, _, _, pid, fd, size, _, slot, epoch, _ = struct.unpack(LAYOUT, handle)
+        assert (pid, size) == (os.getpid(), PAGE_BYTES) and 0 <= slot < SLOTS and epoch % 2 == 1
+        _, completed, latest = read_slot(fd, slot)
+        assert latest & 0xFFFFFFFF == completed  # a slot's values only grow, even when reused
         for _ in range(2):
             rt.event_record(ev, stream)
         native.stream_synchronize(stream)
-        handle = rt.ipc_get_event_handle(ev)
-        _, _, _, pid, fd, size, _, slot, seq, _ = struct.unpack(LAYOUT, handle)
-        assert (pid, size) == (os.getpid(), PAGE_BYTES) and 0 <= slot < SLOTS and seq >= 2
-        with open(f"/proc/self/fd/{fd}", "rb") as page, \
-                mmap.mmap(page.fileno(), PAGE_BYTES, prot=mmap.PROT_READ) as m:
-            progress, reserved = struct.unpack_from("=I", m, 4 * slot)[0], \
-                struct.unpack_from("=I", m, 4 * (SLOTS + slot))[0]
-        assert progress == reserved == seq
+        assert rt.ipc_get_event_handle(ev) == handle  # the handle names the event, not a record
+        now_epoch, now_completed, now_latest = read_slot(fd, slot)
+        assert (now_epoch, now_latest >> 32) == (epoch, os.getpid())
+        assert now_latest & 0xFFFFFFFF == now_completed == (latest & 0xFFFFFFFF) + 2
     finally:
         rt.event_destroy(ev)
         native.stream_destroy(stream)
+    assert read_slot(fd, slot)[0] == epoch + 1  # even: free, once its records have run
 
 
-# A fresh exporter: stream 1 (slot 0) records event A three times, stream 2 (slot 1) records B
-# once; then it stays alive, so a waiter on a record that never comes would wait until killed.
+# A fresh exporter: stream 1 records event A three times, stream 2 records B once; C is destroyed
+# after its handle was taken. Then it stays alive, so a waiter on a record that never comes would
+# wait until killed.
 EVENT_PRODUCER = """
 import json, time
 import _native as native
 from devipc_openreg import _runtime as rt
 s1, s2 = native.stream_create(0), native.stream_create(0)
-a, b = (rt.event_create(interprocess=True, timing=False) for _ in range(2))
+a, b, c = (rt.event_create(interprocess=True, timing=False) for _ in range(3))
 for _ in range(3):
     rt.event_record(a, s1)
 rt.event_record(b, s2)
+rt.event_record(c, s2)
 native.device_synchronize(0)
-print(json.dumps([rt.ipc_get_event_handle(e).hex() for e in (a, b)]), flush=True)
+handles = [rt.ipc_get_event_handle(e).hex() for e in (a, b, c)]
+rt.event_destroy(c)
+print(json.dumps(handles), flush=True)
 time.sleep(600)
 """
 
 
 @pytest.fixture(scope="module")
 def exported_events():
-    """(handle of A, handle of B) of a live exporter running EVENT_PRODUCER."""
+    """(handles of A, B, C) of a live exporter running EVENT_PRODUCER."""
     proc = subprocess.Popen([sys.executable, "-c", EVENT_PRODUCER],
                             env=fresh_env(PYTHONPATH=native.PYTHONPATH),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -250,28 +264,33 @@ def open_and_wait(handle, timeout=10):
 
 
 def test_genuine_event_handles_are_waited_on(exported_events):
-    a, b = exported_events
-    assert slot_seq(a) == (0, 3) and slot_seq(b) == (1, 1)
-    earlier = with_slot_seq(a, 0, 2)  # a record that was made, before the latest
-    for handle in (a, b, earlier):
+    a, b, c = exported_events
+    assert (slot_epoch(a), slot_epoch(b), slot_epoch(c)) == ((0, 1), (1, 1), (2, 1))
+    for handle in (a, b, c):  # c: destroyed by its creator, so there is nothing to wait for
         assert open_and_wait(handle)[0] is None
+    retired = rt.ipc_open_event_handle(c)
+    try:
+        with pytest.raises(rt.OpenRegError, match="destroyed this interprocess event"):
+            rt.event_record(retired, None)
+    finally:
+        rt.event_destroy(retired)
 
 
-@pytest.mark.parametrize("slot_of, seq_of, message", [
-    (lambda a, b: 0, lambda a, b: 4, "reserved only up to 3"),  # seq + 1
-    (lambda a, b: 0, lambda a, b: 1003, "reserved only up to 3"),  # seq + 1000
-    (lambda a, b: 2, lambda a, b: 3, "never handed out progress slot 2"),
-    (lambda a, b: SLOTS - 1, lambda a, b: 1, "never handed out"),
-    (lambda a, b: 1, lambda a, b: 3, "reserved only up to 1"),  # B's slot, A's seq
-    (lambda a, b: 0, lambda a, b: 0, "corrupted"),  # no record has seq 0
-    (lambda a, b: -1, lambda a, b: 3, "corrupted"),  # "never recorded" with a seq
-], ids=["seq+1", "seq+1000", "next free slot", "last slot", "another event's slot",
-        "seq 0", "no slot with a seq"])
-def test_forged_event_handles_are_refused_before_waiting(exported_events, slot_of, seq_of,
-                                                         message):
-    a, b = exported_events
-    forged = with_slot_seq(a, slot_of(a, b), seq_of(a, b))
-    error, seconds = open_and_wait(forged)
+@pytest.mark.parametrize("slot, epoch, message", [
+    (0, 3, "only at epoch 1"),  # a later epoch of A's slot
+    (0, 1001, "only at epoch 1"),
+    (2, 3, "only at epoch 2"),  # C's slot: freed, not handed out again
+    (3, 1, "never handed out event slot 3"),  # the next free slot
+    (SLOTS - 1, 1, "never handed out"),
+    (0, 0, "corrupted"),  # live epochs are odd
+    (0, 2, "corrupted"),
+    (-1, 1, "corrupted"),
+    (SLOTS, 1, "corrupted"),
+], ids=["epoch+2", "epoch+1000", "freed slot", "next free slot", "last slot", "epoch 0",
+        "even epoch", "slot -1", "slot past the page"])
+def test_forged_event_handles_are_refused_before_waiting(exported_events, slot, epoch, message):
+    a, _, _ = exported_events
+    error, seconds = open_and_wait(with_slot_epoch(a, slot, epoch))
     assert isinstance(error, InvalidHandleError), error
     assert message in str(error)
     assert seconds < 5

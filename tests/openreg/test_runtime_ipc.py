@@ -30,11 +30,22 @@ def pattern(n, seed):
 
 
 def within(fn, *args, timeout=TIMEOUT):
-    """Runs a blocking call with a bound; fails the test instead of hanging it."""
-    t = threading.Thread(target=fn, args=args, daemon=True)
+    """Runs a blocking call with a bound; fails the test instead of hanging it, and raises here
+    what the call raised."""
+    raised = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as error:  # handed to the test's thread
+            raised.append(error)
+
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(timeout)
     assert not t.is_alive(), f"{fn.__name__} did not return within {timeout} s"
+    if raised:
+        raise raised[0]
 
 
 # ---- workers (module level, so spawn can find them) ---------------------------------------------
@@ -91,6 +102,47 @@ def killed_producer(conn):
     event = rt.event_create(interprocess=True, timing=False)
     rt.event_record(event, stream)
     conn.send((rt.ipc_get_mem_handle(p)[0], rt.ipc_get_event_handle(event)))
+    conn.recv()  # blocks until SIGKILL
+
+
+def recording_producer(conn, records_before):
+    """Hands out its event's handle before the record the importer must wait for."""
+    first, held, sem = native.stream_create(0), native.stream_create(0), native.malloc(64, 0)
+    event = rt.event_create(interprocess=True, timing=False)
+    for _ in range(records_before):
+        rt.event_record(event, first)
+    native.stream_synchronize(first)
+    conn.send((rt.ipc_get_event_handle(event), rt.ipc_get_mem_handle(sem)))
+    assert conn.recv() == "opened"
+    hold(held, sem)  # the importer opens the gate
+    rt.event_record(event, held)
+    conn.send("recorded")
+    assert conn.recv() == "bye"
+
+
+def waiting_exporter(conn):
+    """Exports an event that the importer records; reports what its own waits saw."""
+    stream = native.stream_create(0)
+    event = rt.event_create(interprocess=True, timing=False)
+    conn.send(rt.ipc_get_event_handle(event))
+    assert conn.recv() == "recorded"
+    pending = not native.event_query(event)
+    rt.stream_wait_event(stream, event)
+    stream_pending = not native.stream_query(stream)
+    conn.send((pending, stream_pending))
+    native.event_synchronize(event)  # returns once the importer's record has run
+    native.stream_synchronize(stream)
+    conn.send(native.event_query(event))
+    assert conn.recv() == "bye"
+
+
+def killed_importer(conn, event_handle):
+    """Records an imported event on a stream that never runs, then waits to be killed."""
+    event = rt.ipc_open_event_handle(event_handle)
+    stream, gate = native.stream_create(0), native.Gate()
+    gate.hold(stream)
+    rt.event_record(event, stream)
+    conn.send("recorded")
     conn.recv()  # blocks until SIGKILL
 
 
@@ -160,6 +212,144 @@ def test_interprocess_event_orders_a_stream_of_another_process(children):
     children.join_ok()
 
 
+@pytest.mark.parametrize("records_before", [0, 1], ids=["handle before any record",
+                                                      "handle after an earlier record"])
+def test_an_importer_waits_for_the_latest_record_made_after_the_handle(children, records_before):
+    _, conn = children.start_piped(recording_producer, records_before)
+    event_h, (sem_h, sem_off) = recv(conn)
+    event = rt.ipc_open_event_handle(event_h)
+    sem = rt.ipc_open_mem_handle(sem_h)[0]
+    try:
+        assert native.event_query(event)  # nothing pending yet: never recorded, or done
+        within(native.event_synchronize, event)
+        conn.send("opened")
+        assert recv(conn) == "recorded"
+        # the same opened event now stands for the exporter's new, held record
+        assert not native.event_query(event)
+        stream = native.stream_create(0)
+        rt.stream_wait_event(stream, event)
+        assert not native.stream_query(stream)
+        native.Gate.at(sem + sem_off).open()
+        within(native.event_synchronize, event)
+        within(native.stream_synchronize, stream)
+        assert native.event_query(event)
+        native.stream_destroy(stream)
+    finally:
+        native.Gate.at(sem + sem_off).open()  # never leave the producer's stream held
+        rt.event_destroy(event)
+        rt.ipc_close_mem_handle(sem)
+    conn.send("bye")
+    children.join_ok()
+
+
+def test_an_importer_records_the_event_and_the_exporter_waits_for_it(children):
+    _, conn = children.start_piped(waiting_exporter)
+    event = rt.ipc_open_event_handle(recv(conn))
+    stream, gate = native.stream_create(0), native.Gate()
+    try:
+        gate.hold(stream)
+        rt.event_record(event, stream)
+        assert not native.event_query(event)
+        conn.send("recorded")
+        assert recv(conn) == (True, True)  # the exporter's query and stream wait saw our record
+        gate.open()
+        assert recv(conn) is True  # its synchronize returned, and the event is done
+        within(native.event_synchronize, event)
+    finally:
+        gate.open()
+        native.stream_synchronize(stream)
+        native.stream_destroy(stream)
+        rt.event_destroy(event)
+    conn.send("bye")
+    children.join_ok()
+
+
+def test_two_records_a_wait_is_for_the_latest(gate):
+    done, held = native.stream_create(0), native.stream_create(0)
+    event = rt.event_create(interprocess=True, timing=False)
+    opened = rt.ipc_open_event_handle(rt.ipc_get_event_handle(event))  # through this page
+    try:
+        rt.event_record(event, done)
+        native.stream_synchronize(done)
+        assert native.event_query(opened)
+        gate.hold(held)
+        rt.event_record(opened, held)  # the second record, made through the opened event
+        for e in (event, opened):
+            assert not native.event_query(e)  # the first record is done; the latest is not
+        gate.open()
+        for e in (event, opened):
+            within(native.event_synchronize, e)
+            assert native.event_query(e)
+    finally:
+        rt.event_destroy(opened)
+        rt.event_destroy(event)
+        native.stream_destroy(done)
+        native.stream_destroy(held)
+
+
+def test_a_killed_importer_that_recorded_releases_the_exporter(children):
+    event = rt.event_create(interprocess=True, timing=False)
+    proc, conn = children.start_piped(killed_importer, rt.ipc_get_event_handle(event))
+    stream = native.stream_create(0)
+    try:
+        assert recv(conn) == "recorded"
+        assert not native.event_query(event)
+        rt.stream_wait_event(stream, event)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(TIMEOUT)
+        within(native.stream_synchronize, stream)
+        with pytest.raises(PeerGoneError, match=f"process {proc.pid} exited before its record"):
+            within(native.event_synchronize, event)
+        rt.event_record(event, stream)  # a new record supersedes the lost one
+        within(native.event_synchronize, event)
+        assert native.event_query(event)
+    finally:
+        native.stream_destroy(stream)
+        rt.event_destroy(event)
+
+
+def test_a_destroyed_event_keeps_its_slot_until_its_record_ran(gate):
+    stream = native.stream_create(0)
+    event = rt.event_create(interprocess=True, timing=False)
+    gate.hold(stream)
+    rt.event_record(event, stream)
+    handle = rt.ipc_get_event_handle(event)
+    rt.event_destroy(event)  # as devipc's hooks do right after taking the handle
+    opened = rt.ipc_open_event_handle(handle)
+    gate2 = native.Gate()
+    try:
+        assert not native.event_query(opened)  # still the creator's pending record
+        gate.open()
+        within(native.event_synchronize, opened)
+        native.stream_synchronize(stream)
+        # now freed: another event may take the slot, and the old handle waits for nothing
+        others = [rt.event_create(interprocess=True, timing=False) for _ in range(2)]
+        gate2.hold(stream)
+        for other in others:
+            rt.event_record(other, stream)
+        late = rt.ipc_open_event_handle(handle)
+        assert native.event_query(late) and native.event_query(opened)
+        with pytest.raises(rt.OpenRegError, match="destroyed"):
+            rt.event_record(late, stream)
+        gate2.open()
+        native.stream_synchronize(stream)
+        for e in [late, *others]:
+            rt.event_destroy(e)
+    finally:
+        gate.open()
+        gate2.open()
+        rt.event_destroy(opened)
+        native.stream_destroy(stream)
+
+
+def test_event_slots_are_reused():
+    for _ in range(9000):  # more than a page's 8192 slots
+        rt.event_destroy(rt.event_create(interprocess=True, timing=False))
+    live = [rt.event_create(interprocess=True, timing=False) for _ in range(100)]
+    for e in live:
+        rt.event_destroy(e)
+
+
 def test_bad_handles_are_rejected():
     p = native.malloc(4096, 0)
     handle, _ = rt.ipc_get_mem_handle(p)
@@ -194,7 +384,7 @@ def test_a_real_token_under_a_forged_kind_or_device_is_rejected():
     handle = bytearray(rt.ipc_get_mem_handle(p)[0])
     ev = rt.event_create(interprocess=True, timing=False)
     event_handle = bytearray(rt.ipc_get_event_handle(ev))
-    # The event's progress page passed off as device memory (kind 1, physical 0, no slot).
+    # The event page passed off as device memory (kind 1, physical 0, no slot).
     struct.pack_into("=H", event_handle, 6, 1)
     struct.pack_into("=iiI", event_handle, 24, 0, -1, 0)
     # Device 0's segment passed off as device 1's.
@@ -237,9 +427,12 @@ def test_sigkilled_producer_leaves_nothing_and_releases_waiters(children):
     # Other tests may run concurrently: ignore torch's and multiprocessing's short-lived names.
     assert {n for n in shm_entries() - before if not n.startswith(("torch_", "sem.mp-"))} == set()
     assert ctypes.string_at(base, MIB) == pattern(MIB, 9)  # the mapping outlives the producer
-    within(native.event_synchronize, event)  # a dead exporter releases waiters
-    within(native.stream_synchronize, stream)
-    assert native.event_query(event)
+    within(native.stream_synchronize, stream)  # a dead recorder releases waiting streams
+    # ... and waits on the host say why the record never completed
+    with pytest.raises(PeerGoneError, match=f"process {proc.pid} exited before its record"):
+        within(native.event_synchronize, event)
+    with pytest.raises(PeerGoneError, match=f"process {proc.pid} exited before its record"):
+        native.event_query(event)
     rt.event_destroy(event)
     native.stream_destroy(stream)
     rt.ipc_close_mem_handle(base)
@@ -249,7 +442,7 @@ def test_fd_count_returns_to_baseline():
     for d in range(native.device_count()):
         native.empty_cache(d)
     ev = rt.event_create(interprocess=True, timing=False)
-    event_handle = rt.ipc_get_event_handle(ev)  # creates the progress page: its fd stays, once
+    event_handle = rt.ipc_get_event_handle(ev)  # its event page's fd stays, once
     baseline = open_fds()
     ptrs = [native.malloc(size, d)
             for d in (0, 1) for size in (100, 512 * 1024, MIB, 5 * MIB, 9 * MIB)]

@@ -94,6 +94,13 @@ struct OpenRegAllocator final : c10::DeviceAllocator {
     return stats;
   }
 
+  // torch.accelerator.get_memory_info: (free, total) of the host memory every device allocates from.
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    size_t free = 0, total = 0;
+    OR_CHECK(orMemGetInfo(checked_index(device), &free, &total));
+    return {free, total};
+  }
+
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     OR_CHECK(orMemResetAccumulatedStats(device));
   }

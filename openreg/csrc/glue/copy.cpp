@@ -1,8 +1,6 @@
 // Copies between openreg and the CPU, or openreg devices: same layouts copy as they are, on the
-// current streams; conversions run on the CPU.
+// current streams; conversions run on the CPU, in place on openreg's memory (host memory).
 #include <ATen/ops/_local_scalar_dense_native.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_strided.h>
 #include <c10/core/DeviceGuard.h>
 
 #include <memory>
@@ -47,43 +45,14 @@ void stream_wait(orStream_t waiter, orStream_t waitee) {
   OR_CHECK(orStreamWaitEvent(waiter, event, 0));
 }
 
-// Elements from a tensor's first element to its last, inclusive (ATen strides are never negative).
-int64_t span_numel(const Tensor& t) {
-  if (t.numel() == 0) return 0;
-  int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  return last + 1;
-}
-
-size_t span_nbytes(const Tensor& t) {
-  return static_cast<size_t>(span_numel(t)) * t.itemsize();
-}
-
-Tensor with_bits_of(Tensor host, const Tensor& like) {
-  host._set_conj(like.is_conj());
-  host._set_neg(like.is_neg());
-  return host;
-}
-
-// A CPU tensor with t's sizes, strides, bits and values (blocking): the staging step of copies
-// that convert dtypes or layouts, which the CPU does.
-Tensor to_host(const Tensor& t) {
-  Tensor host = at::empty({span_numel(t)}, t.options().device(at::kCPU));
-  copy_bytes(host.data_ptr(), t.data_ptr(), span_nbytes(t), orMemcpyDeviceToHost, stream_of(t), {},
-             /*non_blocking=*/false);
-  return with_bits_of(host.as_strided(t.sizes(), t.strides()), t);
-}
-
-// dst := src (CPU, any dtype, broadcastable). A dense dst is written whole; any other is read
-// first, so that the memory between its elements keeps its values.
-void write_from_host(const Tensor& dst, const Tensor& src, bool non_blocking) {
-  Tensor staged =
-      dst.is_non_overlapping_and_dense()
-          ? with_bits_of(at::empty_strided(dst.sizes(), dst.strides(), dst.options().device(at::kCPU)), dst)
-          : to_host(dst);
-  staged.copy_(src);
-  copy_bytes(dst.data_ptr(), staged.data_ptr(), span_nbytes(dst), orMemcpyHostToDevice,
-             stream_of(dst), {staged.storage()}, non_blocking);
+// The tensor as the CPU sees it: an openreg tensor's alias over the same memory, after the work
+// queued on its device's current stream (blocking). A tensor sharing dst's memory gets dst's CPU
+// storage, so that the CPU copy sees the overlap.
+Tensor on_host(const Tensor& t, const Tensor& dst, const c10::Storage& dst_storage) {
+  if (!on_openreg(t)) return t;
+  OR_CHECK(orStreamSynchronize(stream_of(t)));
+  const bool shared = dst_storage && t.storage().is_alias_of(dst.storage());
+  return cpu_alias(t, shared ? dst_storage : cpu_storage_over(t.storage()));
 }
 
 // Same dtype, sizes, strides and bits, without gaps: the copy is one memcpy.
@@ -123,13 +92,11 @@ Tensor copy_from(const Tensor& self, const Tensor& dst, bool non_blocking) {
   if (same_dense_layout(self, dst)) {
     copy_dense(self, dst, non_blocking);
   } else {
-    // Conversions run on the CPU and block, whatever non_blocking says.
-    const Tensor src = on_openreg(self) ? to_host(self) : self;
-    if (on_openreg(dst)) {
-      write_from_host(dst, src, non_blocking);
-    } else {
-      dst.copy_(src);
-    }
+    // Conversions run on the CPU, in place on the openreg memory, and block whatever non_blocking
+    // says.
+    const c10::Storage dst_storage =
+        on_openreg(dst) ? cpu_storage_over(dst.storage()) : c10::Storage();
+    on_host(dst, dst, dst_storage).copy_(on_host(self, dst, dst_storage));
   }
   return dst;
 }
@@ -140,7 +107,7 @@ Tensor copy_from_and_resize(const Tensor& self, const Tensor& dst) {
 }
 
 at::Scalar local_scalar_dense(const Tensor& self) {
-  return at::native::_local_scalar_dense_cpu(to_host(self));
+  return at::native::_local_scalar_dense_cpu(on_host(self, self, c10::Storage()));
 }
 
 }  // namespace devipc::openreg

@@ -20,7 +20,12 @@ c10::Device device_of(int64_t index) {
 }
 
 TORCH_LIBRARY(devipc_openreg, m) {
-  m.def("device_count() -> int", [] { return static_cast<int64_t>(device_count()); });
+  // Unlike the hooks' count (0 when the environment is refused), this one raises with the reason.
+  m.def("device_count() -> int", [] {
+    int count = 0;
+    OR_CHECK(orGetDeviceCount(&count));
+    return static_cast<int64_t>(count);
+  });
   m.def("current_device() -> int", [] { return static_cast<int64_t>(current_device()); });
   m.def("set_device(int device) -> ()",
         [](int64_t device) { guard_impl().setDevice(device_of(device)); });
@@ -37,6 +42,22 @@ TORCH_LIBRARY(devipc_openreg, m) {
   });
   m.def("initial_seed(int device) -> int", [](int64_t device) {
     return static_cast<int64_t>(default_generator(device).current_seed());
+  });
+  // A generator's state is a CPU byte tensor (openreg generators are CPU generators, generator.cpp).
+  m.def("get_rng_state(int device) -> Tensor", [](int64_t device) {
+    at::Generator& generator = default_generator(device);
+    const std::lock_guard<std::mutex> lock(generator.mutex());
+    return generator.get_state();
+  });
+  m.def("set_rng_state(int device, Tensor state) -> ()", [](int64_t device, const at::Tensor& state) {
+    at::Generator& generator = default_generator(device);
+    const std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(state);
+  });
+  m.def("seed(int device) -> int", [](int64_t device) {
+    at::Generator& generator = default_generator(device);
+    const std::lock_guard<std::mutex> lock(generator.mutex());
+    return static_cast<int64_t>(generator.seed());
   });
   m.def("reset_peak_memory_stats(int device) -> ()", [](int64_t device) {
     c10::getDeviceAllocator(kDeviceType)->resetPeakStats(checked_index(device));

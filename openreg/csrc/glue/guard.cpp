@@ -2,6 +2,7 @@
 // helpers the other concerns share (common.h).
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
 
 #include <array>
 #include <limits>
@@ -31,9 +32,10 @@ DeviceIndex current_device() {
 
 DeviceIndex checked_index(int64_t index) {
   if (index < 0) return current_device();
-  TORCH_CHECK(index < device_count(), "openreg: invalid device index ", static_cast<int>(index),
-              "; ", static_cast<int>(device_count()),
-              " devices are visible (see OPENREG_DEVICE_COUNT, OPENREG_VISIBLE_DEVICES)");
+  int count = 0;
+  OR_CHECK(orGetDeviceCount(&count));  // names a refused OPENREG_* value
+  TORCH_CHECK(index < count, "openreg: invalid device index ", static_cast<int>(index), "; ",
+              count, " devices are visible (see OPENREG_DEVICE_COUNT, OPENREG_VISIBLE_DEVICES)");
   return static_cast<DeviceIndex>(index);
 }
 
@@ -198,6 +200,16 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl)
+
+// torch.openreg.set_stream and stream(): sets this thread's current stream of `device` without
+// going through torch.accelerator, which only reaches the current accelerator.
+TORCH_LIBRARY_FRAGMENT(devipc_openreg, m) {
+  m.def("exchange_stream(int device, int stream_id) -> int", [](int64_t device, int64_t id) {
+    const Stream stream(Stream::UNSAFE, Device(kDeviceType, checked_index(device)), id);
+    native_stream(stream);  // an unknown stream id fails here, naming it
+    return static_cast<int64_t>(GuardImpl().exchangeStream(stream).id());
+  });
+}
 
 }  // namespace
 

@@ -1,7 +1,7 @@
 // The PrivateUse1 hooks: what torch asks about openreg outside kernels and guards (availability,
 // current device, pointers, pinned memory, generators, storage resizing).
 #include <ATen/detail/PrivateUse1HooksInterface.h>
-#include <c10/core/CPUAllocator.h>
+#include <c10/core/Allocator.h>
 
 #include "common.h"
 
@@ -10,6 +10,32 @@ namespace {
 
 using c10::Device;
 using c10::DeviceIndex;
+
+void free_pinned(void* ptr) {
+  const orError_t err = orFreeHost(ptr);  // a deleter must not throw: failing means a bug
+  TORCH_INTERNAL_ASSERT(err == orSuccess, "openreg: orFreeHost failed: ", orGetErrorString(err),
+                        " (", orGetLastErrorMessage(), ")");
+}
+
+// pin_memory(): CPU tensors in the runtime's pinned host memory (orHostAlloc), which is_pinned()
+// recognises and non_blocking copies may use asynchronously.
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nullptr;
+    OR_CHECK(orHostAlloc(&ptr, nbytes));
+    return {ptr, ptr, &free_pinned, Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &free_pinned;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+PinnedAllocator pinned_allocator;
 
 struct Hooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override {
@@ -55,10 +81,15 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     return Device(kDeviceType, static_cast<DeviceIndex>(attributes.device));
   }
 
-  // Non-blocking copies to the CPU ask for pinned memory. The runtime copies from and to any host
-  // memory (there is no DMA engine to pin it for), so ordinary CPU memory serves.
+  // pin_memory() and non-blocking copies to the CPU ask for pinned memory.
   at::Allocator* getPinnedMemoryAllocator() const override {
-    return c10::GetCPUAllocator();
+    return &pinned_allocator;
+  }
+
+  bool isPinnedPtr(const void* data) const override {
+    orPointerAttributes attributes{};
+    return orPointerGetAttributes(&attributes, data) == orSuccess &&
+           attributes.type == orMemoryTypeHost;
   }
 
   const at::Generator& getDefaultGenerator(DeviceIndex device) const override {

@@ -6,6 +6,7 @@
 #include <ATen/core/stack.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "common.h"
@@ -37,8 +38,61 @@ at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset,
                         at::IntArrayRef size, at::IntArrayRef stride);
 at::Tensor& set_empty(at::Tensor& self);
 
+// ---- cpu_alias.cpp ------------------------------------------------------------------------------
+// While alive, the CPU allocations of this thread are openreg blocks of `device` seen as CPU memory.
+class CpuKernelAllocations {
+ public:
+  explicit CpuKernelAllocations(c10::DeviceIndex device);
+  ~CpuKernelAllocations();
+  CpuKernelAllocations(const CpuKernelAllocations&) = delete;
+  CpuKernelAllocations& operator=(const CpuKernelAllocations&) = delete;
+
+ private:
+  c10::DeviceIndex previous_;
+};
+
+// A CPU storage over the bytes of an openreg storage, keeping it alive.
+c10::Storage cpu_storage_over(const c10::Storage& storage);
+
+// A CPU tensor with t's dtype, geometry and bits over `cpu_storage` (cpu_storage_over(t.storage())).
+at::Tensor cpu_alias(const at::Tensor& t, const c10::Storage& cpu_storage);
+
+// Whether a CPU storage's bytes are an openreg block (allocated under CpuKernelAllocations).
+bool in_openreg_memory(const c10::Storage& cpu_storage);
+
+// Those bytes as openreg memory of `device`, keeping the CPU storage alive.
+c10::DataPtr openreg_data_of(const c10::Storage& cpu_storage, c10::DeviceIndex device);
+
+// An openreg storage with a CPU storage's bytes: the same block if in_openreg_memory, else a copy.
+c10::Storage openreg_storage_of(const c10::Storage& cpu_storage, c10::DeviceIndex device);
+
+// An openreg tensor over `storage` with like's dtype, geometry and bits.
+at::Tensor openreg_tensor_over(const c10::Storage& storage, const at::Tensor& like);
+
+// ---- rnn.cpp ------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
+    const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& cx,
+    const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward(
+    const std::optional<at::Tensor>& grad_hy, const std::optional<at::Tensor>& grad_cy,
+    const at::Tensor& cx, const at::Tensor& cy, const at::Tensor& workspace, bool has_bias);
+std::tuple<at::Tensor, at::Tensor> fused_gru_cell(const at::Tensor& input_gates,
+                                                  const at::Tensor& hidden_gates,
+                                                  const at::Tensor& hx,
+                                                  const std::optional<at::Tensor>& input_bias,
+                                                  const std::optional<at::Tensor>& hidden_bias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru_cell_backward(
+    const at::Tensor& grad_hy, const at::Tensor& workspace, bool has_bias);
+
 // ---- fallback.cpp -------------------------------------------------------------------------------
-// Runs an op without an openreg kernel on the CPU, its openreg tensors copied there and back.
+// Runs an op without an openreg kernel as its CPU kernel, in place on the openreg memory.
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+// Runs `cpu_op`'s CPU kernel on a stack of its arguments as cpu_fallback does (convolutions).
+void run_on_cpu(const c10::OperatorHandle& cpu_op, torch::jit::Stack* stack);
+
+// convolution_overrideable and its backward, PrivateUse1's convolution entry points.
+void convolution_overrideable(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+void convolution_backward_overrideable(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 }  // namespace devipc::openreg

@@ -1,5 +1,6 @@
 // Registration of openreg's ATen kernels: allocation, views, copies and resizing are native (views
-// alias, copies run on the current stream); every other op runs on the CPU through the fallback.
+// alias, copies run on the current stream); every other op runs its CPU kernel in place on the
+// openreg memory through the fallback, convolutions included.
 // One place, because the order matters: the structured ops below are those still without an
 // openreg kernel once the native ones are registered.
 #include <ATen/ops/_reshape_alias_native.h>
@@ -35,15 +36,22 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage));
   m.impl("set_.source_Tensor", TORCH_FN(at::native::set_tensor_));
   m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  m.impl("convolution_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&convolution_overrideable>());
+  m.impl("convolution_backward_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&convolution_backward_overrideable>());
+  m.impl("_thnn_fused_lstm_cell", TORCH_FN(fused_lstm_cell));
+  m.impl("_thnn_fused_lstm_cell_backward_impl", TORCH_FN(fused_lstm_cell_backward));
+  m.impl("_thnn_fused_gru_cell", TORCH_FN(fused_gru_cell));
+  m.impl("_thnn_fused_gru_cell_backward", TORCH_FN(fused_gru_cell_backward));
 
   // Structured ops (mse_loss, sum.dim_IntList, add_.Tensor, ...) have CPU kernels for each variant
   // but, for other devices, only CompositeExplicitAutogradNonFunctional ones for the functional and
   // in-place variants: these run the meta function on openreg, then call the .out variant with the
   // output it sized. Through the fallback, the CPU .out kernel then runs its meta function again on
-  // a copy of that output, which is not always idempotent: mse_loss's first sizes the output like
-  // the inputs and then to [] for a reduction, so a [] output draws "An output with one or more
-  // elements was resized" and a needless device allocation and copy back. Running the CPU kernel
-  // of the variant called, as the CPU itself does, avoids both.
+  // that output, which is not always idempotent: mse_loss's first sizes the output like the inputs
+  // and then to [] for a reduction, so a [] output draws "An output with one or more elements was
+  // resized". Running the CPU kernel of the variant called, as the CPU itself does, avoids it.
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0) continue;
@@ -56,6 +64,19 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
                                                         : name.name + "." + name.overload_name;
     m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
   }
+}
+
+// copy_ of a conjugate or negative view reaches _copy_from with the bit set; the math-op fallbacks
+// would resolve it by a clone, whose copy_ reaches _copy_from again, forever. copy_from handles
+// the bits (the CPU's copy does the conversion), as CUDA's copy kernel does.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

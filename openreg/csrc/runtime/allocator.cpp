@@ -5,10 +5,13 @@
 // ones get a segment of their own rounded up to 2 MiB, whose free remainder serves other large
 // requests. A block never spans two segments, so a segment is an IPC unit on its own.
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -189,7 +192,47 @@ DeviceAllocator& allocator(int device) {
   return *(*all)[device];
 }
 
+// Pinned host blocks by base address (so interior pointers resolve), aligned as torch's CPU memory.
+constexpr size_t kHostAlign = 64;
+struct HostBlocks {
+  std::mutex mutex;
+  std::map<uintptr_t, size_t> blocks;
+};
+
+HostBlocks& hostBlocks() {
+  static HostBlocks* h = new HostBlocks();
+  return *h;
+}
+
+// MemAvailable of /proc/meminfo (what can be allocated without swapping), in bytes; 0 if unknown.
+size_t availableHostMemory() {
+  FILE* f = fopen("/proc/meminfo", "re");
+  if (!f) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (fgets(line, sizeof(line), f))
+    if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+  fclose(f);
+  return (size_t)kib * 1024;
+}
+
 }  // namespace
+
+namespace openreg {
+
+bool findHostBlock(const void* ptr, uintptr_t* base, size_t* size) {
+  HostBlocks& h = hostBlocks();
+  std::lock_guard<std::mutex> lock(h.mutex);
+  auto it = h.blocks.upper_bound((uintptr_t)ptr);
+  if (it == h.blocks.begin()) return false;
+  --it;
+  if ((uintptr_t)ptr >= it->first + it->second) return false;
+  *base = it->first;
+  *size = it->second;
+  return true;
+}
+
+}  // namespace openreg
 
 using openreg::checkDevice;
 
@@ -219,6 +262,49 @@ orError_t orFree(void* ptr) {
 orError_t orEmptyCache(int device) {
   if (orError_t err = checkDevice(device, "orEmptyCache")) return err;
   allocator(device).emptyCache();
+  return orSuccess;
+}
+
+orError_t orMemGetInfo(int device, size_t* free, size_t* total) {
+  if (orError_t err = checkDevice(device, "orMemGetInfo")) return err;
+  if (!free || !total) return fail(orErrorInvalidValue, "orMemGetInfo: NULL argument");
+  long pages = sysconf(_SC_PHYS_PAGES), pageSize = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || pageSize <= 0)
+    return fail(orErrorOsCall, "orMemGetInfo: sysconf cannot tell the host's memory size");
+  *total = (size_t)pages * (size_t)pageSize;
+  *free = std::min(availableHostMemory(), *total);
+  return orSuccess;
+}
+
+orError_t orHostAlloc(void** ptr, size_t size) {
+  if (!ptr) return fail(orErrorInvalidValue, "orHostAlloc: ptr is NULL");
+  if (orError_t err = openreg::checkNotForked("orHostAlloc")) return err;
+  *ptr = nullptr;
+  if (size == 0) return orSuccess;
+  // The C library's allocator: cheap for the many small blocks of non-blocking copies to the host.
+  void* base = nullptr;
+  if (int err = posix_memalign(&base, kHostAlign, size))
+    return fail(orErrorMemoryAllocation, "orHostAlloc: cannot allocate %zu bytes: %s", size,
+                strerror(err));
+  HostBlocks& h = hostBlocks();
+  std::lock_guard<std::mutex> lock(h.mutex);
+  h.blocks[(uintptr_t)base] = size;
+  *ptr = base;
+  return orSuccess;
+}
+
+orError_t orFreeHost(void* ptr) {
+  if (!ptr) return orSuccess;
+  HostBlocks& h = hostBlocks();
+  {
+    std::lock_guard<std::mutex> lock(h.mutex);
+    auto it = h.blocks.find((uintptr_t)ptr);
+    if (it == h.blocks.end())
+      return fail(orErrorInvalidValue, "orFreeHost(%p): not a live pointer returned by orHostAlloc",
+                  ptr);
+    h.blocks.erase(it);
+  }
+  free(ptr);
   return orSuccess;
 }
 

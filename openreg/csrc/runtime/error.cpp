@@ -32,6 +32,7 @@ const char* orGetErrorString(orError_t error) {
     case orErrorPeerGone: return "exporting process has exited";
     case orErrorOsCall: return "operating system call failed";
     case orErrorInitialization: return "initialization error";
+    case orErrorInvalidEnvironment: return "invalid environment";
   }
   return "unknown error";
 }

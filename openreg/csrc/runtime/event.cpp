@@ -1,5 +1,6 @@
 // Events: a record is a marker task on a stream; waiting on an event is a task that blocks until
-// the marker has run. Events opened from IPC handles wait on the exporter's progress page instead.
+// the marker has run. Interprocess events keep their records in a shared event page instead
+// (ipc_event.cpp), so that every process that opened one sees its latest record.
 #include <unordered_set>
 
 #include "internal.h"
@@ -35,16 +36,17 @@ bool isDone(const std::shared_ptr<EventRecord>& record) {
   return record->done;
 }
 
-// What a waiter needs, copied under the event's mutex so the event may be destroyed meanwhile.
+// What a waiter needs, taken at wait time, so the event may be destroyed or recorded meanwhile.
 struct Snapshot {
-  bool imported;
-  openreg::ImportedWait wait;
+  bool interprocess;
+  openreg::IpcWait wait;  // interprocess events
   std::shared_ptr<EventRecord> record;
 };
 
 Snapshot snapshot(orEvent_t event) {
+  if (event->ipc) return Snapshot{true, openreg::ipcWaitTarget(event->ipc), nullptr};
   std::lock_guard<std::mutex> lock(event->mutex);
-  return Snapshot{event->imported, event->wait, event->last};
+  return Snapshot{false, {}, event->last};
 }
 
 }  // namespace
@@ -73,6 +75,12 @@ orError_t orEventCreateWithFlags(orEvent_t* event, unsigned int flags) {
                 "orEventCreateWithFlags: orEventInterprocess needs orEventDisableTiming too");
   orEvent* e = new orEvent();
   e->flags = flags;
+  if (flags & orEventInterprocess) {
+    if (orError_t err = createIpcEvent(&e->ipc)) {
+      delete e;
+      return err;
+    }
+  }
   std::lock_guard<std::mutex> lock(table().mutex);
   table().live.insert(e);
   *event = e;
@@ -92,40 +100,38 @@ orError_t orEventDestroy(orEvent_t event) {
 
 orError_t orEventRecord(orEvent_t event, orStream_t stream) {
   if (orError_t err = checkEvent(event, "orEventRecord")) return err;
-  if (event->imported)
-    return fail(orErrorInvalidResourceHandle,
-                "orEventRecord: an event opened from an IPC handle can only be waited on");
   orStream_t s;
   if (orError_t err = resolveStream(stream, "orEventRecord", &s)) return err;
-  ProgressMark mark;
-  if (event->flags & orEventInterprocess)
-    if (orError_t err = reserveProgressMark(s, &mark)) return err;
+  if (event->ipc) return recordIpcEvent(event->ipc, s, "orEventRecord");
   auto record = std::make_shared<EventRecord>();
   {
     std::lock_guard<std::mutex> lock(event->mutex);
     event->last = record;
-    event->mark = mark;
   }
-  enqueue(
-      s, [mark] { if (mark.slot >= 0) publishProgress(mark); },
-      [record] { markDone(record); });
+  enqueue(s, [] {}, [record] { markDone(record); });
   return orSuccess;
 }
 
 orError_t orEventQuery(orEvent_t event) {
   if (orError_t err = checkEvent(event, "orEventQuery")) return err;
   Snapshot snap = snapshot(event);
-  bool done = snap.imported ? importedDone(snap.wait) : !snap.record || isDone(snap.record);
-  return done ? orSuccess : orErrorNotReady;
+  if (snap.interprocess) {
+    IpcState state = ipcQuery(snap.wait);
+    if (state == IpcState::kRecorderGone) return ipcGoneError(snap.wait, "orEventQuery");
+    return state == IpcState::kDone ? orSuccess : orErrorNotReady;
+  }
+  return !snap.record || isDone(snap.record) ? orSuccess : orErrorNotReady;
 }
 
 orError_t orEventSynchronize(orEvent_t event) {
   if (orError_t err = checkEvent(event, "orEventSynchronize")) return err;
   Snapshot snap = snapshot(event);
-  if (snap.imported)
-    importedWait(snap.wait);
-  else if (snap.record)
+  if (snap.interprocess) {
+    if (ipcBlock(snap.wait) == IpcState::kRecorderGone)
+      return ipcGoneError(snap.wait, "orEventSynchronize");
+  } else if (snap.record) {
     waitDone(snap.record);
+  }
   return orSuccess;
 }
 
@@ -152,9 +158,10 @@ orError_t orStreamWaitEvent(orStream_t stream, orEvent_t event, unsigned int fla
   orStream_t s;
   if (orError_t err = resolveStream(stream, "orStreamWaitEvent", &s)) return err;
   Snapshot snap = snapshot(event);
-  if (snap.imported)
-    enqueue(s, [wait = snap.wait] { importedWait(wait); });
-  else if (snap.record)
+  if (snap.interprocess) {
+    // A recorder that exited releases the stream: its work can no longer complete.
+    if (snap.wait.seq != 0) enqueue(s, [wait = snap.wait] { ipcBlock(wait); });
+  } else if (snap.record)
     enqueue(s, [record = snap.record] { waitDone(record); });
   return orSuccess;
 }

@@ -49,6 +49,9 @@ void registerRegion(const Region& region);
 void unregisterRegion(uintptr_t base);
 bool findRegion(const void* ptr, Region* out);  // ptr may point anywhere inside the region
 
+// ---- pinned host memory (allocator.cpp) ---------------------------------------------------------
+bool findHostBlock(const void* ptr, uintptr_t* base, size_t* size);  // an orHostAlloc block
+
 // A memfd named "openreg:<tag>:<tokenhex>", sized, mapped MAP_SHARED. The fd stays open: an
 // importer reaches the memory through /proc/<pid>/fd/<fd>.
 struct SharedFile {
@@ -60,23 +63,26 @@ struct SharedFile {
 orError_t createSharedFile(const char* call, const char* tag, size_t size, SharedFile* out);
 void tokenHex(const unsigned char* token, char out[2 * kTokenSize + 1]);
 
-// ---- interprocess progress (ipc_event.cpp) ------------------------------------------------------
-// One shared page per process with two uint32 counters per stream slot. A record of an interprocess
-// event reserves the slot's next sequence number (published at once) and stores it as the slot's
-// progress when its marker runs; an importer refuses a number never reserved, else waits until the
-// progress reaches it.
-struct ProgressMark {
-  int slot = -1;  // -1: nothing to wait for
+// ---- interprocess events (ipc_event.cpp) --------------------------------------------------------
+// An interprocess event lives in a slot of its creator's shared event page, so every process that
+// opened it sees and makes its records: `latest` (seq and recorder pid of the latest record) and
+// `completed` (highest seq whose record ran). docs/ipc-handles.md has the layout.
+struct IpcEvent;  // the shared part of one interprocess event, local or opened from a handle
+orError_t createIpcEvent(std::shared_ptr<IpcEvent>* out);
+// Takes the next seq of the event and queues its completion on `stream`.
+orError_t recordIpcEvent(const std::shared_ptr<IpcEvent>& event, orStream_t stream,
+                         const char* call);
+// The latest record at the time of the call; seq 0: nothing to wait for.
+struct IpcWait {
+  std::shared_ptr<IpcEvent> event;  // keeps the page mapped while someone waits
   uint32_t seq = 0;
+  pid_t recorder = 0;
 };
-struct ImportedPage;  // another process's progress page, mapped here
-struct ImportedWait {
-  std::shared_ptr<ImportedPage> page;  // shared by every opened event and queued wait using it
-  int slot = -1;                       // -1: nothing to wait for
-  uint32_t seq = 0;
-};
-bool importedDone(const ImportedWait& wait);  // reached, or the exporter is gone
-void importedWait(const ImportedWait& wait);  // blocks until importedDone
+IpcWait ipcWaitTarget(const std::shared_ptr<IpcEvent>& event);
+enum class IpcState { kDone, kPending, kRecorderGone };
+IpcState ipcQuery(const IpcWait& wait);
+IpcState ipcBlock(const IpcWait& wait);  // kDone or kRecorderGone
+orError_t ipcGoneError(const IpcWait& wait, const char* call);  // orErrorPeerGone, with a message
 
 // True while `pid` runs (zombies count as gone: their fds are already closed).
 bool processAlive(pid_t pid);
@@ -95,7 +101,6 @@ struct orStream {
   uint64_t completed = 0;  // tasks ever finished; the stream is idle when equal
   bool stopping = false;
   std::thread worker;
-  int progressSlot = -1;  // slot in the progress page, taken at the first interprocess record
 };
 
 // One record of an event. Shared by the event and the queued marker, so destroying an event
@@ -110,10 +115,8 @@ struct EventRecord {
 struct orEvent {
   unsigned int flags = 0;
   std::mutex mutex;
-  std::shared_ptr<EventRecord> last;  // latest record, null if never recorded
-  openreg::ProgressMark mark;         // of the latest record (interprocess events)
-  bool imported = false;              // opened from a handle: waits on `wait` instead
-  openreg::ImportedWait wait;
+  std::shared_ptr<EventRecord> last;        // latest record, null if never recorded
+  std::shared_ptr<openreg::IpcEvent> ipc;  // interprocess events: records live there instead
 };
 
 namespace openreg {
@@ -127,8 +130,5 @@ orError_t synchronizeStream(orStream_t stream, const char* call);
 // Waits for the work queued on every stream of `device`, except the stream whose worker is the
 // calling thread (memory released from a host function must not wait for itself).
 void drainDevice(int device);
-orError_t reserveProgressMark(orStream_t stream, ProgressMark* mark);
-void publishProgress(const ProgressMark& mark);  // runs on the stream worker
-void releaseProgressSlot(int slot);             // the stream is gone; its slot may be reused
 orError_t checkEvent(orEvent_t event, const char* call);  // orErrorInvalidResourceHandle if unknown
 }  // namespace openreg

@@ -1,15 +1,21 @@
-// Interprocess events. Each process owns one shared progress page (a memfd, like segments) holding
-// two uint32 arrays indexed by slot, one slot per stream: `progress`, the last sequence number whose
-// marker ran, and `reserved`, the last one handed to a record. Recording an interprocess event
-// reserves the stream's next sequence number (published in `reserved` at once); the marker stores
-// it into `progress` and wakes futex waiters. A handle carries (page, slot, seq); an importer maps
-// the page, refuses a seq the exporter never reserved in that slot, and waits until `progress`
-// reaches seq. So an accepted handle names a record that was really made: the wait ends when the
-// exporter's queued work does.
+// Interprocess events, with CUDA's semantics: a handle names the EVENT, not one record. Each
+// process owns one shared event page (a memfd, like segments) of slots; an interprocess event takes
+// a slot at creation. The slot holds the event's state for every process that opened it:
+// `latest` (seq and recorder pid of the latest record) and `completed` (highest seq whose record
+// ran). A record, by the creator or by any importer, takes the next seq with a compare-and-swap
+// and queues its completion on its stream; a waiter reads `latest` at wait time and waits until
+// `completed` reaches that seq. So a handle taken before a record still orders after it, and the
+// creator's waits see an importer's records.
 //
-// A waiter never hangs on a dead exporter: it sleeps on the futex at most kPollMs at a time and
-// gives up once the exporter has exited (a record that can no longer complete counts as done).
-// Known limit: a recycled pid of the dead exporter looks alive, so that waiter keeps waiting.
+// A waiter never hangs on a dead recorder: it sleeps on the futex at most kPollMs at a time and
+// gives up once the recorder of the seq it waits for has exited (kRecorderGone). Known limits: a
+// recycled pid of that recorder looks alive, so that waiter keeps waiting; and `completed` is one
+// counter, so when records of one event run on several streams at once, a wait for an earlier
+// record also ends when a later record completes first.
+//
+// A slot's `epoch` is odd while its event lives. Destroying the event frees the slot only once
+// this process's pending records of it have run; the epoch then moves on, so a handle of the
+// destroyed event opens as an event with nothing left to wait for (it cannot be recorded).
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -29,16 +35,22 @@ namespace openreg {
 
 namespace {
 
-// Layout in docs/ipc-handles.md: progress[kSlots] at offset 0, reserved[kSlots] right after.
-constexpr int kSlots = 4096;
-constexpr size_t kPageBytes = 2 * kSlots * sizeof(uint32_t);
+// Layout in docs/ipc-handles.md: kSlots slots of 16 bytes.
+struct Slot {
+  uint32_t epoch;      // odd: an event lives here; 0: never handed out
+  uint32_t completed;  // highest seq whose record ran (futex word)
+  uint64_t latest;     // recorder pid << 32 | seq of the latest record; 0: never recorded
+};
+static_assert(sizeof(Slot) == 16, "slot layout");
+constexpr int kSlots = 8192;
+constexpr size_t kPageBytes = kSlots * sizeof(Slot);
 constexpr long kPollMs = 50;
 
 // This process's page. Its fd stays open for the life of the process (importers reach it).
 struct LocalPage {
   std::mutex mutex;
   SharedFile file;
-  std::vector<uint32_t> lastSeq;  // per slot, kept when a slot is reused so values only grow
+  std::vector<uint32_t> epochs;  // the truth (importers map the page writable); only grow
   std::vector<int> freeSlots;
   int nextSlot = 0;
 };
@@ -48,22 +60,40 @@ LocalPage& localPage() {
   return *p;
 }
 
-// Call with localPage().mutex held.
-orError_t ensurePage(const char* call) {
-  LocalPage& p = localPage();
-  if (p.file.base) return orSuccess;
-  if (orError_t err = createSharedFile(call, "progress", kPageBytes, &p.file)) return err;
-  p.lastSeq.assign(kSlots, 0);
-  return orSuccess;
-}
-
-uint32_t* slotAddress(void* base, int slot) { return (uint32_t*)base + slot; }
-uint32_t* reservedAddress(void* base, int slot) { return (uint32_t*)base + kSlots + slot; }
-
 // Wrap-safe: a counter that has passed `seq` by less than 2^31 counts as reached.
 bool reached(uint32_t value, uint32_t seq) { return (int32_t)(value - seq) >= 0; }
 
-// Opened pages, one mapping per exporter page, shared by the events opened from it.
+uint32_t seqOf(uint64_t latest) { return (uint32_t)latest; }
+pid_t pidOf(uint64_t latest) { return (pid_t)(latest >> 32); }
+
+}  // namespace
+
+// Another process's page, mapped here; one mapping per page, shared by the events opened from it.
+struct ImportedPage {
+  HandleData handle;  // of the page: pid, fd, size, token
+  void* base = nullptr;
+  ~ImportedPage() { munmap(base, handle.size); }
+};
+
+struct IpcEvent {
+  Slot* slot = nullptr;
+  int index = -1;
+  uint32_t epoch = 0;
+  bool retired = false;                // opened after its creator destroyed it: never waits
+  std::shared_ptr<ImportedPage> page;  // null: the slot is in this process's page
+  ~IpcEvent() {
+    if (page) return;
+    // Last reference: the event is destroyed and its records here have run.
+    LocalPage& p = localPage();
+    std::lock_guard<std::mutex> lock(p.mutex);
+    p.epochs[index] += 1;  // even: free
+    __atomic_store_n(&slot->epoch, p.epochs[index], __ATOMIC_RELEASE);
+    p.freeSlots.push_back(index);
+  }
+};
+
+namespace {
+
 struct PageCache {
   std::mutex mutex;
   std::map<std::string, std::weak_ptr<ImportedPage>> byToken;
@@ -74,75 +104,114 @@ PageCache& pageCache() {
   return *c;
 }
 
-}  // namespace
+Slot* slotAt(void* base, int index) { return (Slot*)base + index; }
 
-struct ImportedPage {
-  HandleData handle;  // of the page: pid, fd, size, token
-  void* base = nullptr;
-  ~ImportedPage() { munmap(base, handle.size); }
-};
-
-orError_t reserveProgressMark(orStream_t stream, ProgressMark* mark) {
-  LocalPage& p = localPage();
-  std::lock_guard<std::mutex> lock(p.mutex);
-  if (orError_t err = ensurePage("orEventRecord")) return err;
-  if (stream->progressSlot < 0) {
-    if (!p.freeSlots.empty()) {
-      stream->progressSlot = p.freeSlots.back();
-      p.freeSlots.pop_back();
-    } else if (p.nextSlot < kSlots) {
-      stream->progressSlot = p.nextSlot++;
-    } else {
-      return fail(orErrorMemoryAllocation,
-                  "orEventRecord: more than %d live streams have recorded interprocess events; "
-                  "destroy unused streams",
-                  kSlots);
-    }
-  }
-  mark->slot = stream->progressSlot;
-  // 0 stays "never handed out", even after 2^32 records on one slot.
-  if (++p.lastSeq[mark->slot] == 0) ++p.lastSeq[mark->slot];
-  mark->seq = p.lastSeq[mark->slot];
-  // Published before any handle can name it; lastSeq stays the truth, since importers map the
-  // page writable.
-  __atomic_store_n(reservedAddress(p.file.base, mark->slot), mark->seq, __ATOMIC_RELEASE);
-  return orSuccess;
+// False once the event's creator destroyed it (the slot's epoch moved on).
+bool live(const IpcEvent& e) {
+  return !e.retired && __atomic_load_n(&e.slot->epoch, __ATOMIC_ACQUIRE) == e.epoch;
 }
 
-void publishProgress(const ProgressMark& mark) {
-  uint32_t* addr = slotAddress(localPage().file.base, mark.slot);
-  // Two records on one stream may reserve in one order and enqueue in the other: never go back.
-  uint32_t current = __atomic_load_n(addr, __ATOMIC_ACQUIRE);
-  while (!reached(current, mark.seq) &&
-         !__atomic_compare_exchange_n(addr, &current, mark.seq, false, __ATOMIC_RELEASE,
+void publishCompleted(Slot* slot, uint32_t seq) {
+  uint32_t current = __atomic_load_n(&slot->completed, __ATOMIC_ACQUIRE);
+  // Records on different streams may complete out of order: never go back.
+  while (!reached(current, seq) &&
+         !__atomic_compare_exchange_n(&slot->completed, &current, seq, false, __ATOMIC_RELEASE,
                                       __ATOMIC_ACQUIRE)) {
   }
   // Not FUTEX_PRIVATE: the waiters live in other processes, on their own mapping of the page.
-  syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  syscall(SYS_futex, &slot->completed, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-void releaseProgressSlot(int slot) {
-  if (slot < 0) return;
-  std::lock_guard<std::mutex> lock(localPage().mutex);
-  localPage().freeSlots.push_back(slot);
+bool completedReached(const IpcWait& wait) {
+  return reached(__atomic_load_n(&wait.event->slot->completed, __ATOMIC_ACQUIRE), wait.seq);
 }
 
-bool importedDone(const ImportedWait& wait) {
-  if (wait.slot < 0) return true;
-  uint32_t value = __atomic_load_n(slotAddress(wait.page->base, wait.slot), __ATOMIC_ACQUIRE);
-  return reached(value, wait.seq) || !processAlive(wait.page->handle.pid);
+}  // namespace
+
+orError_t createIpcEvent(std::shared_ptr<IpcEvent>* out) {
+  const char* call = "orEventCreateWithFlags";
+  LocalPage& p = localPage();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  if (!p.file.base) {
+    if (orError_t err = createSharedFile(call, "progress", kPageBytes, &p.file)) return err;
+    p.epochs.assign(kSlots, 0);
+  }
+  int index;
+  if (!p.freeSlots.empty()) {
+    index = p.freeSlots.back();
+    p.freeSlots.pop_back();
+  } else if (p.nextSlot < kSlots) {
+    index = p.nextSlot++;
+  } else {
+    return fail(orErrorMemoryAllocation,
+                "%s: more than %d interprocess events live (or have pending records) in this "
+                "process; destroy unused ones",
+                call, kSlots);
+  }
+  auto e = std::make_shared<IpcEvent>();
+  e->slot = slotAt(p.file.base, index);
+  e->index = index;
+  e->epoch = p.epochs[index] += 1;  // odd: live
+  __atomic_store_n(&e->slot->epoch, e->epoch, __ATOMIC_RELEASE);
+  *out = std::move(e);
+  return orSuccess;
 }
 
-void importedWait(const ImportedWait& wait) {
-  if (wait.slot < 0) return;
-  uint32_t* addr = slotAddress(wait.page->base, wait.slot);
+orError_t recordIpcEvent(const std::shared_ptr<IpcEvent>& event, orStream_t stream,
+                         const char* call) {
+  if (!live(*event))
+    return fail(orErrorInvalidResourceHandle,
+                "%s: process %d destroyed this interprocess event; it can no longer be recorded",
+                call, event->page ? event->page->handle.pid : (int)getpid());
+  Slot* slot = event->slot;
+  uint64_t old = __atomic_load_n(&slot->latest, __ATOMIC_ACQUIRE), next;
+  uint32_t seq;
+  do {
+    seq = seqOf(old) + 1;
+    if (seq == 0) seq = 1;  // 0 stays "never recorded", even after 2^32 records
+    next = (uint64_t)(uint32_t)getpid() << 32 | seq;
+  } while (!__atomic_compare_exchange_n(&slot->latest, &old, next, false, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE));
+  // Published once the stream counts the work before it as done (orStreamQuery agrees).
+  enqueue(stream, [] {}, [event, seq] { publishCompleted(event->slot, seq); });
+  return orSuccess;
+}
+
+IpcWait ipcWaitTarget(const std::shared_ptr<IpcEvent>& event) {
+  IpcWait wait;
+  if (!live(*event)) return wait;
+  uint64_t latest = __atomic_load_n(&event->slot->latest, __ATOMIC_ACQUIRE);
+  // Re-checked: a slot reused meanwhile holds another event's record.
+  if (!live(*event) || seqOf(latest) == 0) return wait;
+  wait.event = event;
+  wait.seq = seqOf(latest);
+  wait.recorder = pidOf(latest);
+  return wait;
+}
+
+IpcState ipcQuery(const IpcWait& wait) {
+  if (wait.seq == 0 || completedReached(wait)) return IpcState::kDone;
+  if (processAlive(wait.recorder)) return IpcState::kPending;
+  return completedReached(wait) ? IpcState::kDone : IpcState::kRecorderGone;
+}
+
+IpcState ipcBlock(const IpcWait& wait) {
+  if (wait.seq == 0) return IpcState::kDone;
+  uint32_t* addr = &wait.event->slot->completed;
   for (;;) {
     uint32_t value = __atomic_load_n(addr, __ATOMIC_ACQUIRE);
-    if (reached(value, wait.seq)) return;
+    if (reached(value, wait.seq)) return IpcState::kDone;
     struct timespec timeout = {0, kPollMs * 1000000};
     long rc = syscall(SYS_futex, addr, FUTEX_WAIT, value, &timeout, nullptr, 0);
-    if (rc != 0 && errno == ETIMEDOUT && !processAlive(wait.page->handle.pid)) return;
+    if (rc != 0 && errno == ETIMEDOUT && !processAlive(wait.recorder))
+      return completedReached(wait) ? IpcState::kDone : IpcState::kRecorderGone;
   }
+}
+
+orError_t ipcGoneError(const IpcWait& wait, const char* call) {
+  return fail(orErrorPeerGone,
+              "%s: process %d exited before its record of the interprocess event completed",
+              call, (int)wait.recorder);
 }
 
 }  // namespace openreg
@@ -155,32 +224,20 @@ orError_t orIpcGetEventHandle(orIpcEventHandle_t* handle, orEvent_t event) {
   const char* call = "orIpcGetEventHandle";
   if (!handle) return fail(orErrorInvalidValue, "%s: handle is NULL", call);
   if (orError_t err = checkEvent(event, call)) return err;
-  if (!(event->flags & orEventInterprocess))
+  if (!event->ipc)
     return fail(orErrorInvalidValue,
                 "%s: create the event with orEventInterprocess | orEventDisableTiming", call);
+  const IpcEvent& e = *event->ipc;
   HandleData h;
-  {
-    std::lock_guard<std::mutex> lock(event->mutex);
-    if (event->imported) {
-      // Re-export: the handle names the original exporter's page and record.
-      h = event->wait.page->handle;
-      h.slot = event->wait.slot;
-      h.seq = event->wait.seq;
-    } else {
-      h.slot = event->mark.slot;
-      h.seq = event->mark.seq;
-    }
-  }
-  if (!event->imported) {
+  if (e.page) {
+    h = e.page->handle;  // re-export: the handle names the creator's page
+  } else {
     LocalPage& p = localPage();
     std::lock_guard<std::mutex> lock(p.mutex);
-    // Even a never-recorded event names the page, so opening it checks the exporter like memory.
-    if (orError_t err = ensurePage(call)) return err;
-    HandleData page = newHandle(kEventHandle, getpid(), p.file.fd, p.file.size, p.file.token);
-    page.slot = h.slot;
-    page.seq = h.seq;
-    h = page;
+    h = newHandle(kEventHandle, getpid(), p.file.fd, p.file.size, p.file.token);
   }
+  h.slot = e.index;
+  h.epoch = e.epoch;
   memcpy(handle->reserved, &h, sizeof(h));
   return orSuccess;
 }
@@ -190,12 +247,11 @@ orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle) {
   if (!event) return fail(orErrorInvalidValue, "%s: event is NULL", call);
   HandleData h;
   if (orError_t err = decodeHandle(handle.reserved, kEventHandle, call, &h)) return err;
-  // A genuine record has seq >= 1; a never-recorded event has slot -1 and seq 0.
-  if (h.size != kPageBytes || h.slot < -1 || h.slot >= kSlots || (h.slot < 0) != (h.seq == 0))
+  if (h.size != kPageBytes || h.slot < 0 || h.slot >= kSlots || h.epoch % 2 != 1)
     return fail(orErrorInvalidHandle,
-                "%s: corrupted event handle (page %llu bytes, slot %d, seq %u; this runtime's "
-                "pages are %zu bytes)",
-                call, (unsigned long long)h.size, h.slot, h.seq, kPageBytes);
+                "%s: corrupted event handle (page %llu bytes, slot %d, epoch %u; this runtime's "
+                "pages are %zu bytes of %d slots, epochs odd)",
+                call, (unsigned long long)h.size, h.slot, h.epoch, kPageBytes, kSlots);
   std::shared_ptr<ImportedPage> page;
   {
     PageCache& cache = pageCache();
@@ -214,30 +270,32 @@ orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle) {
       page->base = base;
       page->handle = h;
       page->handle.slot = -1;
-      page->handle.seq = 0;
+      page->handle.epoch = 0;
       cache.byToken[token] = page;
     }
   }
-  if (h.slot >= 0) {
-    // Checked before anything waits: a seq beyond what the exporter reserved (wrap-safe) would
-    // wait for a record that may never come, as long as the exporter lives.
-    uint32_t reserved = __atomic_load_n(reservedAddress(page->base, h.slot), __ATOMIC_ACQUIRE);
-    if (reserved == 0)
-      return fail(orErrorInvalidHandle,
-                  "%s: process %d never handed out progress slot %d: the event handle is forged",
-                  call, h.pid, h.slot);
-    if (!reached(reserved, h.seq))
-      return fail(orErrorInvalidHandle,
-                  "%s: the event handle names record %u of progress slot %d, but process %d has "
-                  "reserved only up to %u there: the handle is forged",
-                  call, h.seq, h.slot, h.pid, reserved);
-  }
-  orEvent_t e;
-  if (orError_t err = orEventCreateWithFlags(&e, orEventInterprocess | orEventDisableTiming))
-    return err;
-  e->imported = true;
-  e->wait = ImportedWait{page, h.slot, h.seq};
-  *event = e;
+  auto e = std::make_shared<IpcEvent>();
+  e->page = page;
+  e->slot = slotAt(page->base, h.slot);
+  e->index = h.slot;
+  e->epoch = h.epoch;
+  // Checked before anything waits: an epoch the slot never reached names no event at all.
+  uint32_t current = __atomic_load_n(&e->slot->epoch, __ATOMIC_ACQUIRE);
+  if (current == 0)
+    return fail(orErrorInvalidHandle,
+                "%s: process %d never handed out event slot %d: the event handle is forged", call,
+                h.pid, h.slot);
+  if (!reached(current, h.epoch))
+    return fail(orErrorInvalidHandle,
+                "%s: the event handle names epoch %u of event slot %d, but process %d is only at "
+                "epoch %u there: the handle is forged",
+                call, h.epoch, h.slot, h.pid, current);
+  e->retired = current != h.epoch;  // destroyed by its creator after its records ran
+  orEvent_t opened;
+  if (orError_t err = orEventCreateWithFlags(&opened, orEventDisableTiming)) return err;
+  opened->flags |= orEventInterprocess;
+  opened->ipc = std::move(e);
+  *event = opened;
   return orSuccess;
 }
 

@@ -18,8 +18,8 @@ struct HandleData {
   int32_t fd;        // its memfd, reached as /proc/<pid>/fd/<fd>
   uint64_t size;     // bytes of the memfd
   int32_t physical;  // memory: physical device index of the segment
-  int32_t slot;      // event: progress slot, -1 if the event was never recorded
-  uint32_t seq;      // event: sequence number the slot must reach
+  int32_t slot;      // event: the event's slot in the exporter's event page
+  uint32_t epoch;    // event: the slot's epoch while the event lives (odd)
   unsigned char token[kTokenSize];  // random; part of the memfd's name
   unsigned char zero[OR_IPC_HANDLE_SIZE - 52];
 };

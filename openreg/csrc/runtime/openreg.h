@@ -22,6 +22,7 @@ typedef enum orError_t {
   orErrorPeerGone = 7,              // the process that exported an IPC handle has exited
   orErrorOsCall = 8,                // an OS call failed; see orGetLastErrorMessage
   orErrorInitialization = 9,        // used in a child forked after the parent used the runtime
+  orErrorInvalidEnvironment = 10,   // OPENREG_DEVICE_COUNT or OPENREG_VISIBLE_DEVICES makes no sense
 } orError_t;
 
 const char* orGetErrorString(orError_t error);
@@ -30,7 +31,10 @@ const char* orGetLastErrorMessage(void);
 
 // ---- Devices ------------------------------------------------------------------------------------
 // OPENREG_DEVICE_COUNT (default 2) physical devices; OPENREG_VISIBLE_DEVICES="1,0" selects and
-// renumbers them like CUDA_VISIBLE_DEVICES. Both are read once, at first use.
+// renumbers them like CUDA_VISIBLE_DEVICES. Both are read once, at first use. A value that makes
+// no sense (not a number, negative, out of range, a repeated entry) is refused: every call naming
+// a device, and orGetDeviceCount (which still sets *count = 0), fail with
+// orErrorInvalidEnvironment and a message echoing the value.
 orError_t orGetDeviceCount(int* count);
 orError_t orGetDevice(int* device);  // per thread, default 0
 orError_t orSetDevice(int device);
@@ -39,12 +43,29 @@ orError_t orDeviceGetUuid(int device, char* uuid, size_t len);
 orError_t orDeviceGetByUuid(const char* uuid, int* device);  // orErrorInvalidDevice if not visible
 orError_t orDeviceSynchronize(void);                          // all streams of the current device
 
+// Like CUDA, a child forked after its parent used the runtime (a device, memory, a stream, an
+// event) cannot use it: those calls fail with orErrorInitialization. Counting devices is no use.
+typedef enum orRuntimeState {
+  orRuntimeUnused = 0,           // nothing in this process has used the runtime yet
+  orRuntimeInitialized = 1,      // this process uses it
+  orRuntimeForkedAfterUse = 2,   // forked after its parent used it: refused
+} orRuntimeState;
+orError_t orGetRuntimeState(orRuntimeState* state);
+
 // ---- Memory -------------------------------------------------------------------------------------
 // Allocations are cached: orFree returns a block to its segment; orEmptyCache unmaps segments with
 // no live block. A block is 512-byte aligned.
 orError_t orMalloc(void** ptr, size_t size);  // on the current device; size 0 gives NULL
 orError_t orFree(void* ptr);                  // NULL is a no-op
 orError_t orEmptyCache(int device);
+// The memory devices allocate from: the host's (shared by every device), in bytes. Unlike
+// cudaMemGetInfo, names the device.
+orError_t orMemGetInfo(int device, size_t* free, size_t* total);
+
+// Pinned host memory, CUDA's cudaHostAlloc: host memory the runtime knows, so copies from and to
+// it may run asynchronously. There is no DMA engine to pin pages for, so it is not page-locked.
+orError_t orHostAlloc(void** ptr, size_t size);  // size 0 gives NULL
+orError_t orFreeHost(void* ptr);                 // NULL is a no-op
 
 typedef struct orMemStats {
   uint64_t allocated;       // bytes in live blocks
@@ -61,6 +82,7 @@ orError_t orMemResetAccumulatedStats(int device);  // num_allocs, num_frees := 0
 
 typedef enum orMemoryType {
   orMemoryTypeUnregistered = 0,  // not openreg memory
+  orMemoryTypeHost = 1,          // from orHostAlloc (device is -1)
   orMemoryTypeDevice = 2,
 } orMemoryType;
 typedef struct orPointerAttributes {
@@ -70,8 +92,9 @@ typedef struct orPointerAttributes {
   size_t size;    // bytes of that segment
   size_t offset;  // ptr - base
 } orPointerAttributes;
-// Resolves interior pointers of live segments and of IPC-opened mappings; other pointers give
-// type = orMemoryTypeUnregistered and orSuccess.
+// Resolves interior pointers of live segments, of IPC-opened mappings and of orHostAlloc blocks
+// (base and size are then the block's); other pointers give type = orMemoryTypeUnregistered and
+// orSuccess.
 orError_t orPointerGetAttributes(orPointerAttributes* attributes, const void* ptr);
 
 typedef enum orMemcpyKind {
@@ -141,10 +164,13 @@ orError_t orIpcGetMemHandle(orIpcMemHandle_t* handle, size_t* offset, const void
 orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHandle_t handle);
 orError_t orIpcCloseMemHandle(void* base);  // unmaps at the last close
 
-// The handle captures the event's latest record (the event needs orEventInterprocess). An event
-// opened from it can be waited on (orStreamWaitEvent), queried and synchronized, then destroyed
-// with orEventDestroy. If the exporter dies before the record completes, waiters are released.
-// Opening refuses (orErrorInvalidHandle) a handle naming a record the exporter never made.
+// As in CUDA, the handle names the EVENT (which needs orEventInterprocess), not one record: every
+// process that opened it may record it, and a query, synchronize or stream wait, in any of them,
+// is for its latest record at that moment, whoever made it. If the process that made that record
+// exits before it completes, stream waits are released and orEventQuery/orEventSynchronize fail
+// with orErrorPeerGone. Opening refuses (orErrorInvalidHandle) a slot or epoch the exporter never
+// handed out; a handle of an event its creator has since destroyed opens with nothing to wait for
+// and cannot be recorded. Destroy an opened event with orEventDestroy.
 orError_t orIpcGetEventHandle(orIpcEventHandle_t* handle, orEvent_t event);
 orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle);
 

@@ -102,7 +102,13 @@ extern "C" orError_t orPointerGetAttributes(orPointerAttributes* attributes, con
   if (!attributes) return openreg::fail(orErrorInvalidValue, "orPointerGetAttributes: attributes is NULL");
   openreg::Region r;
   if (!openreg::findRegion(ptr, &r)) {
-    *attributes = orPointerAttributes{orMemoryTypeUnregistered, -1, nullptr, 0, 0};
+    uintptr_t base = 0;
+    size_t size = 0;
+    if (openreg::findHostBlock(ptr, &base, &size))
+      *attributes = orPointerAttributes{orMemoryTypeHost, -1, (void*)base, size,
+                                        (size_t)((uintptr_t)ptr - base)};
+    else
+      *attributes = orPointerAttributes{orMemoryTypeUnregistered, -1, nullptr, 0, 0};
     return orSuccess;
   }
   *attributes = orPointerAttributes{orMemoryTypeDevice, r.device, (void*)r.base, r.size,

@@ -183,7 +183,6 @@ orError_t orStreamDestroy(orStream_t stream) {
     s->workReady.notify_one();
   }
   s->worker.join();  // the worker drains anything enqueued after the synchronize above
-  releaseProgressSlot(s->progressSlot);
   return orSuccess;
 }
 

@@ -38,3 +38,8 @@ _register()
 from . import _ipc_hooks  # noqa: E402  (needs the device registered)
 
 _ipc_hooks.register()
+
+if torch.distributed.is_available():  # imported by torch already: registering costs ~2 ms
+    from . import _distributed
+
+    _distributed.register()

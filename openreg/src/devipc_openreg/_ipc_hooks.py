@@ -38,7 +38,9 @@ class OpenRegIpcHooks(IpcHooks):
             _runtime.event_record(event, _runtime_stream(torch.openreg.current_stream(device)))
             return _runtime.ipc_get_event_handle(event)
         finally:
-            _runtime.event_destroy(event)  # the handle keeps the record, not the event object
+            # The handle names the event; destroyed, it keeps its slot until this record has run,
+            # so a consumer that opens the handle later finds nothing left to wait for.
+            _runtime.event_destroy(event)
 
     def open_ipc_mem_handle(self, handle: bytes) -> OpenedMemory:
         try:

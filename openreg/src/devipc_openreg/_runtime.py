@@ -19,6 +19,8 @@ from devipc import InvalidHandleError, PeerGoneError
 # Values from openreg.h; tests/openreg/test_runtime.py checks them against the header.
 IPC_HANDLE_SIZE = 64
 SUCCESS, INVALID_DEVICE, INVALID_HANDLE, PEER_GONE = 0, 3, 6, 7
+INITIALIZATION, INVALID_ENVIRONMENT = 9, 10
+RUNTIME_UNUSED, RUNTIME_INITIALIZED, RUNTIME_FORKED_AFTER_USE = 0, 1, 2
 EVENT_DISABLE_TIMING, EVENT_INTERPROCESS = 2, 4
 
 _NOT_BUILT = "is not built; run `make setup` in the devipc checkout, or `pip install ./openreg`"
@@ -61,6 +63,8 @@ def declare(signatures):
 _P, _vp, _int, _size = ctypes.POINTER, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 declare({
     "orDeviceGetUuid": [_int, ctypes.c_char_p, _size],
+    "orGetRuntimeState": [_P(_int)],
+    "orMemGetInfo": [_int, _P(_size), _P(_size)],
     "orMemGetStats": [_int, _P(MemStats)],
     "orStreamFromId": [_int, ctypes.c_int64, _P(_vp)],
     "orEventCreateWithFlags": [_P(_vp), ctypes.c_uint],
@@ -152,6 +156,20 @@ def initial_seed(device):
     return _ops.initial_seed(device)
 
 
+def get_rng_state(device):
+    """The state of `device`'s default generator: a CPU uint8 tensor."""
+    return _ops.get_rng_state(device)
+
+
+def set_rng_state(device, state):
+    _ops.set_rng_state(device, state)
+
+
+def seed(device):
+    """Reseeds `device`'s default generator non-deterministically; returns the seed as int64."""
+    return _ops.seed(device)
+
+
 def reset_peak_memory_stats(device):
     _ops.reset_peak_memory_stats(device)
 
@@ -171,6 +189,21 @@ def mem_stats(device):
     s = MemStats()
     check(lib.orMemGetStats(device, ctypes.byref(s)), f"mem_stats({device})")
     return {name: getattr(s, name) for name, _ in MemStats._fields_}
+
+
+def mem_get_info(device):
+    """(free, total) bytes of the host memory that `device` allocates from."""
+    free, total = _size(), _size()
+    check(lib.orMemGetInfo(device, ctypes.byref(free), ctypes.byref(total)),
+          f"mem_get_info({device})")
+    return free.value, total.value
+
+
+def runtime_state():
+    """RUNTIME_UNUSED, RUNTIME_INITIALIZED or RUNTIME_FORKED_AFTER_USE (refused, like CUDA)."""
+    state = _int()
+    check(lib.orGetRuntimeState(ctypes.byref(state)), "runtime_state")
+    return state.value
 
 
 def stream_from_id(device, stream_id):
@@ -241,3 +274,37 @@ def ipc_open_event_handle(handle):
     e = _vp()
     check(lib.orIpcOpenEventHandle(ctypes.byref(e), h), "ipc_open_event_handle")
     return e.value
+
+
+# ---- streams and events of torch.openreg (_streams) --------------------------------------------
+declare({
+    "orEventQuery": [_vp],
+    "orEventSynchronize": [_vp],
+    "orEventElapsedTime": [_P(ctypes.c_float), _vp, _vp],
+})
+NOT_READY = 5  # orErrorNotReady (checked against openreg.h with the constants above)
+
+
+def exchange_stream(device, stream_id):
+    """Makes torch stream `stream_id` this thread's current stream of `device`; returns the id of
+    the one it replaces."""
+    return _ops.exchange_stream(device, stream_id)
+
+
+def event_query(event):
+    """True when the event's latest record has completed (or it was never recorded)."""
+    err = lib.orEventQuery(event)
+    if err == NOT_READY:
+        return False
+    check(err, "event_query")
+    return True
+
+
+def event_synchronize(event):
+    check(lib.orEventSynchronize(event), "event_synchronize")
+
+
+def event_elapsed_ms(start, end):
+    ms = ctypes.c_float()
+    check(lib.orEventElapsedTime(ctypes.byref(ms), start, end), "event_elapsed_time")
+    return ms.value

@@ -6,3 +6,5 @@
 #include "../generator.cpp"
 #include "../hooks.cpp"
 #include "../device_ops.cpp"
+#include "../dropout.cpp"
+#include "../autocast.cpp"

@@ -3,5 +3,7 @@
 #include "../copy.cpp"
 #include "../resize_locks.cpp"
 #include "../storage.cpp"
+#include "../cpu_alias.cpp"
 #include "../fallback.cpp"
+#include "../rnn.cpp"
 #include "../registration.cpp"
