@@ -253,14 +253,14 @@ def acceptance(rows, results) -> str:
         worst_nixl = min((ipc / own, label) for label, ipc, _, own in cells)
         lines.append(f"- same host, {op}, >= 16 MiB: devipc / memcpy >= 0.70 "
                      f"{'met' if worst_memcpy[0] >= 0.7 else 'NOT met'} (lowest "
-                     f"{worst_memcpy[0]:.2f}, {worst_memcpy[1]}); devipc / NIXL >= 1 "
-                     f"{'met' if worst_nixl[0] >= 1 else 'NOT met'} (lowest {worst_nixl[0]:.2f}, "
+                     f"{worst_memcpy[0]:.3f}, {worst_memcpy[1]}); devipc / NIXL >= 1 "
+                     f"{'met' if worst_nixl[0] >= 1 else 'NOT met'} (lowest {worst_nixl[0]:.3f}, "
                      f"{worst_nixl[1]})")
     for op in ("read", "write"):
         label = f"{BATCH} x 4 KiB"
         ratio = results[(op, label, "devipc")] / results[(op, label, "nixl")]
         lines.append(f"- batch of {label}, {op}: devipc / NIXL >= 1 "
-                     f"{'met' if ratio >= 1 else 'NOT met'} ({ratio:.2f})")
+                     f"{'met' if ratio >= 1 else 'NOT met'} ({ratio:.3f})")
     return "\n".join(lines)
 
 
