@@ -145,13 +145,19 @@ def test_mutated_descriptors_fail_cleanly(loop):
 
 
 def test_a_dropped_connection_lets_go_of_what_it_opened(loop):
-    endpoint, _, device, _ = loop
-    fds, mapped = open_fds(), devipc.stats()["mapped"]
+    endpoint, first, device, _ = loop
+    data = endpoint.advertise(device)
+    first.read(torch.zeros(64, device="openreg"), data)  # devipc's counter files now exist
+
+    def sent():  # this process is the owner too: the slots its peers' opens hold
+        devipc.ipc_collect()
+        return devipc.stats()["sent"]
+
+    held, fds = wait_until(sent, "the first open listed"), open_fds()
     connection = endpoint.connect(endpoint.metadata())
-    connection.read(torch.zeros(64, device="openreg"), endpoint.advertise(device))
-    assert devipc.stats()["mapped"] == mapped + 1
+    connection.read(torch.zeros(64, device="openreg"), data)
+    wait_until(lambda: sent() == held + 1, "the second open listed")
     del connection
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["mapped"] == mapped,
-               "the dropped connection's mapping released")
-    assert open_fds() <= fds
+    wait_until(lambda: sent() == held, "the dropped connection's slot released")
+    assert open_fds() <= fds  # its page mapping and pidfd closed
