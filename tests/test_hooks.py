@@ -32,6 +32,7 @@ def test_optional_hooks_default_to_the_safe_answer():
     assert hooks.can_map_on(memory, torch.device("openreg", 0))
     assert not hooks.can_map_on(memory, torch.device("openreg", 1))
     assert hooks.device_identity(torch.device("openreg", 0)) == b""
+    assert hooks.memory_kind(0) is None  # not registrable with a network engine
 
 
 def test_unregistered_devices_do_not_support_ipc():

@@ -35,3 +35,16 @@ class ConsumerDiedError(PeerGoneError):
 
 class AckTimeoutError(DevIpcError, TimeoutError):
     """A consumer is alive but did not acknowledge in time."""
+
+
+class RemoteTensorFreedError(DevIpcError):
+    """devipc.p2p: the remote tensor a descriptor names was freed or deregistered by its owner;
+    the peer's mapping of it was closed. Ask the owner for a new descriptor."""
+
+
+class NotRegisteredError(DevIpcError, LookupError):
+    """devipc.p2p: the tensor (or id) is not registered in this process."""
+
+
+class TransferSizeError(DevIpcError, ValueError):
+    """devipc.p2p: a local tensor and the remote range it is copied from or to differ in size."""

@@ -78,6 +78,12 @@ class IpcHooks:
         """Stable identity of `device` (a UUID), the same in every process; b"": none."""
         return b""
 
+    def memory_kind(self, device_index: int) -> str | None:
+        """What this device's memory is to a network engine (NIXL): "DRAM" (host-addressable),
+        "VRAM" (device memory the engine reaches itself), or None: not registrable, so the NIXL
+        path refuses it with a clear error. Default None: a device must say so to be sent."""
+        return None
+
 
 _lock = threading.Lock()
 _registry: dict[str, IpcHooks] = {}

@@ -29,8 +29,14 @@ TENSOR = 2  # devipc.share
 BUCKET = 3  # devipc.share_tensors
 ARENA = 4  # devipc.Arena.attach: one consumer's way into an arena
 CHUNK = 5  # devipc.Arena.put: a generation and its table
+P2P_METADATA = 6  # devipc.p2p.Endpoint.metadata: how a peer reaches an endpoint
+P2P_DESCRIPTOR = 7  # devipc.p2p.Endpoint.advertise: a registered tensor's byte range
+P2P_NIXL = 8  # devipc.p2p over NIXL: the transport part of a P2P_DESCRIPTOR
+P2P_NIXL_AGENT = 9  # devipc.p2p over NIXL: the transport part of a P2P_METADATA
 KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucket handle",
-              ARENA: "arena attachment", CHUNK: "arena chunk"}
+              ARENA: "arena attachment", CHUNK: "arena chunk",
+              P2P_METADATA: "p2p endpoint metadata", P2P_DESCRIPTOR: "p2p remote descriptor",
+              P2P_NIXL: "p2p NIXL descriptor part", P2P_NIXL_AGENT: "p2p NIXL agent metadata"}
 
 MAX_NDIM = 64
 MAX_BYTES = 1 << 16  # any one bytes or text field

@@ -40,6 +40,7 @@ def test_host_memory_maps_on_any_openreg_device_and_devices_have_identities():
         memory.close()
     ids = [hooks.device_identity(torch.device("openreg", i)) for i in range(2)]
     assert len(ids[0]) == 36 and ids[0] != ids[1]
+    assert [hooks.memory_kind(i) for i in range(2)] == ["DRAM", "DRAM"]  # host memory
 
 
 @pytest.mark.parametrize("mode, size", [("0", 0), ("1", 64)])

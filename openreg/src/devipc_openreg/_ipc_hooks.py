@@ -73,6 +73,9 @@ class OpenRegIpcHooks(IpcHooks):
     def device_identity(self, device: torch.device) -> bytes:
         return _runtime.device_uuid(device.index).encode()
 
+    def memory_kind(self, device_index: int) -> str:
+        return "DRAM"  # runtime segments are host shared memory: any engine can address them
+
 
 def register() -> None:
     register_ipc_hooks("openreg", OpenRegIpcHooks())

@@ -1,0 +1,89 @@
+"""devipc.p2p: a tensor registry tied to the tensors' life, and one-sided point-to-point reads
+and writes between processes through it.
+
+    tensor, tensor_id = create_tensor((1024,), torch.float32, "openreg")  # registered
+    endpoint = Endpoint()                       # "auto"/"ipc": same host, the device's IPC hooks
+    peer = endpoint.connect(peer_metadata)      # the peer's endpoint.metadata(), out of band
+    peer.read(local, remote_descriptor)         # the peer's endpoint.advertise(its tensor)
+
+The core never imports this package; `import devipc.p2p` to use it. Its errors are devipc's
+(`devipc._errors`), named here too.
+"""
+from .._errors import (
+    DevIpcError,
+    InvalidHandleError,
+    NotRegisteredError,
+    PeerGoneError,
+    RemoteTensorFreedError,
+    TransferSizeError,
+    UnsupportedDeviceError,
+)
+from ._endpoint import Connection, Endpoint
+from ._registry import Registration, registry
+from ._transfer import Transfer
+
+__all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "NotRegisteredError",
+           "PeerGoneError", "Registration", "RemoteTensorFreedError", "Transfer",
+           "TransferSizeError", "UnsupportedDeviceError", "add_listener", "create_tensor",
+           "deregister", "free_tensor", "get_tensor_id_by_tensor", "register", "registration",
+           "remove_listener"]
+
+
+def create_tensor(shape, dtype, device):
+    """(tensor, tensor_id): a new uninitialized tensor, registered. CPU tensors are made in
+    fd-backed shared memory, so peers map them without a copy."""
+    import torch
+
+    from ._registry import untyped
+
+    device = torch.device(device)
+    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    if device.type == "cpu":
+        numel = 1
+        for size in shape:
+            numel *= size
+        storage = torch.UntypedStorage._new_using_fd_cpu(max(numel, 0) * dtype.itemsize)
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    else:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    return tensor, registry.register(untyped(tensor)).id
+
+
+def register(tensor) -> int:
+    """Register `tensor`'s storage (any device with IPC hooks, or a CPU tensor in fd-backed
+    shared memory: `share_memory_()` it first); its id. The same storage twice: the same id."""
+    return registry.register(tensor).id
+
+
+def get_tensor_id_by_tensor(tensor) -> int:
+    """The id of the registration of `tensor`'s storage (views and slices included);
+    NotRegisteredError if it has none."""
+    return registry.lookup(tensor).id
+
+
+def registration(tensor_or_id) -> Registration:
+    """The Registration of a tensor's storage or of an id (its nbytes, device, base, liveness)."""
+    if isinstance(tensor_or_id, int) and not isinstance(tensor_or_id, bool):
+        return registry.get(tensor_or_id)
+    return registry.lookup(tensor_or_id)
+
+
+def deregister(tensor_id: int) -> bool:
+    """End a registration early; whether it was live. Peers' transfers against it raise
+    RemoteTensorFreedError from then on, and they close their mappings of it."""
+    return registry.deregister(tensor_id)
+
+
+def free_tensor(tensor) -> None:
+    """Deregister `tensor`'s storage now (the tensor itself stays usable here; its memory goes
+    when the last reference to it does, never while a peer still maps it)."""
+    registry.deregister(registry.lookup(tensor).id)
+
+
+def add_listener(listener) -> None:
+    """`listener.on_register(reg)` / `on_deregister(reg)` for every registration (transports)."""
+    registry.add_listener(listener)
+
+
+def remove_listener(listener) -> None:
+    registry.remove_listener(listener)

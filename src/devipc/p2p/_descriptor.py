@@ -1,0 +1,137 @@
+"""Endpoint metadata and remote descriptors as devipc wire bytes (`devipc._wire`), validated
+field by field: they come from other processes, and anything malformed is InvalidHandleError.
+
+    P2P_METADATA   = transport name | host | pid | registry page handle | transport metadata
+    P2P_DESCRIPTOR = registry page handle | registration id | page slot | storage bytes |
+                     range offset | range bytes | device | device identity | memory kind |
+                     memory handle | offset in allocation | ref-counter handle | anchor slot or
+                     inode | fd | event | transport extra
+"""
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .. import _wire
+from .._errors import InvalidHandleError
+from .._memfd import HANDLE_SIZE
+from .._refcount import SLOTS_PER_FILE
+from ._registry import PAGE_SLOTS
+
+__all__ = ["CPU", "DEVICE", "NONE", "Descriptor", "Metadata", "host_identity"]
+
+NONE, DEVICE, CPU = 0, 1, 2  # how a peer on the same host reaches the memory
+TRANSPORTS = ("ipc", "nixl")
+MAX_FD = 1 << 30
+
+
+def host_identity() -> bytes:
+    """Same bytes in two processes iff they can open each other's fds through /proc: one boot
+    of one kernel, one PID namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as boot:
+            boot_id = boot.read().strip()
+        return boot_id + b"/" + str(os.stat("/proc/self/ns/pid").st_ino).encode()
+    except OSError:
+        return b""
+
+
+@dataclass(frozen=True)
+class Metadata:
+    transport: str
+    host: bytes
+    pid: int
+    page: bytes  # the registry page's memfd handle
+    extra: bytes  # the transport's own metadata (NIXL agent metadata), or b""
+
+    def to_bytes(self) -> bytes:
+        writer = _wire.Writer(_wire.P2P_METADATA).text(self.transport).bytes(self.host)
+        return writer.int(self.pid).bytes(self.page).bytes(self.extra).done()
+
+    @classmethod
+    def from_bytes(cls, data) -> "Metadata":
+        reader = _wire.Reader(data, (_wire.P2P_METADATA,))
+        transport = reader.text("transport", 16)
+        if transport not in TRANSPORTS:
+            raise InvalidHandleError(f"unknown p2p transport {transport!r}")
+        host = reader.bytes("host identity", 256)
+        pid = reader.int("pid", 1, (1 << 31) - 1)
+        page = reader.bytes("registry page handle", HANDLE_SIZE)
+        if len(page) != HANDLE_SIZE:
+            raise InvalidHandleError(f"a registry page handle has {HANDLE_SIZE} bytes, not "
+                                     f"{len(page)}")
+        extra = reader.bytes("transport metadata")
+        reader.end()
+        if struct.unpack_from("<i", page, 6)[0] != pid:  # _memfd's handle: magic, version, pid
+            raise InvalidHandleError(f"the registry page handle names another process than "
+                                     f"pid {pid}")
+        return cls(transport, host, pid, page, extra)
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    page: bytes
+    reg_id: int
+    slot: int
+    storage_bytes: int
+    offset: int  # of the range, in bytes from the storage's start
+    nbytes: int
+    device: torch.device
+    identity: bytes
+    kind: int  # NONE, DEVICE or CPU
+    mem: bytes  # DEVICE: the hooks' memory handle
+    mem_offset: int  # DEVICE: the storage's offset in its allocation
+    counter: bytes  # DEVICE: the ref-counter file of the anchor send
+    anchor: int  # DEVICE: the anchor send's slot; CPU: the shared file's inode
+    fd: int  # CPU: the owner's fd of the shared file
+    event: bytes  # DEVICE: an interprocess event recorded when advertised, or b""
+    extra: bytes  # the transport's part (NIXL), or b""
+
+    def to_bytes(self) -> bytes:
+        writer = _wire.Writer(_wire.P2P_DESCRIPTOR).bytes(self.page).int(self.reg_id)
+        writer.int(self.slot).int(self.storage_bytes).int(self.offset).int(self.nbytes)
+        writer.device(self.device).bytes(self.identity).int(self.kind).bytes(self.mem)
+        writer.int(self.mem_offset).bytes(self.counter).int(self.anchor).int(self.fd)
+        return writer.bytes(self.event).bytes(self.extra).done()
+
+    @classmethod
+    def from_bytes(cls, data) -> "Descriptor":
+        try:
+            return cls._decode(data)
+        except InvalidHandleError:
+            raise
+        except Exception as error:  # a gap in the checks must still read as a bad descriptor
+            raise InvalidHandleError(f"malformed p2p descriptor: {error}") from error
+
+    @classmethod
+    def _decode(cls, data) -> "Descriptor":
+        reader = _wire.Reader(data, (_wire.P2P_DESCRIPTOR,))
+        page = reader.bytes("registry page handle", HANDLE_SIZE)
+        reg_id = reader.int("registration id", 1)
+        slot = reader.int("registry slot", 0, PAGE_SLOTS - 1)
+        storage_bytes = reader.int("storage size", 1)
+        offset = reader.int("range offset", 0, storage_bytes)
+        nbytes = reader.int("range size", 0, storage_bytes - offset)
+        device = reader.device()
+        identity = reader.bytes("device identity", 256)
+        kind = reader.int("memory kind", NONE, CPU)
+        mem = reader.bytes("memory handle")
+        mem_offset = reader.int("offset in allocation")
+        counter = reader.bytes("ref-counter handle", HANDLE_SIZE)
+        anchor = reader.int("anchor slot or inode")
+        fd = reader.int("fd", 0, MAX_FD)
+        event = reader.bytes("event handle", 1024)
+        extra = reader.bytes("transport extra")
+        reader.end()
+        if len(page) != HANDLE_SIZE:
+            raise InvalidHandleError(f"a registry page handle has {HANDLE_SIZE} bytes, not "
+                                     f"{len(page)}")
+        if kind == DEVICE and (not mem or len(counter) != HANDLE_SIZE
+                               or anchor >= SLOTS_PER_FILE):
+            raise InvalidHandleError("a device descriptor needs a memory handle, a ref-counter "
+                                     "handle and an anchor slot inside the file")
+        if kind == CPU and (device != torch.device("cpu", 0) or mem or counter or mem_offset):
+            raise InvalidHandleError("a CPU descriptor names a CPU tensor by fd and inode only")
+        return cls(page, reg_id, slot, storage_bytes, offset, nbytes, device, identity, kind, mem,
+                   mem_offset, counter, anchor, fd, event, extra)

@@ -1,0 +1,83 @@
+"""Owner side: what a registration exports so that same-host peers can map it, made once, at
+its first advertisement, and undone when the registration ends.
+
+A device storage is exported through one devipc send, the anchor (`devipc._sharing.share_device`):
+from then on devipc holds its memory until the storage dies *and* every slot taken for it ended.
+The anchor itself is taken back at once (the storage keeps the export alive while it lives); what
+stays is its ref-counter file and the export's number in it. A peer takes a slot of its own in
+that file for that export (the core's forwarding path), so the owner's code never runs for it,
+and the memory can never be reused while a peer maps it. A CPU storage lives in fd-backed shared
+memory: a peer maps the file itself, whose pages live while anyone maps them.
+"""
+import os
+import threading
+
+import torch
+
+from .. import _sharing
+from .._errors import ReshareError
+from .._hooks import hooks_for
+from .._refcount import SLOTS_PER_FILE
+
+__all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]
+
+_lock = threading.Lock()
+
+
+class DeviceExport:
+    __slots__ = ("mem", "mem_offset", "counter", "anchor")
+
+    def __init__(self, storage: torch.UntypedStorage):
+        if _sharing.received_via_ipc(storage):
+            raise ReshareError("this storage was received from another process through devipc: "
+                               "advertise a clone() of it, or have its owner advertise it")
+        _, self.mem, _, self.mem_offset, self.counter, self.anchor, _, _ = \
+            _sharing.share_device(storage)
+        _sharing.revoke_send(self.counter, self.anchor)
+
+    def usable(self) -> bool:
+        """Whether peers can still take slots in the anchor's file (not full, not closed)."""
+        file = _sharing._exports._counters.file(self.counter)
+        return file is not None and file.counter.cursor() < SLOTS_PER_FILE
+
+    def close(self) -> None:
+        pass  # the export lives while the storage does, then while peers' slots do
+
+
+class CpuExport:
+    __slots__ = ("fd", "inode")
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.fd = storage._get_shared_fd()
+        self.inode = os.fstat(self.fd).st_ino
+
+    def usable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass  # the fd belongs to the storage; peers' mappings keep their pages
+
+
+def export_of(reg):
+    """The registration's export, made on first use (again when the anchor's counter file
+    filled up); None once the storage died."""
+    with _lock:
+        if reg.export is None or not reg.export.usable():
+            storage = reg.storage()
+            if storage is None:
+                return None
+            reg.export = (CpuExport if storage.device.type == "cpu" else DeviceExport)(storage)
+        return reg.export
+
+
+def order_for_peers(device: torch.device) -> bytes:
+    """Make the work queued so far on `device` visible to peers' transfers: an interprocess event
+    on the current stream, when the device has them, that peers wait for; otherwise the device is
+    synchronized now (b"")."""
+    if device.type == "cpu":
+        return b""
+    hooks = hooks_for(device)
+    if hooks.requires_event_sync():
+        return hooks.get_ipc_event_handle(device)
+    torch.get_device_module(device).synchronize(device)
+    return b""

@@ -1,0 +1,525 @@
+"""devipc.p2p's network path: NIXL's agent with its UCX backend (`Endpoint(transport="nixl")`).
+
+Memory region and IPC handle together: the transport listens to the registry, so every
+registration is registered with the agent too, as the memory kind the device's hooks report
+(`IpcHooks.memory_kind`; CPU memory is DRAM), and deregistration undoes it. A device that
+reports no kind is refused when the NIXL path is asked for it, not when it registers.
+
+A descriptor's transport part names the agent, the memory kind, the address range and the
+registration's own partial agent metadata: a peer loads it once per registration, so a peer that
+connected before the registration reaches it too. The registry page (one word per registration:
+its id while it lives, 0 after) is registered as well; before every transfer the peer reads the
+words of the registrations it names, one small NIXL read, and raises RemoteTensorFreedError for
+one that ended. The check happens before the transfer is posted: a deregistration that lands
+while a transfer is in flight is not seen by it (over RDMA, the deregistration revokes the
+remote key; over TCP or shared memory, nothing does).
+
+NIXL parses its metadata blobs itself and can crash on damaged ones, so every NIXL part devipc
+sends ends with a digest, checked before NIXL sees anything: damaged bytes are InvalidHandleError.
+(Bytes forged with a matching digest still reach NIXL's parser: peers are trusted, as in NIXL.)
+
+NIXL is imported on first use: `import devipc.p2p` works without it.
+"""
+import bisect
+import hashlib
+import hmac
+import importlib
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import _wire
+from .._errors import (
+    DevIpcError,
+    InvalidHandleError,
+    PeerGoneError,
+    RemoteTensorFreedError,
+    TransferSizeError,
+    UnsupportedDeviceError,
+)
+from .._hooks import get_ipc_hooks
+from ._registry import PAGE_BYTES, PAGE_SLOTS, registry, word_index
+
+__all__ = ["NixlTransport", "load_nixl", "memory_kind", "new_agent"]
+
+INSTALL = "pip install 'devipc[nixl]'"
+KINDS = ("DRAM", "VRAM")
+LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
+_SCRATCH_WORDS = 4096  # liveness words read per NIXL request
+_DECODED_MAX = 1 << 16
+PROGRESS_DELAY_US = 100
+_api = None
+_agent_lock = threading.Lock()
+
+
+def load_nixl():
+    """NIXL's agent API module (`nixl._api`), from whichever NIXL distribution is installed;
+    ImportError saying how to install it when none is."""
+    global _api
+    if _api is not None:
+        return _api
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            api = importlib.import_module(name)
+        except ImportError as error:
+            # a missing distribution, or the meta package finding no backend wheel: try the next
+            if isinstance(error, ModuleNotFoundError) and error.name not in (
+                    name.split(".")[0], name):
+                raise
+            continue
+        if not logging.getLogger("nixl").level < logging.INFO:
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # no INFO lines on stdout
+        _api = api
+        return api
+    raise ImportError(f"devipc.p2p's NIXL transport needs NIXL, which is not installed: "
+                      f"{INSTALL}") from None
+
+
+def new_agent(name: str):
+    """A NIXL agent with the UCX backend whose progress thread waits for events: NIXL's Python API
+    asks for a poll delay of 0, a busy loop that keeps one core spinning for as long as the agent
+    lives; any delay makes the thread sleep in poll() on UCX's event fd (waking at least every
+    millisecond), and transfers posted here progress in the calling thread anyway."""
+    api = load_nixl()
+    bind, config = api.nixlBind, api.nixl_agent_config(backends=["UCX"])
+    real = getattr(bind, "nixlAgent", None)
+    if real is None:  # another NIXL layout: its defaults
+        return api.nixl_agent(name, config)
+
+    def make(agent_name, agent_config):
+        agent_config.pthrDelay = PROGRESS_DELAY_US
+        return real(agent_name, agent_config)
+
+    with _agent_lock:
+        bind.nixlAgent = make
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgent = real
+
+
+def memory_kind(device: torch.device) -> str:
+    """What `device`'s memory is to NIXL: the device's hooks say (`IpcHooks.memory_kind`)."""
+    if device.type == "cpu":
+        return "DRAM"
+    hooks = get_ipc_hooks(device.type)
+    kind = None if hooks is None else hooks.memory_kind(device.index or 0)
+    if kind not in KINDS:
+        raise UnsupportedDeviceError(
+            f"{device} memory cannot be registered with NIXL: its IPC hooks' memory_kind("
+            f"{device.index or 0}) says {kind!r}, not one of {KINDS}. Implement "
+            f"IpcHooks.memory_kind for {device.type!r}, or use the same-host transport.")
+    return kind
+
+
+def _dev_id(device: torch.device, kind: str) -> int:
+    return 0 if kind == "DRAM" else device.index or 0
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A decoded transport part of a peer's descriptor."""
+
+    agent: str
+    kind: str
+    dev_id: int
+    addr: int
+    nbytes: int
+    reg_id: int
+    slot: int
+    page: int  # the address of the peer's registry page
+    partial: bytes  # the registration's partial agent metadata
+
+    def to_bytes(self) -> bytes:
+        writer = _wire.Writer(_wire.P2P_NIXL).text(self.agent).text(self.kind)
+        writer.int(self.dev_id).int(self.addr).int(self.nbytes).int(self.reg_id).int(self.slot)
+        return sealed(writer.int(self.page).bytes(self.partial))
+
+    @classmethod
+    def from_bytes(cls, data) -> "Remote":
+        reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL,))
+        agent = reader.text("NIXL agent name", 256)
+        kind = reader.text("memory kind", 8)
+        if kind not in KINDS:
+            raise InvalidHandleError(f"memory kind {kind!r} is not one of {KINDS}")
+        dev_id = reader.int("NIXL device id", 0, 1 << 20)
+        addr = reader.int("address", 1)
+        nbytes = reader.int("range size")
+        reg_id = reader.int("registration id", 1)
+        slot = reader.int("registry slot", 0, PAGE_SLOTS - 1)
+        page = reader.int("registry page address", 1)
+        partial = reader.bytes("NIXL partial metadata")
+        reader.end()
+        if not agent or not partial:
+            raise InvalidHandleError("a NIXL descriptor needs an agent name and metadata")
+        return cls(agent, kind, dev_id, addr, nbytes, reg_id, slot, page, partial)
+
+
+_DIGEST = 16
+_SEAL = 4 + _DIGEST  # the digest field: its length and itself
+
+
+def _seal_of(body: bytes) -> bytes:
+    """A last wire field (u32 length | payload) holding the digest of everything before it."""
+    return struct.pack("<I", _DIGEST) + hashlib.blake2b(body, digest_size=_DIGEST).digest()
+
+
+def sealed(writer: "_wire.Writer") -> bytes:
+    """The message with a digest as its last field. NIXL parses its metadata blobs itself, and a
+    damaged one can crash it (fuzzing found segfaults): damaged bytes must never reach it."""
+    body = writer.done()
+    return body + _seal_of(body)
+
+
+def unsealed(data) -> bytes:
+    """The message `sealed` made, its digest checked and removed; InvalidHandleError if damaged."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidHandleError(f"a NIXL part is bytes, got {type(data).__name__}")
+    data = bytes(data)
+    body = data[:-_SEAL]
+    if len(data) <= _SEAL or not hmac.compare_digest(data[-_SEAL:], _seal_of(body)):
+        raise InvalidHandleError("a NIXL part of a descriptor or of metadata is damaged (its "
+                                 "digest does not match)")
+    return body
+
+
+def agent_metadata_to_bytes(agent: str, blob: bytes) -> bytes:
+    return sealed(_wire.Writer(_wire.P2P_NIXL_AGENT).text(agent).bytes(blob))
+
+
+def agent_metadata_from_bytes(data) -> tuple[str, bytes]:
+    reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL_AGENT,))
+    agent = reader.text("NIXL agent name", 256)
+    blob = reader.bytes("NIXL agent metadata")
+    reader.end()
+    if not agent or not blob:
+        raise InvalidHandleError("NIXL agent metadata needs an agent name and its metadata")
+    return agent, blob
+
+
+class _Local:
+    """One of this process's NIXL registrations (a devipc registration or the registry page)."""
+
+    __slots__ = ("base", "end", "kind", "dev_id", "dlist", "partial")
+
+    def __init__(self, base, nbytes, kind, dev_id, dlist, partial):
+        self.base, self.end, self.kind, self.dev_id = base, base + nbytes, kind, dev_id
+        self.dlist, self.partial = dlist, partial
+
+
+class NixlTransport:
+    """One NIXL agent (UCX backend) of an endpoint; thread-safe (one lock around the agent)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.RLock()
+        self._agent = new_agent(name)
+        if "UCX" not in self._agent.backends:
+            raise DevIpcError("NIXL's UCX backend could not be created on this machine")
+        self._regs: dict[int, _Local | None] = {}  # registration id -> NIXL side (None: no kind)
+        self._bases: list[int] = []  # sorted bases of self._ranges
+        self._ranges: list[_Local] = []
+        self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
+        self._decoded: dict[bytes, Remote] = {}
+        self._page = self._register(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
+        self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
+        self._scratch_reg = self._register(self._scratch.data_ptr(), 8 * _SCRATCH_WORDS, "DRAM", 0)
+        self._closed = False  # the endpoint adds this transport as a registry listener
+
+    # -- this process's memory --
+    def _register(self, addr: int, nbytes: int, kind: str, dev_id: int) -> _Local:
+        dlist = self._agent.register_memory([(addr, nbytes, dev_id, "")], kind)
+        partial = self._agent.get_partial_agent_metadata(dlist, inc_conn_info=False)
+        local = _Local(addr, nbytes, kind, dev_id, dlist, partial)
+        at = bisect.bisect(self._bases, addr)
+        self._bases.insert(at, addr)
+        self._ranges.insert(at, local)
+        return local
+
+    def _deregister(self, local: _Local) -> None:
+        at = self._ranges.index(local)
+        del self._bases[at], self._ranges[at]
+        self._agent.deregister_memory(local.dlist)
+
+    def on_register(self, reg) -> None:
+        """Registry listener: register the storage's memory with the agent too."""
+        try:
+            kind = memory_kind(reg.device)
+        except UnsupportedDeviceError:
+            kind = None  # refused when a descriptor of it is asked for
+        with self._lock:
+            if self._closed or reg.id in self._regs:
+                return
+            self._regs[reg.id] = None if kind is None else \
+                self._register(reg.base, reg.nbytes, kind, _dev_id(reg.device, kind))
+
+    def on_deregister(self, reg) -> None:
+        with self._lock:
+            local = self._regs.pop(reg.id, None)
+            if local is not None and not self._closed:
+                self._deregister(local)
+
+    def registered(self, reg_id: int) -> bool:
+        """Whether the registration's memory is registered with this agent now."""
+        with self._lock:
+            return self._regs.get(reg_id) is not None
+
+    def _find(self, addr: int, nbytes: int) -> _Local | None:
+        at = bisect.bisect(self._bases, addr) - 1
+        if at >= 0 and addr + nbytes <= self._ranges[at].end:
+            return self._ranges[at]
+        return None
+
+    # -- what peers need --
+    def metadata(self) -> bytes:
+        with self._lock:
+            return agent_metadata_to_bytes(self.name, self._agent.get_agent_metadata())
+
+    def descriptor_extra(self, reg, offset: int, nbytes: int) -> bytes:
+        if reg.id not in self._regs:
+            self.on_register(reg)  # registered before this transport listened
+        local = self._regs.get(reg.id)
+        if local is None:
+            memory_kind(reg.device)  # raises, saying why
+            raise ValueError(f"registration {reg.id} ended")
+        return Remote(self.name, local.kind, local.dev_id, reg.base + offset, nbytes, reg.id,
+                      reg.slot, self._page.base, local.partial).to_bytes()
+
+    def connect(self, peer_metadata: bytes) -> str:
+        name, blob = agent_metadata_from_bytes(peer_metadata)
+        with self._lock:
+            if self._closed:
+                raise ValueError("this NIXL transport is closed")
+            try:
+                agent = self._agent.add_remote_agent(blob)
+            except Exception as error:  # NIXL's own exception types
+                raise InvalidHandleError(f"NIXL could not load the peer's agent metadata: "
+                                         f"{type(error).__name__}: {error}") from None
+            agent = agent.decode() if isinstance(agent, bytes) else str(agent)
+            if agent != name:
+                self._agent.remove_remote_agent(agent)
+                raise InvalidHandleError(f"NIXL metadata of agent {agent!r} claims to be of "
+                                         f"{name!r}")
+            self._peers.setdefault(agent, set())
+        return agent
+
+    def disconnect(self, agent: str) -> None:
+        with self._lock:
+            if self._peers.pop(agent, None) is not None and not self._closed:
+                self._agent.remove_remote_agent(agent)
+
+    # -- transfers --
+    def _decode(self, extra: bytes) -> Remote:
+        remote = self._decoded.get(extra)
+        if remote is None:
+            remote = Remote.from_bytes(extra)
+            if len(self._decoded) >= _DECODED_MAX:
+                self._decoded.clear()
+            self._decoded[bytes(extra)] = remote
+        return remote
+
+    def post(self, op: str, remote_agent: str, local, remote_extras) -> "NixlTransfer":
+        """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
+        `local` (addr, nbytes, device) and a peer descriptor's transport part."""
+        if op not in ("READ", "WRITE"):
+            raise ValueError(f"op is 'READ' or 'WRITE', not {op!r}")
+        if len(local) != len(remote_extras):
+            raise ValueError(f"{len(local)} local ranges for {len(remote_extras)} remote ones")
+        remotes = [self._decode(extra) for extra in remote_extras]
+        for (_, nbytes, _), remote in zip(local, remotes):
+            if remote.agent != remote_agent:
+                raise InvalidHandleError(f"a descriptor of NIXL agent {remote.agent!r} used on "
+                                         f"the connection to {remote_agent!r}")
+            if nbytes != remote.nbytes:
+                raise TransferSizeError(f"local range of {nbytes} bytes, remote range of "
+                                        f"{remote.nbytes}")
+        with self._lock:
+            if self._closed:
+                raise ValueError("this NIXL transport is closed")
+            if remote_agent not in self._peers:
+                raise ValueError(f"not connected to NIXL agent {remote_agent!r}")
+            self._load(remote_agent, remotes)
+            self._check_alive(remote_agent, remotes)
+            return self._start(op, remote_agent, local, remotes)
+
+    def _load(self, agent: str, remotes) -> None:
+        """Load each registration's partial metadata the first time it is used."""
+        loaded = self._peers[agent]
+        for remote in remotes:
+            if remote.reg_id not in loaded:
+                try:
+                    name = self._agent.add_remote_agent(remote.partial)
+                except Exception as error:
+                    raise InvalidHandleError(f"NIXL could not load a descriptor's metadata: "
+                                             f"{type(error).__name__}: {error}") from None
+                if (name.decode() if isinstance(name, bytes) else str(name)) != agent:
+                    raise InvalidHandleError("a descriptor's metadata names another agent")
+                loaded.add(remote.reg_id)
+
+    def _check_alive(self, agent: str, remotes) -> None:
+        """Read the registry words of the registrations `remotes` name; raise for ended ones."""
+        words = {(r.page, r.slot): r.reg_id for r in remotes}
+        items = list(words.items())
+        for start in range(0, len(items), _SCRATCH_WORDS):
+            chunk = items[start:start + _SCRATCH_WORDS]
+            scratch = self._scratch_reg.base
+            local = [(scratch + 8 * i, 8, 0) for i in range(len(chunk))]
+            remote = [(page + 8 * word_index(slot), 8, 0) for (page, slot), _ in chunk]
+            handle = self._request("READ", agent, local, "DRAM", remote, "DRAM")
+            try:
+                self._finish_now(handle, agent)
+            finally:
+                self._agent.release_xfer_handle(handle)
+            for i, (_, reg_id) in enumerate(chunk):
+                if int(self._scratch[i]) != reg_id:
+                    raise RemoteTensorFreedError(
+                        f"remote tensor {reg_id} of NIXL agent {agent!r} was freed or "
+                        f"deregistered by its owner. Ask the owner for a new descriptor.")
+
+    def _finish_now(self, handle, agent: str) -> None:
+        deadline = time.monotonic() + LIVENESS_TIMEOUT
+        state = self._post(handle, agent)
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise PeerGoneError(f"NIXL agent {agent!r} did not answer within "
+                                    f"{LIVENESS_TIMEOUT} s")
+            state = self._agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise PeerGoneError(f"NIXL could not read NIXL agent {agent!r}'s registry: the "
+                                f"peer closed its endpoint or exited")
+
+    def _post(self, handle, agent: str) -> str:
+        try:
+            return self._agent.transfer(handle)
+        except Exception as error:
+            raise _nixl_error(error, agent) from None
+
+    def _request(self, op, agent, local, local_kind, remote, remote_kind):
+        try:
+            return self._agent.initialize_xfer(
+                op, self._agent.get_xfer_descs(local, local_kind),
+                self._agent.get_xfer_descs(remote, remote_kind), agent)
+        except Exception as error:
+            raise _nixl_error(error, agent) from None
+
+    def _start(self, op, agent, local, remotes) -> "NixlTransfer":
+        groups: dict[tuple[str, str], tuple[list, list]] = {}
+        temps = []
+        try:
+            for (addr, nbytes, device), remote in zip(local, remotes):
+                if nbytes == 0:
+                    continue
+                found = self._find(addr, nbytes)
+                if found is None:  # memory devipc does not hold registered: for this transfer
+                    kind = memory_kind(device)
+                    found = self._register(addr, nbytes, kind, _dev_id(device, kind))
+                    temps.append(found)
+                pair = groups.setdefault((found.kind, remote.kind), ([], []))
+                pair[0].append((addr, nbytes, found.dev_id))
+                pair[1].append((remote.addr, nbytes, remote.dev_id))
+            transfer = NixlTransfer(self, agent, temps)
+            temps = []
+            for (local_kind, remote_kind), (mine, theirs) in groups.items():
+                handle = self._request(op, agent, mine, local_kind, theirs, remote_kind)
+                transfer.handles.append(handle)
+                transfer.states.append(self._post(handle, agent))
+            transfer.check()
+            return transfer
+        except BaseException:
+            for temp in temps:
+                self._deregister(temp)
+            if "transfer" in locals():
+                transfer.release()
+            raise
+
+    def close(self) -> None:
+        """Deregister everything from the agent and let the agent go. Idempotent."""
+        registry.remove_listener(self)
+        with self._lock:
+            if self._closed:
+                return
+            for agent in list(self._peers):
+                self._agent.remove_remote_agent(agent)
+            for local in list(self._ranges):
+                self._deregister(local)
+            self._closed = True
+            self._peers.clear()
+            self._regs.clear()
+            self._agent = None
+
+
+class NixlTransfer:
+    """NIXL requests in flight for one post; `done()` / `wait(timeout)`."""
+
+    def __init__(self, transport: NixlTransport, agent: str, temps: list):
+        self._transport, self._agent, self._temps = transport, agent, temps
+        self.handles, self.states = [], []
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def check(self) -> bool:
+        """Under the transport's lock: update states, release everything once all ended."""
+        if self._finished:
+            if self._error is not None:
+                raise self._error
+            return True
+        nixl = self._transport._agent
+        if nixl is None:  # the endpoint closed under it: NIXL cancelled what was in flight
+            self._finished, self._error = True, ValueError("the NIXL transport was closed")
+            raise self._error
+        for i, handle in enumerate(self.handles):
+            if self.states[i] == "PROC":
+                self.states[i] = nixl.check_xfer_state(handle)
+        if "ERR" in self.states:
+            self._error = PeerGoneError(
+                f"a NIXL transfer with agent {self._agent!r} failed: the peer exited, closed "
+                f"its endpoint, or its memory is no longer registered")
+        elif "PROC" in self.states:
+            return False
+        self.release()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def release(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        transport = self._transport
+        for handle in self.handles:
+            try:
+                transport._agent.release_xfer_handle(handle)
+            except Exception as error:  # still in flight after an error: NIXL keeps it
+                self._error = self._error or _nixl_error(error, self._agent)
+        for temp in self._temps:
+            transport._deregister(temp)
+        self.handles, self._temps = [], []
+
+    def done(self) -> bool:
+        with self._transport._lock:
+            return self.check()
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spins = 0
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
+            spins += 1
+            if spins > 1000:  # past the first ~ms: yield the core to NIXL's progress thread
+                time.sleep(0.0002)
+
+
+def _nixl_error(error: Exception, agent: str) -> DevIpcError:
+    name = type(error).__name__
+    if name == "nixlRemoteDisconnectError":
+        return PeerGoneError(f"NIXL agent {agent!r} disconnected: the peer exited or closed its "
+                             f"endpoint")
+    if name == "nixlNotFoundError":
+        return RemoteTensorFreedError(f"NIXL agent {agent!r} does not know this memory (any "
+                                      f"more): ask the owner for a new descriptor")
+    return DevIpcError(f"NIXL failed: {name}: {error}")

@@ -1,0 +1,244 @@
+"""The tensor registry: one registration per storage, tied to the storage's life.
+
+Registration is per storage, not per data_ptr: every view of a registered storage finds the same
+registration (and its own byte offset in it). Ids count up and are never reused in a process. A
+registration ends by `deregister`, or when its storage object dies: a `weakref.finalize` on the
+storage runs while the storage is being destroyed, before its memory goes back to the allocator,
+so an address can never be reused while a registration still names it.
+
+Peers learn whether a registration is still alive from the registry page, a small memfd this
+process owns and peers map read-only in effect: word `slot` holds the registration's id while it
+lives and 0 after. Ids are never reused, so the id doubles as the generation: a peer that cached
+(handle, id) and reads another value knows its cached mapping is stale. The word is cleared first
+of all when a registration ends, before listeners run and before the memory can go.
+"""
+import itertools
+import logging
+import os
+import threading
+import weakref
+
+import torch
+
+from .._errors import NotRegisteredError
+from .._hooks import hooks_for
+from .._memfd import SharedFile
+
+__all__ = ["PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry", "registry"]
+
+_log = logging.getLogger("devipc")
+PAGE_MAGIC = b"P2PR"
+PAGE_HEADER = 64  # bytes before the slots (unused, keeps slots 64-byte aligned)
+PAGE_SLOTS = 1 << 16  # live registrations at most; slots are reused, ids never
+PAGE_BYTES = PAGE_HEADER + 8 * PAGE_SLOTS
+
+
+def word_index(slot: int) -> int:
+    """The int64 index of `slot` in the registry page."""
+    return PAGE_HEADER // 8 + slot
+
+
+class Registration:
+    """One registered storage. `id` is never reused; `base` is the storage's data_ptr, `nbytes`
+    its size; `export` is what a transport made of it for peers (set lazily, dropped with it)."""
+
+    __slots__ = ("id", "nbytes", "device", "base", "slot", "_ref", "_key", "_finalizer", "export",
+                 "__weakref__")
+
+    def __init__(self, reg_id: int, storage: torch.UntypedStorage, slot: int):
+        self.id, self.slot = reg_id, slot
+        self.nbytes, self.device, self.base = storage.nbytes(), storage.device, storage.data_ptr()
+        self._ref, self._key = weakref.ref(storage), id(storage)
+        self._finalizer = None
+        self.export = None
+
+    def storage(self) -> torch.UntypedStorage | None:
+        """The registered storage, or None once it died."""
+        return self._ref()
+
+    @property
+    def alive(self) -> bool:
+        return registry.is_alive(self)
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "ended"
+        return f"<devipc.p2p.Registration {self.id}: {self.nbytes} bytes on {self.device}, {state}>"
+
+
+def untyped(tensor_or_storage) -> torch.UntypedStorage:
+    if isinstance(tensor_or_storage, torch.Tensor):
+        return tensor_or_storage.untyped_storage()
+    if isinstance(tensor_or_storage, torch.TypedStorage):
+        return tensor_or_storage._untyped_storage
+    if isinstance(tensor_or_storage, torch.UntypedStorage):
+        return tensor_or_storage
+    raise TypeError(f"expected a tensor or a storage, got {type(tensor_or_storage).__name__}")
+
+
+def check_registrable(storage: torch.UntypedStorage) -> None:
+    """A storage peers can reach without a copy: device memory with IPC hooks, or CPU memory in
+    fd-backed shared memory (torch's file_descriptor strategy)."""
+    if storage.nbytes() == 0:
+        raise ValueError("an empty tensor has no memory to register")
+    if storage.device.type == "cpu":
+        try:
+            storage._get_shared_fd()
+        except RuntimeError:
+            raise ValueError(
+                "a CPU tensor is registered only in fd-backed shared memory, which peers map "
+                "without a copy: make it with devipc.p2p.create_tensor(..., device='cpu'), or "
+                "call tensor.share_memory_() first (a one-time copy) under torch's "
+                "'file_descriptor' sharing strategy (the Linux default)") from None
+        return
+    hooks_for(storage.device)  # UnsupportedDeviceError: no hooks, peers could not map it
+
+
+class Registry:
+    """The process's registrations. Thread-safe; a finalizer may run inside any call (the
+    garbage collector), hence the re-entrant lock and no iteration over live tables."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._next_id = 1
+        self._by_storage: dict[int, Registration] = {}  # id(storage object) -> registration
+        self._by_id: dict[int, Registration] = {}
+        self._free_slots: list[int] = []
+        self._used_slots = 0
+        self._page: SharedFile | None = None
+        self._listeners: list = []
+        os.register_at_fork(after_in_child=self._forget_after_fork)
+
+    # -- the page peers read --
+    def page(self) -> SharedFile:
+        with self._lock:
+            if self._page is None:
+                self._page = SharedFile(PAGE_MAGIC, PAGE_BYTES)
+            return self._page
+
+    def is_alive(self, reg: Registration) -> bool:
+        page = self._page
+        return page is not None and page.buffer.address != 0 \
+            and page.buffer.int64(word_index(reg.slot)).value == reg.id
+
+    # -- registering --
+    def register(self, tensor_or_storage) -> Registration:
+        storage = untyped(tensor_or_storage)
+        with self._lock:
+            found = self._find(storage)
+            if found is not None:
+                return found
+            check_registrable(storage)
+            page = self.page()
+            slot = self._take_slot()
+            reg = Registration(next(self._ids), storage, slot)
+            self._next_id = reg.id + 1
+            reg._finalizer = weakref.finalize(storage, self._collected, reg.id)
+            reg._finalizer.atexit = False
+            self._by_storage[id(storage)] = reg
+            self._by_id[reg.id] = reg
+            page.buffer.int64(word_index(slot)).value = reg.id
+            listeners = list(self._listeners)
+        try:
+            for listener in listeners:
+                listener.on_register(reg)
+        except BaseException:
+            self.deregister(reg.id)
+            raise
+        return reg
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        if self._used_slots >= PAGE_SLOTS:
+            raise RuntimeError(f"devipc.p2p holds at most {PAGE_SLOTS} live registrations")
+        self._used_slots += 1
+        return self._used_slots - 1
+
+    def _find(self, storage: torch.UntypedStorage) -> Registration | None:
+        reg = self._by_storage.get(id(storage))
+        return reg if reg is not None and reg.storage() is storage else None
+
+    def lookup(self, tensor_or_storage) -> Registration:
+        storage = untyped(tensor_or_storage)
+        with self._lock:
+            reg = self._find(storage)
+        if reg is None:
+            raise NotRegisteredError("this tensor's storage is not registered: call "
+                                     "devipc.p2p.register(tensor) or make it with create_tensor")
+        return reg
+
+    def get(self, reg_id: int) -> Registration:
+        if not isinstance(reg_id, int) or isinstance(reg_id, bool):
+            raise TypeError(f"a tensor id is an int, not {type(reg_id).__name__}")
+        with self._lock:
+            reg = self._by_id.get(reg_id)
+        if reg is None:
+            raise NotRegisteredError(f"tensor id {reg_id} is not registered "
+                                     f"{'any more' if 0 < reg_id < self._next_id else 'here'}")
+        return reg
+
+    # -- ending --
+    def deregister(self, reg_id: int) -> bool:
+        """End a registration; whether it was live. An id that ended already is a no-op; an id
+        this process never issued raises NotRegisteredError."""
+        if not isinstance(reg_id, int) or isinstance(reg_id, bool):
+            raise TypeError(f"a tensor id is an int, not {type(reg_id).__name__}")
+        with self._lock:
+            reg = self._by_id.pop(reg_id, None)
+            if reg is None:
+                if 0 < reg_id < self._next_id:
+                    return False
+                raise NotRegisteredError(f"tensor id {reg_id} was never registered here")
+            # Peers stop first: the word goes before anything else does.
+            self._page.buffer.int64(word_index(reg.slot)).value = 0
+            if self._by_storage.get(reg._key) is reg:
+                del self._by_storage[reg._key]
+            self._free_slots.append(reg.slot)
+            listeners = list(self._listeners)
+        reg._finalizer.detach()
+        for listener in listeners:
+            try:
+                listener.on_deregister(reg)
+            except Exception:  # noqa: BLE001 - every listener must hear it
+                _log.exception("devipc.p2p: a deregistration listener "
+                               "failed")
+        export, reg.export = reg.export, None
+        if export is not None:
+            export.close()
+        return True
+
+    def _collected(self, reg_id: int) -> None:
+        """The storage is being destroyed (weakref.finalize): end its registration now."""
+        self.deregister(reg_id)
+
+    # -- listeners (transports that register memory with a network agent) --
+    def add_listener(self, listener) -> None:
+        """`listener.on_register(reg)` for every live registration now and every new one, and
+        `listener.on_deregister(reg)` when one ends."""
+        with self._lock:
+            self._listeners.append(listener)
+            live = list(self._by_id.values())
+        for reg in live:
+            listener.on_register(reg)
+
+    def remove_listener(self, listener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def live(self) -> int:
+        """How many registrations are live."""
+        with self._lock:
+            return len(self._by_id)
+
+    def _forget_after_fork(self) -> None:
+        """A forked child owns none of its parent's registrations or its page."""
+        self._lock = threading.RLock()
+        for reg in self._by_id.values():
+            reg._finalizer.detach()
+        self._by_storage, self._by_id, self._free_slots, self._used_slots = {}, {}, [], 0
+        self._page, self._listeners = None, []
+
+
+registry = Registry()

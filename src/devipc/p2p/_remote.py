@@ -1,0 +1,256 @@
+"""Peer side, same host: a connected peer's registry page, and the peer's registrations this
+process opened, each once, cached by (memory handle, registration id) — never by local pointer.
+
+Before every transfer the registration's word in the peer's page is read: the id it was opened
+under means the registration lives; anything else means the owner freed or deregistered it, so
+the cached mapping is dropped (a device storage from devipc's core, whose slot and mapping are
+released after the device work queued on them; a CPU mapping is unmapped once no copy uses it)
+and the transfer raises RemoteTensorFreedError. Memory the peer maps can never be reused under
+it: a device allocation is held by the slot the peer took, a shared file's pages by the mapping.
+"""
+import contextlib
+import ctypes
+import errno
+import os
+import select
+import threading
+
+import torch
+
+from .. import _sharing
+from .._errors import (
+    DevIpcError,
+    InvalidHandleError,
+    PeerGoneError,
+    RemoteTensorFreedError,
+)
+from .._hooks import hooks_for
+from .._memfd import MappedFile, _alive, open_shared_file
+from .._refcount import _MAGIC as COUNTER_MAGIC
+from .._refcount import FILE_BYTES, CounterFile
+from ._descriptor import DEVICE, Descriptor, Metadata
+from ._registry import PAGE_BYTES, PAGE_MAGIC, PAGE_SLOTS, word_index
+
+__all__ = ["Peer", "RemoteEntry"]
+
+
+class RemoteEntry:
+    """One registration of the peer, opened here: `data` is all of its bytes (uint8); `host`
+    their address when they are host memory this process mapped itself (CPU), else None."""
+
+    __slots__ = ("reg_id", "slot", "data", "device", "host", "waited", "_mapping", "_pins",
+                 "_dropped")
+
+    def __init__(self, desc: Descriptor, data: torch.Tensor, mapping: MappedFile | None = None):
+        self.reg_id, self.slot, self.data, self.device = desc.reg_id, desc.slot, data, data.device
+        self.host = None if mapping is None else mapping.address
+        self.waited: set[bytes] = set()  # events of advertisements already waited for
+        self._mapping = mapping  # CPU: our mapping of the owner's shared file
+        self._pins = 0  # host copies using the mapping now
+        self._dropped = False
+
+
+def where(desc: Descriptor) -> tuple:
+    """Everything a descriptor says about the memory of its registration: every descriptor of
+    one registration says the same."""
+    return (desc.device, desc.storage_bytes, desc.mem_offset, desc.counter, desc.anchor)
+
+
+class Peer:
+    """A peer process reached through its registry page. Thread-safe."""
+
+    def __init__(self, meta: Metadata):
+        self.pid, self.page_handle = meta.pid, meta.page
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, RemoteEntry] = {}
+        self._page = open_shared_file(meta.page, PAGE_MAGIC)  # PeerGoneError if it exited
+        if self._page.size != PAGE_BYTES:
+            self._page.close()
+            raise InvalidHandleError(f"a registry page has {PAGE_BYTES} bytes, this one "
+                                     f"{self._page.size}")
+        self._words = (ctypes.c_int64 * PAGE_SLOTS).from_address(
+            self._page.address + 8 * word_index(0))
+        try:  # readable once the process exits, and never another process with its pid
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self._pidfd = -1
+
+    # -- liveness --
+    def check_alive(self) -> None:
+        if self._page is None:
+            raise ValueError("this connection is closed")
+        if not self._running():
+            self.close()
+            raise PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
+                                f"read or written any more; this connection is closed")
+
+    def _running(self) -> bool:
+        if self._pidfd >= 0:
+            return not select.select([self._pidfd], [], [], 0)[0]
+        return _alive(self.pid)
+
+    def _live(self, reg_id: int, slot: int) -> bool:
+        """Whether the owner's registration `reg_id` still lives (an aligned 8-byte load). Call
+        with the lock: `close` unmaps the page under it."""
+        words = self._words
+        return words is not None and words[slot] == reg_id
+
+    def _is_live(self, reg_id: int, slot: int) -> bool:
+        with self._lock:
+            return self._live(reg_id, slot)
+
+    def sweep(self) -> int:
+        """Drop every cached registration the owner ended; how many."""
+        with self._lock:
+            stale = [key for key, entry in self._entries.items()
+                     if not self._live(entry.reg_id, entry.slot)]
+            entries = [self._entries.pop(key) for key in stale]
+        for entry in entries:
+            self._drop(entry)
+        return len(entries)
+
+    # -- opening --
+    def open(self, desc: Descriptor) -> RemoteEntry:
+        """The opened registration `desc` names; RemoteTensorFreedError if it ended."""
+        # (handle, generation), and the rest of what it says about the memory: a descriptor
+        # that says otherwise (forged) gets an entry of its own, never another one's
+        key = (desc.kind, desc.mem, desc.fd, desc.reg_id, desc.slot, where(desc))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and self._live(desc.reg_id, desc.slot):
+                return entry
+            if entry is not None:
+                del self._entries[key]
+        if entry is not None:
+            self._drop(entry)
+            raise self._freed(desc)
+        if not self._is_live(desc.reg_id, desc.slot):
+            raise self._freed(desc)
+        entry = self._open_device(desc) if desc.kind == DEVICE else self._open_cpu(desc)
+        with self._lock:
+            other = self._entries.get(key)
+            if other is None and self._page is not None:
+                self._entries[key] = entry
+        if other is not None or self._page is None:  # another thread won, or we were closed
+            self._drop(entry)
+            if other is None:
+                raise ValueError("this connection is closed")
+            return other
+        return entry
+
+    def _freed(self, desc: Descriptor) -> RemoteTensorFreedError:
+        return RemoteTensorFreedError(
+            f"remote tensor {desc.reg_id} of process {self.pid} was freed or deregistered by its "
+            f"owner; this process closed its mapping of it. Ask the owner for a new descriptor.")
+
+    def _open_device(self, desc: Descriptor) -> RemoteEntry:
+        """Take a slot of our own in the anchor's counter file (the core's forwarding path), then
+        check the registration: its word is cleared before its memory can be let go, so a live
+        word read after the slot was taken means the slot holds that memory."""
+        hooks_for(desc.device)  # UnsupportedDeviceError: this process cannot reach it
+        try:
+            index = self._take_slot(desc)
+        except InvalidHandleError:
+            if not self._is_live(desc.reg_id, desc.slot):  # its file went with the export
+                raise self._freed(desc) from None
+            raise
+        try:
+            if not self._is_live(desc.reg_id, desc.slot):
+                raise self._freed(desc)
+            storage = _sharing.new_shared_device(desc.device, desc.mem, desc.storage_bytes,
+                                                 desc.mem_offset, desc.counter, index, b"", False)
+        except BaseException:
+            with contextlib.suppress(DevIpcError, OSError):  # never left SENT
+                _sharing.release_ipc_counter_device(desc.counter, index)
+            raise
+        data = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        data.set_(storage, 0, (desc.storage_bytes,))
+        return RemoteEntry(desc, data)
+
+    def _take_slot(self, desc: Descriptor) -> int:
+        mapping = open_shared_file(desc.counter, COUNTER_MAGIC)
+        try:
+            if mapping.size != FILE_BYTES:
+                raise InvalidHandleError(f"a ref-counter file has {FILE_BYTES} bytes, this one "
+                                         f"{mapping.size}")
+            counter = CounterFile(mapping, mapping.fd)
+            if desc.anchor >= counter.cursor():
+                raise InvalidHandleError(f"anchor slot {desc.anchor} was never sent")
+            index = counter.take(counter.export(desc.anchor))
+        finally:
+            mapping.close()
+        if index is None:
+            raise DevIpcError(f"the ref-counter file of process {self.pid} that this descriptor "
+                              f"names is full: ask the owner to advertise the tensor again")
+        return index
+
+    def _open_cpu(self, desc: Descriptor) -> RemoteEntry:
+        path = f"/proc/{self.pid}/fd/{desc.fd}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as error:
+            if not _alive(self.pid):
+                raise PeerGoneError(f"peer process {self.pid} has exited") from None
+            if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
+            raise InvalidHandleError(f"{path} cannot be opened ({error.strerror}): the "
+                                     f"descriptor is stale or forged") from None
+        try:
+            stat = os.fstat(fd)
+            if stat.st_ino != desc.anchor or stat.st_size != desc.storage_bytes:
+                raise InvalidHandleError(f"{path} is not the shared file this descriptor names "
+                                         f"(stale or forged)")
+            mapping = MappedFile(fd, stat.st_size)
+        finally:
+            os.close(fd)
+        if not self._is_live(desc.reg_id, desc.slot):  # the fd may have been reused meanwhile
+            mapping.close()
+            raise self._freed(desc)
+        buffer = (ctypes.c_uint8 * desc.storage_bytes).from_address(mapping.address)
+        return RemoteEntry(desc, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
+
+    # -- host copies pin CPU mappings --
+    def pin(self, entries) -> None:
+        with self._lock:
+            for entry in entries:
+                entry._pins += 1
+
+    def unpin(self, entries) -> None:
+        closing = []
+        with self._lock:
+            for entry in entries:
+                entry._pins -= 1
+                if entry._dropped and entry._pins == 0:
+                    closing.append(entry)
+        for entry in closing:
+            self._unmap(entry)
+
+    def _drop(self, entry: RemoteEntry) -> None:
+        with self._lock:
+            entry._dropped = True
+            busy = entry._pins > 0
+        if not busy:
+            self._unmap(entry)
+
+    @staticmethod
+    def _unmap(entry: RemoteEntry) -> None:
+        entry.data = None  # a device storage: devipc releases slot and mapping after queued work
+        if entry._mapping is not None:
+            entry._mapping.close()
+
+    def mapped(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def close(self) -> None:
+        """Drop every cached registration and the page. Idempotent."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+            page, self._page, self._words = self._page, None, None
+            if page is not None:
+                page.close()  # under the lock: no `_live` reads it meanwhile
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+        for entry in entries:
+            self._drop(entry)

@@ -1,0 +1,91 @@
+"""A transfer in flight: device copies end with events recorded on the streams they were queued
+on, host copies with a future of a small thread pool, network ones with the transport's handle.
+"""
+import concurrent.futures
+import threading
+import time
+
+import torch
+
+__all__ = ["Transfer", "run_on_host"]
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def run_on_host(function) -> concurrent.futures.Future:
+    """Run host copies off the caller's thread (a pool of two, made on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="devipc-p2p")
+        return _pool.submit(function)
+
+
+class Transfer:
+    """One read or write (or a vector of them) in flight. `done()` says whether it finished;
+    `wait(timeout)` returns when it did, raises what it failed with, or TimeoutError."""
+
+    __slots__ = ("_events", "_future", "_handle", "_keep", "_finished")
+
+    def __init__(self, events=(), future=None, handle=None, keep=()):
+        self._events = list(events)  # torch.Event per device stream the copies were queued on
+        self._future = future  # host copies
+        self._handle = handle  # a transport's object with done() / wait(timeout)
+        self._keep = keep  # what must outlive the copies (remote views, pinned mappings)
+        self._finished = False
+
+    def done(self) -> bool:
+        if self._finished:
+            return True
+        if self._future is not None and not self._future.done():
+            return False
+        if self._handle is not None and not self._handle.done():
+            return False
+        if not all(event.query() for event in self._events):
+            return False
+        self._finish()
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout is a non-negative number of seconds or None, "
+                             f"got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._future is not None:
+            try:
+                self._future.result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"the transfer did not finish within {timeout} s") from None
+        if self._handle is not None:
+            self._handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        pause = 0.00002
+        for event in self._events:
+            if deadline is None:
+                event.synchronize()
+                continue
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the transfer did not finish within {timeout} s")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.001)
+        self._finish()
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._keep = ()
+        if self._future is not None:
+            self._future.result()  # raises what the host copy raised (wait, and done once)
+
+    def __repr__(self) -> str:
+        return f"<devipc.p2p.Transfer {'done' if self.done() else 'in flight'}>"
+
+
+def record_events(devices) -> list:
+    """An event on the current stream of each (non-CPU) device."""
+    events = []
+    for device in devices:
+        event = torch.Event(device=device)
+        event.record(torch.get_device_module(device).current_stream(device))
+        events.append(event)
+    return events

@@ -1,0 +1,298 @@
+"""Endpoints across spawned processes, in both openreg IPC modes: one-sided reads and writes of
+whole tensors and byte ranges, dtypes, strided local tensors, vectors, async transfers, several
+peers; a freed, deregistered or collected remote tensor raises and its mapping is closed; a
+SIGKILLed owner gives a clear error and leaves nothing behind."""
+import os
+import sys
+import threading
+
+import _p2p_workers
+import pytest
+import torch
+from _support import TIMEOUT, Children, foreign_memfd_maps, open_fds, recv, wait_until
+
+import devipc
+import devipc.p2p as p2p
+from devipc_openreg import _runtime
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
+from _native import Gate  # noqa: E402 - the openreg tests' stream gate
+
+both_modes = pytest.mark.usefixtures("ipc_mode")
+
+
+class Owner:
+    """A spawned process that registers tensors and advertises them when asked."""
+
+    def __init__(self, children: Children):
+        self.proc, self.conn = children.start_piped(_p2p_workers.owner)
+        ready, self.pid, self.metadata = recv(self.conn)
+        assert ready == "ready"
+
+    def call(self, *command):
+        self.conn.send(command)
+        return recv(self.conn)
+
+
+@pytest.fixture(scope="module")
+def owner():
+    group = Children()
+    try:
+        yield Owner(group)
+    finally:
+        group.reap()
+
+
+@pytest.fixture
+def peer(owner, ipc_mode):
+    """A fresh endpoint here connected to the owner, both in this test's IPC mode."""
+    owner.call("env", "OPENREG_IPC_EVENTS", os.environ["OPENREG_IPC_EVENTS"])
+    with p2p.Endpoint() as endpoint:
+        yield endpoint.connect(owner.metadata)
+
+
+def _settle():
+    """Run the releases that waited for device work."""
+    torch.accelerator.synchronize()
+    wait_until(lambda: devipc.ipc_collect() is not None
+               and devipc.stats()["pending_releases"] == 0, "releases done")
+
+
+def _owner_idle(owner: Owner) -> None:
+    """Wait until the owner holds no export, send or registration (its counter file and cached
+    device memory stay)."""
+    wait_until(lambda: (lambda s: (s["exports"], s["sent"], s["live"]))(owner.call("stats"))
+               == (0, 0, 0), "the owner holds no exports, sends or registrations", 10)
+
+
+def _shm_maps() -> int:
+    """Mappings of torch's CPU shared memory files (the owner's CPU tensors) in this process."""
+    with open("/proc/self/maps") as maps:
+        return sum("/torch_" in line for line in maps)
+
+
+PLACES = [("openreg", "openreg"), ("cpu", "cpu"), ("openreg", "cpu"), ("cpu", "openreg")]
+
+
+@both_modes
+@pytest.mark.parametrize("remote_device,local_device", PLACES)
+def test_read_and_write_whole_tensors_and_byte_ranges(owner, peer, remote_device, local_device):
+    values = torch.arange(64, dtype=torch.float32)
+    tensor_id, whole = owner.call("create", values, remote_device)
+    local = torch.zeros(64, device=local_device)
+    peer.read(local, whole)
+    assert torch.equal(local.cpu(), values)
+    part = owner.call("advertise", tensor_id, 16, 32)  # floats 4..11
+    middle = torch.zeros(8, device=local_device)
+    peer.read(middle, part)
+    assert middle.cpu().tolist() == list(range(4, 12))
+    peer.write(torch.full((8,), -1.0, device=local_device), part)
+    expected = values.clone()
+    expected[4:12] = -1
+    assert torch.equal(owner.call("get", tensor_id), expected)
+    peer.write(torch.zeros(64, device=local_device), whole)
+    assert not owner.call("get", tensor_id).any()
+    owner.call("drop", tensor_id)
+
+
+@both_modes
+def test_device_transfers_are_queued_on_the_callers_current_stream(owner, peer):
+    _settle()  # releases of earlier tests' mappings (closing one waits for the device) first
+    tensor_id, whole = owner.call("create", torch.arange(16, dtype=torch.float32), "openreg")
+    local = torch.zeros(16, device="openreg")
+    hundreds = torch.full((16,), 100.0, device="openreg")
+    stream = torch.accelerator.current_stream()
+    gate = Gate()
+    safety = threading.Timer(TIMEOUT, gate.open)  # a failing test must not hang the stream
+    safety.start()
+    try:
+        gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+        local.copy_(hundreds)  # the caller's own work (asynchronous), queued first
+        transfer = peer.read_async(local, whole)
+        assert not transfer.done()  # queued behind the gate, behind add_
+        with pytest.raises(TimeoutError):
+            transfer.wait(0.01)
+    finally:
+        gate.open()
+        safety.cancel()
+    transfer.wait(TIMEOUT)
+    assert transfer.done() and local.cpu().tolist() == list(range(16))  # read after copy_
+    owner.call("drop", tensor_id)
+
+
+@both_modes
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+def test_dtypes_cross_bit_for_bit(owner, peer, device):
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8,
+                  torch.bool, torch.complex64, torch.uint8):
+        values = (torch.randn(3, 5, generator=generator) * 100).to(dtype)
+        tensor_id, whole = owner.call("create", values, device)
+        local = torch.empty(3, 5, dtype=dtype, device=device)
+        peer.read(local, whole)
+        assert torch.equal(local.cpu(), values), dtype
+        peer.write(torch.ones(3, 5, dtype=dtype, device=device), whole)
+        assert torch.equal(owner.call("get", tensor_id), torch.ones(3, 5, dtype=dtype))
+        owner.call("drop", tensor_id)
+
+
+@both_modes
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+def test_non_contiguous_local_tensors(owner, peer, device):
+    values = torch.arange(32, dtype=torch.float32).view(4, 8)
+    tensor_id, whole = owner.call("create", values, device)
+    strided = torch.zeros(8, 4, device=device).t()  # 4 x 8, not contiguous
+    assert not strided.is_contiguous()
+    peer.read(strided, whole)
+    assert torch.equal(strided.cpu(), values)
+    peer.write(strided * 2, whole)  # contiguous
+    peer.write((torch.arange(32.0, device=device).view(8, 4) * 3).t(), whole)  # strided
+    assert torch.equal(owner.call("get", tensor_id), (torch.arange(32.0).view(8, 4) * 3).t())
+    odd = owner.call("advertise", tensor_id, 2, 16)
+    with pytest.raises(p2p.TransferSizeError, match="aligned"):
+        peer.read(torch.zeros(2, 2, device=device).t(), odd)
+    contiguous = torch.zeros(16, dtype=torch.uint8, device=device)
+    peer.read(contiguous, odd)  # bytes: any offset
+    now = owner.call("get", tensor_id).contiguous().view(-1).view(torch.uint8)
+    assert contiguous.cpu().tolist() == now[2:18].tolist()
+    strided_bytes = torch.zeros(8, 2, dtype=torch.uint8, device=device).t()  # 2 x 8
+    peer.read(strided_bytes, odd)
+    assert strided_bytes.cpu().tolist() == now[2:18].view(2, 8).tolist()
+    owner.call("drop", tensor_id)
+
+
+@both_modes
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+def test_vectors_and_async_transfers(owner, peer, device):
+    values = torch.arange(1024, dtype=torch.int32)
+    tensor_id, _ = owner.call("create", values, device)
+    ranges = [owner.call("advertise", tensor_id, 16 * i, 16) for i in range(64)]
+    locals_ = [torch.zeros(4, dtype=torch.int32, device=device) for _ in ranges]
+    peer.readv(locals_, ranges)
+    assert torch.equal(torch.cat([t.cpu() for t in locals_]), values[:256])
+    transfer = peer.writev_async([t + 1 for t in locals_], ranges)
+    transfer.wait(timeout=30)
+    assert transfer.done()
+    assert torch.equal(owner.call("get", tensor_id)[:256], values[:256] + 1)
+    one = torch.zeros(4, dtype=torch.int32, device=device)
+    transfer = peer.read_async(one, ranges[3])
+    transfer.wait(30)
+    assert transfer.done() and one.cpu().tolist() == [13, 14, 15, 16]
+    peer.write_async(one * 0, ranges[3]).wait(30)
+    assert owner.call("get", tensor_id)[12:16].tolist() == [0] * 4
+    later = peer.readv_async(locals_[:2], ranges[:2])
+    later.wait()
+    assert later.done()
+    with pytest.raises(ValueError, match="2 local tensors for 1 remote"):
+        peer.readv(locals_[:2], ranges[:1])
+    with pytest.raises(p2p.TransferSizeError, match="8 bytes, the remote range 16"):
+        peer.read(torch.zeros(2, dtype=torch.int32, device=device), ranges[0])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        peer.read([0, 0, 0, 0], ranges[0])
+    owner.call("drop", tensor_id)
+
+
+@both_modes
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+@pytest.mark.parametrize("how", ["free", "deregister", "drop"])
+def test_a_freed_remote_tensor_raises_and_its_mapping_is_closed(owner, peer, device, how):
+    _settle()
+    _owner_idle(owner)
+    mapped, maps, shm_maps = devipc.stats()["mapped"], foreign_memfd_maps(), _shm_maps()
+    tensor_id, whole = owner.call("create", torch.arange(256, dtype=torch.float32), device)
+    local = torch.zeros(256, device=device)
+    peer.read(local, whole)
+    assert peer.mapped() == 1
+    if device == "openreg":
+        assert devipc.stats()["mapped"] == mapped + 1
+    else:
+        assert _shm_maps() == shm_maps + 1
+    assert owner.call(how, tensor_id) in ("ok", True)
+    with pytest.raises(p2p.RemoteTensorFreedError, match="freed or deregistered"):
+        peer.read(local, whole)
+    with pytest.raises(p2p.RemoteTensorFreedError):
+        peer.write(local, whole)  # stays refused, never touches the memory
+    assert peer.mapped() == 0
+    _settle()
+    assert devipc.stats()["mapped"] == mapped
+    assert _shm_maps() == shm_maps
+    assert foreign_memfd_maps() <= maps
+    if how != "drop":  # the owner's tensor is still alive there: drop it too
+        owner.call("drop", tensor_id)
+    _owner_idle(owner)
+
+
+def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monkeypatch):
+    monkeypatch.setenv("OPENREG_IPC_EVENTS", "1")  # the owner's events: pages of its own too
+    _settle()
+    owner = Owner(children)  # its pipe and sentinel stay open until the test ends
+    local = torch.zeros(64, device="openreg")  # this process's own device memory, cached
+    _, on_device = owner.call("create", torch.arange(64, dtype=torch.float32), "openreg")
+    _, on_cpu = owner.call("create", torch.arange(64, dtype=torch.float32), "cpu")
+    # (sending CPU tensors through the pipe started multiprocessing's fd-passing socket)
+    fds, maps, mapped = open_fds(), foreign_memfd_maps(), devipc.stats()["mapped"]
+    endpoint = p2p.Endpoint()
+    connection = endpoint.connect(owner.metadata)
+    connection.read(local, on_device)
+    connection.read(torch.zeros(64), on_cpu)
+    owner.proc.kill()
+    owner.proc.join(30)
+    with pytest.raises(p2p.PeerGoneError, match=f"{owner.pid} has exited"):
+        connection.read(local, on_device)
+    assert connection.mapped() == 0
+    with pytest.raises(p2p.PeerGoneError):
+        endpoint.connect(owner.metadata)
+    endpoint.close()
+    _settle()
+    assert devipc.stats()["mapped"] == mapped
+    wait_until(lambda: foreign_memfd_maps() <= maps, "no mapping of the dead owner's memory")
+    wait_until(lambda: open_fds() <= fds, "no descriptor left", 10)
+
+
+def test_several_peers_at_once(children):
+    """Two spawned peers and this process's own connection write and read one tensor."""
+    peers = 2
+    tensor, tensor_id = p2p.create_tensor(((peers + 1) * 64,), torch.uint8, "openreg")
+    tensor.zero_()
+    with p2p.Endpoint() as endpoint:
+        whole = endpoint.advertise(tensor)
+        pipes = [children.start_piped(_p2p_workers.peer, endpoint.metadata(), whole,
+                                      endpoint.advertise(tensor_id, 64 * i, 64), i + 1)[1]
+                 for i in range(peers)]
+        ourselves = endpoint.connect(endpoint.metadata())
+        ourselves.write(torch.full((64,), peers + 1, dtype=torch.uint8, device="openreg"),
+                        endpoint.advertise(tensor_id, 64 * peers, 64))
+        assert [recv(pipe) for pipe in pipes] == ["written"] * peers
+        expected = [i + 1 for i in range(peers + 1) for _ in range(64)]
+        assert tensor.cpu().tolist() == expected
+        for pipe in pipes:
+            pipe.send("read")
+        assert [recv(pipe) for pipe in pipes] == [expected] * peers
+        mine = torch.empty_like(tensor)
+        ourselves.read(mine, whole)
+        assert mine.cpu().tolist() == expected
+        for pipe in pipes:
+            pipe.send("exit")
+        children.join_ok()
+    del tensor
+    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
+               "the peers' slots ended after they exited")
+
+
+def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
+    """The owner frees a tensor that a SIGKILLed peer had opened: the core reclaims the dead
+    peer's slot, and the memory goes."""
+    tensor, _ = p2p.create_tensor((4096,), torch.uint8, "openreg")
+    tensor.fill_(1)
+    memory = torch.accelerator.memory_allocated()
+    with p2p.Endpoint() as endpoint:
+        proc, pipe = children.start_piped(_p2p_workers.read_and_wait, endpoint.metadata(),
+                                          endpoint.advertise(tensor))
+        assert recv(pipe) == 4096
+        proc.kill()
+        proc.join(30)
+        p2p.free_tensor(tensor)
+        del tensor
+        wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
+                   "the dead peer's slot was reclaimed and the export ended")
+    assert torch.accelerator.memory_allocated() < memory

@@ -1,0 +1,219 @@
+"""devipc.p2p through NIXL (`Endpoint(transport="nixl")`): two processes, UCX over TCP loopback.
+Skipped, with the reason, where NIXL is not installed; the error without it is tested anyway."""
+import _nixl_workers
+import pytest
+import torch
+from _support import TIMEOUT, open_fds, recv, run_python
+
+import devipc.p2p as p2p
+from devipc import InvalidHandleError, PeerGoneError, UnsupportedDeviceError
+from devipc._errors import RemoteTensorFreedError, TransferSizeError
+
+try:
+    from devipc.p2p._nixl import load_nixl
+
+    load_nixl()
+    NIXL = None
+except ImportError as error:
+    NIXL = str(error)
+
+needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})")
+
+
+@pytest.fixture
+def loopback(monkeypatch):
+    """UCX over TCP on the loopback device only (children inherit it), as between two hosts."""
+    import devipc_openreg  # noqa: F401 - openreg tensors in this process too
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+
+@pytest.fixture
+def owner(children, loopback):
+    """(control pipe, connection to it): a child whose endpoint goes through NIXL."""
+    proc, conn = children.start_piped(_nixl_workers.nixl_owner)
+    ready, _, metadata = recv(conn)
+    assert ready == "ready"
+    endpoint = p2p.Endpoint(transport="nixl")
+    try:
+        yield conn, endpoint.connect(metadata)
+        conn.send(("exit",))
+        assert recv(conn) == "bye"
+    finally:
+        endpoint.close()
+
+
+def flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x41]) + data[at + 1:]
+
+
+def ask(conn, *command):
+    conn.send(command)
+    return recv(conn)
+
+
+@needs_nixl
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+def test_read_and_write_whole_tensors_and_byte_ranges(owner, device):
+    conn, connection = owner
+    values = torch.arange(256, dtype=torch.float32)
+    tensor_id, whole = ask(conn, "create", values, device)
+    local = torch.zeros(256, dtype=torch.float32, device="openreg")
+    connection.read(local, whole)
+    assert torch.equal(local.cpu(), values)
+    part = ask(conn, "advertise", tensor_id, 16 * 4, 8 * 4)  # elements 16..23
+    small = torch.zeros(8, dtype=torch.float32)  # a CPU tensor devipc never registered
+    connection.read(small, part)
+    assert torch.equal(small, values[16:24])
+    connection.write(torch.full((8,), -1.0), part)
+    connection.write(torch.full((4,), 7, dtype=torch.int64, device="openreg"),
+                     ask(conn, "advertise", tensor_id, 0, 32))
+    expected = values.clone()
+    expected[16:24] = -1.0
+    expected[:8] = torch.full((4,), 7, dtype=torch.int64).view(torch.float32)
+    assert torch.equal(ask(conn, "get", tensor_id), expected)
+
+
+@needs_nixl
+def test_readv_writev_and_async_transfers(owner):
+    conn, connection = owner
+    values = torch.arange(4096, dtype=torch.int32)
+    tensor_id, _ = ask(conn, "create", values, "openreg")
+    other_id, other = ask(conn, "create", torch.arange(100, dtype=torch.uint8), "cpu")
+    ranges = [ask(conn, "advertise", tensor_id, i * 1024, 512) for i in range(16)] + [other]
+    locals_ = [torch.zeros(128, dtype=torch.int32, device="openreg") for _ in range(16)]
+    locals_.append(torch.zeros(100, dtype=torch.uint8))
+    connection.readv(locals_, ranges)
+    for i in range(16):
+        assert torch.equal(locals_[i].cpu(), values[i * 256:i * 256 + 128])
+    assert torch.equal(locals_[16], torch.arange(100, dtype=torch.uint8))
+    connection.writev([t * 0 + 9 for t in locals_], ranges)
+    got = ask(conn, "get", tensor_id).view(16, 256)
+    assert (got[:, :128] == 9).all() and torch.equal(got[:, 128:], values.view(16, 256)[:, 128:])
+    assert (ask(conn, "get", other_id) == 9).all()
+    transfer = connection.read_async(locals_[0], ranges[1])
+    transfer.wait(TIMEOUT)
+    assert transfer.done() and torch.equal(locals_[0].cpu(), torch.full((128,), 9))
+    transfer = connection.writev_async(locals_[:2], ranges[2:4])
+    transfer.wait(TIMEOUT)
+    assert transfer.done()
+
+
+@needs_nixl
+@pytest.mark.parametrize("how", ["deregister", "drop"])
+def test_ending_a_registration_undoes_the_nixl_registration_and_peers_see_it(owner, how):
+    conn, connection = owner
+    tensor_id, whole = ask(conn, "create", torch.ones(64), "openreg")
+    local = torch.zeros(64)
+    connection.read(local, whole)
+    assert ask(conn, "registered", tensor_id) is True
+    if how == "deregister":
+        assert ask(conn, "deregister", tensor_id) is True
+    else:
+        assert ask(conn, "drop", tensor_id) == "ok"  # the garbage collector ends it
+    assert ask(conn, "registered", tensor_id) is False  # NIXL's agent no longer has it
+    with pytest.raises(RemoteTensorFreedError, match="freed or deregistered"):
+        connection.read(local, whole)
+    with pytest.raises(RemoteTensorFreedError):
+        connection.write(local, whole)
+    tensor_id, whole = ask(conn, "create", torch.full((64,), 3.0), "openreg")
+    connection.read(local, whole)  # a registration made after connecting: reached as well
+    assert (local == 3).all()
+
+
+@needs_nixl
+def test_bad_input_is_a_clear_error(owner):
+    conn, connection = owner
+    _, whole = ask(conn, "create", torch.ones(64), "openreg")
+    with pytest.raises(TransferSizeError):
+        connection.read(torch.zeros(63), whole)
+    with pytest.raises(InvalidHandleError):
+        connection.read(torch.zeros(64), whole[:-3])
+    from devipc.p2p._descriptor import Descriptor, Metadata
+
+    desc = Descriptor.from_bytes(whole)
+    damaged = [b"", desc.extra[:-1], desc.extra[:20], b"DVIP" + bytes(40)]
+    damaged += [flip(desc.extra, at) for at in range(0, len(desc.extra), 7)]  # NIXL's blob too
+    for extra in damaged:
+        forged = Descriptor(**{**desc.__dict__, "extra": extra}).to_bytes()
+        with pytest.raises(InvalidHandleError):
+            connection.read(torch.zeros(64), forged)
+    with pytest.raises(ValueError, match="contiguous"):
+        connection.read(torch.zeros(64, 2)[:, 0], whole)
+    with p2p.Endpoint() as ipc, p2p.Endpoint(transport="nixl") as nixl:
+        with pytest.raises(ValueError, match="transport"):  # a NIXL peer, an IPC endpoint
+            ipc.connect(nixl.metadata())
+        meta = Metadata.from_bytes(nixl.metadata())
+        for at in range(0, len(meta.extra), 5):  # damaged bytes never reach NIXL's parser
+            damaged = Metadata(**{**meta.__dict__, "extra": flip(meta.extra, at)}).to_bytes()
+            with pytest.raises(InvalidHandleError):
+                nixl.connect(damaged)
+
+
+@needs_nixl
+def test_a_killed_peer_is_a_clear_error_not_a_hang(children, loopback):
+    proc, conn = children.start_piped(_nixl_workers.nixl_owner)
+    _, _, metadata = recv(conn)
+    with p2p.Endpoint(transport="nixl") as endpoint:
+        connection = endpoint.connect(metadata)
+        _, whole = ask(conn, "create", torch.ones(1 << 16), "cpu")
+        local = torch.zeros(1 << 16)
+        connection.read(local, whole)
+        proc.kill()
+        proc.join(TIMEOUT)
+        with pytest.raises(PeerGoneError):
+            connection.read(local, whole)
+
+
+@needs_nixl
+def test_a_device_whose_hooks_name_no_memory_kind_is_refused(loopback, monkeypatch):
+    from devipc_openreg._ipc_hooks import OpenRegIpcHooks
+
+    monkeypatch.setattr(OpenRegIpcHooks, "memory_kind", lambda self, index: None)
+    tensor, tensor_id = p2p.create_tensor((16,), torch.float32, "openreg")
+    try:
+        with p2p.Endpoint(transport="nixl") as endpoint:
+            with pytest.raises(UnsupportedDeviceError, match="memory_kind"):
+                endpoint.advertise(tensor)
+            with p2p.Endpoint() as ipc:  # the same-host path does not need a kind
+                ipc.advertise(tensor)
+    finally:
+        p2p.deregister(tensor_id)
+
+
+def test_without_nixl_the_error_says_how_to_install_it():
+    """Runs everywhere: NIXL hidden from a fresh interpreter."""
+    out = run_python(
+        "import sys\n"
+        "for name in ('nixl', 'nixl_cu12', 'nixl_cu13'):\n"
+        "    sys.modules[name] = None  # import fails as if not installed\n"
+        "import torch, devipc.p2p as p2p\n"
+        "p2p.Endpoint().close()  # the same-host path needs nothing more\n"
+        "try:\n"
+        "    p2p.Endpoint(transport='nixl')\n"
+        "except ImportError as error:\n"
+        "    print(error)\n").stdout
+    assert "pip install 'devipc[nixl]'" in out
+
+
+@needs_nixl
+def test_closed_endpoints_leave_no_descriptors_or_registrations(loopback):
+    """Two NIXL endpoints of one process reach each other too; closing them gives back every fd
+    (NIXL's and UCX's first use in a process keeps some: that is taken before counting)."""
+    tensor, tensor_id = p2p.create_tensor((1024,), torch.float32, "openreg")
+    try:
+        p2p.Endpoint(transport="nixl").close()
+        before = open_fds()
+        for _ in range(3):
+            with p2p.Endpoint(transport="nixl") as owner, \
+                    p2p.Endpoint(transport="nixl") as peer:
+                tensor.fill_(2.0)
+                local = torch.zeros(1024, device="openreg")
+                peer.connect(owner.metadata()).read(local, owner.advertise(tensor))
+                assert (local == 2).all()
+                transport = owner._transport
+            assert transport._ranges == [] and transport._agent is None
+        assert open_fds() == before
+    finally:
+        p2p.deregister(tensor_id)
