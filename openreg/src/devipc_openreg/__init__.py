@@ -39,6 +39,10 @@ from . import _ipc_hooks  # noqa: E402  (needs the device registered)
 
 _ipc_hooks.register()
 
+from . import _compile  # noqa: E402
+
+_compile.register()
+
 if torch.distributed.is_available():  # imported by torch already: registering costs ~2 ms
     from . import _distributed
 
