@@ -247,7 +247,11 @@ class Connection:
         if len(locals_) != len(remotes):
             raise ValueError(f"{len(locals_)} local tensors for {len(remotes)} remote "
                              f"descriptors")
-        descs = [self._descriptor(remote) for remote in remotes]
+        decoded, page, descs = self._decoded, self._page_handle, []
+        for remote in remotes:  # the common case first: bytes decoded before, of this peer
+            desc = decoded.get(remote) if type(remote) is bytes else None
+            descs.append(desc if desc is not None and desc.page == page
+                         else self._descriptor(remote))
         for local, desc in zip(locals_, descs):
             _check_local(local, desc)
         if self._agent is not None:
@@ -264,8 +268,9 @@ class Connection:
         peer = self._peer
         peer.check_alive()
         peer.sweep()
-        entries = [peer.open(desc) for desc in descs]
-        devices = {entry.device for entry in entries if entry.device.type != "cpu"}
+        entries = peer.open_all(descs)
+        distinct = list({id(entry): entry for entry in entries}.values())  # few: many ranges each
+        devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
         devices.update(local.device for local in locals_ if not local.is_cpu)
         batch = _batch(op, locals_, entries, descs, devices)
         if batch is None:
@@ -285,7 +290,7 @@ class Connection:
                 copy_batch, index, table = batch
                 copy_batch(index, table)
             transfer = Transfer(record_events(devices), keep=(pairs, entries, locals_))
-            if any(entry.device.type == "cpu" for entry in entries):
+            if any(entry.device.type == "cpu" for entry in distinct):
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
         finally:
             peer.unpin(entries)
@@ -355,12 +360,13 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
     rows = []
     add = rows.extend
     for local, entry, desc in zip(locals_, entries, descs):
-        if entry.device != device or not local.is_contiguous() or \
-                not (local.is_cpu or local.device == device):
-            return None
-        base = bases.get(id(entry))
+        base = bases.get(id(entry))  # `entries` holds them: ids stay theirs
         if base is None:
+            if entry.device != device:
+                return None
             base = bases[id(entry)] = entry.data.data_ptr()
+        if not local.is_contiguous() or not (local.is_cpu or local.device == device):
+            return None
         if op == READ:
             add((local.data_ptr(), base + desc.offset, desc.nbytes))
         else:
