@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.devipc-installed
 SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/* openreg/csrc/*/*/*)
 
-.PHONY: demo test lint check-install bench fuzz stress setup
+.PHONY: demo test lint check-install bench bench-all fuzz stress setup
 
 demo: $(STAMP)
 	$(PY) examples/ipc_demo.py
@@ -28,6 +28,12 @@ check-install: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/ipc_latency.py
 
+# Every benchmark behind docs/benchmarks.md, one after the other (several minutes).
+bench-all: bench
+	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/device_ops.py
+	$(PY) benchmarks/p2p_bandwidth.py
+
 # The long runs behind docs/reliability.md (the suite runs bounded versions of both).
 fuzz: $(STAMP)
 	$(PY) benchmarks/fuzz_handles.py --mutations 5000 --seed 7
@@ -42,7 +48,7 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q setuptools wheel ninja
-	$(PIP) install -q --no-build-isolation -e '.[test,lint]'
+	$(PIP) install -q --no-build-isolation -e '.[test,lint,nixl]'
 	@echo "building devipc-openreg: C++ runtime and PyTorch glue (full log: $(VENV)/openreg-build.log)"
 	$(PIP) install --no-build-isolation -e './openreg[test]' -v 2>&1 | tee $(VENV)/openreg-build.log \
 	  | sed -un 's/^ *\(\[[0-9]*\/[0-9]*\]\) .* -c \([^ ]*\) .*/  \1 \2/p; /runtime: /p' \
