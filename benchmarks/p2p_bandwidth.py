@@ -3,8 +3,9 @@
   memcpy       single-thread copy in one process (torch CPU copy_, torch.set_num_threads(1))
   devipc       devipc.p2p, same host: Endpoint() (the device's IPC hooks), openreg tensors
   devipc-nixl  devipc.p2p forced over NIXL: Endpoint(transport="nixl"), openreg tensors (DRAM)
-  nixl         NIXL's own agent API, no devipc: CPU buffers (DRAM -> DRAM), prepared requests
-               reposted (its best case: no per-call set-up)
+  nixl         NIXL's own agent API, no devipc: openreg tensors' memory (host addresses, the
+               same kind of memory devipc moves) registered as DRAM with bare agents, prepared
+               requests reposted (its best case: no per-call set-up)
 
 Sizes 4 KiB ... 256 MiB (powers of 4), then a vectorized batch of 1,000 x 4 KiB ranges (8 KiB
 apart on both sides, so that nothing merges them into one range): one readv/writev call, one
@@ -46,8 +47,10 @@ that interleave the methods ({seconds} s per method and size in all):
   (a registered 256 MiB storage on each side, ranges of it), the copy on openreg's stream;
 - **devipc over NIXL**: `Endpoint(transport="nixl")` on both sides, the same openreg tensors
   (`memory_kind` DRAM), including devipc's liveness read before each transfer;
-- **NIXL**: NIXL's own agent API, no devipc: CPU buffers DRAM -> DRAM between two processes, one
-  request prepared per size and reposted (its best case).
+- **NIXL**: NIXL's own agent API, no devipc: DRAM -> DRAM between two processes, on the same kind
+  of memory devipc moves: an openreg tensor's memory on each side (host addresses of a memfd,
+  4 KiB pages), registered with bare NIXL agents as DRAM; one request prepared per size and
+  reposted (its best case).
 
 NIXL is `nixl-cu12` 1.5.1 with its UCX backend, UCX's own transport choice on one host (RMA by
 `cma`, process_vm_readv/writev); every agent's progress thread waits for events (see
@@ -69,22 +72,25 @@ def batch_offsets() -> list[int]:
 
 
 def owner(conn, max_bytes: int):
-    """Registers one openreg tensor with both endpoints and one CPU buffer with a bare NIXL
-    agent; advertises every range the benchmark uses; then waits to be told to exit."""
+    """Registers one openreg tensor with both endpoints and the memory of another (no devipc
+    registration) with a bare NIXL agent; advertises every range the benchmark uses; then waits
+    to be told to exit."""
     ipc, net = p2p.Endpoint(), p2p.Endpoint(transport="nixl")
     span = max(max_bytes, BATCH * BATCH_STRIDE)
     tensor, tensor_id = p2p.create_tensor((span,), torch.uint8, "openreg")
     tensor.copy_(torch.arange(span, dtype=torch.int64).to(torch.uint8))
     agent = new_agent(f"nixl-bench-owner-{os.getpid()}")
-    buffer = np.arange(span, dtype=np.int64).astype(np.uint8)
-    registered = agent.register_memory([(buffer.ctypes.data, span, 0, "")], "DRAM")
+    buffer = torch.empty(span, dtype=torch.uint8, device="openreg")  # openreg memory, as devipc's
+    buffer.copy_(tensor)
+    torch.accelerator.synchronize()
+    registered = agent.register_memory([(buffer.data_ptr(), span, 0, "")], "DRAM")
     descs = {}
     for name, endpoint in (("devipc", ipc), ("devipc-nixl", net)):
         descs[name] = {size: endpoint.advertise(tensor_id, 0, size) for size in sizes(max_bytes)}
         descs[name]["batch"] = [endpoint.advertise(tensor_id, offset, BATCH_BYTES)
                                 for offset in batch_offsets()]
     conn.send({"devipc": ipc.metadata(), "devipc-nixl": net.metadata(), "descs": descs,
-               "nixl": (agent.get_agent_metadata(), buffer.ctypes.data)})
+               "nixl": (agent.get_agent_metadata(), buffer.data_ptr())})
     assert conn.poll(TIMEOUT) and conn.recv() == "exit"
     agent.deregister_memory(registered)
     ipc.close()
@@ -127,18 +133,20 @@ def single_thread(name: str):
 
 
 class NixlOwn:
-    """NIXL's own DRAM -> DRAM path: prepared requests, reposted and polled to completion."""
+    """NIXL's own DRAM -> DRAM path on openreg memory (host addresses, registered with the agent
+    directly): prepared requests, reposted and polled to completion."""
 
     def __init__(self, metadata: bytes, remote_addr: int, span: int):
         self.agent = new_agent(f"nixl-bench-{os.getpid()}")
-        self.buffer = np.zeros(span, dtype=np.uint8)
-        self.registered = self.agent.register_memory(
-            [(self.buffer.ctypes.data, span, 0, "")], "DRAM")
+        self.buffer = torch.zeros(span, dtype=torch.uint8, device="openreg")
+        torch.accelerator.synchronize()
+        self.address = self.buffer.data_ptr()
+        self.registered = self.agent.register_memory([(self.address, span, 0, "")], "DRAM")
         self.peer = self.agent.add_remote_agent(metadata)
         self.remote, self.handles = remote_addr, []
 
     def step(self, op: str, offsets: list[int], nbytes: int):
-        local = np.array([(self.buffer.ctypes.data + o, nbytes, 0) for o in offsets], np.uint64)
+        local = np.array([(self.address + o, nbytes, 0) for o in offsets], np.uint64)
         remote = np.array([(self.remote + o, nbytes, 0) for o in offsets], np.uint64)
         handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, "DRAM"),
                                             self.agent.get_xfer_descs(remote, "DRAM"), self.peer)

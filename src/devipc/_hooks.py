@@ -84,6 +84,15 @@ class IpcHooks:
         path refuses it with a clear error. Default None: a device must say so to be sent."""
         return None
 
+    # Optional, and absent by default (callers test `getattr(hooks, "copy_batch", None)`):
+    # copy_batch(device_index, table) -> None
+    #     Queue the byte copies of `table`, an int64 CPU tensor of shape (N, 3) whose rows are
+    #     (destination address, source address, bytes), on the device's current stream of the
+    #     calling thread as ONE stream operation, ordered with the caller's other work there (as
+    #     CUDA's cudaMemcpyBatchAsync). Every copy has at least one side in this device's memory;
+    #     the other may be host memory. Raises for an address outside the device's memory. Without
+    #     it, devipc.p2p copies pair by pair with `Tensor.copy_`.
+
 
 _lock = threading.Lock()
 _registry: dict[str, IpcHooks] = {}

@@ -174,6 +174,15 @@ orError_t orIpcCloseMemHandle(void* base);  // unmaps at the last close
 orError_t orIpcGetEventHandle(orIpcEventHandle_t* handle, orEvent_t event);
 orError_t orIpcOpenEventHandle(orEvent_t* event, orIpcEventHandle_t handle);
 
+// ---- Batched copies (added last: the API above keeps its order) ------------------------------
+// CUDA's cudaMemcpyBatchAsync: count byte copies dsts[i] <- srcs[i] of sizes[i] bytes, enqueued on
+// `stream` as ONE operation that runs them in order. The kind of each copy is inferred: at least
+// one side of every copy of a non-zero size must be openreg device memory, and a side inside
+// device memory must fit in its segment (orErrorInvalidValue naming the copy's index otherwise;
+// nothing is enqueued then). The arrays are copied: they may be reused on return.
+orError_t orMemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes,
+                             size_t count, orStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

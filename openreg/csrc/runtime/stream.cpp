@@ -99,6 +99,13 @@ orError_t checkCopy(const char* call, void* dst, const void* src, size_t count, 
   return orSuccess;
 }
 
+// A side of a batched copy: false when it is inside device memory but runs past its segment.
+bool fitsIfDevice(const void* ptr, size_t count, bool* device) {
+  openreg::Region r;
+  *device = openreg::findRegion(ptr, &r);
+  return !*device || count <= r.size - ((uintptr_t)ptr - r.base);
+}
+
 }  // namespace
 
 namespace openreg {
@@ -270,6 +277,42 @@ orError_t orMemcpyAsync(void* dst, const void* src, size_t count, orMemcpyKind k
   orStream_t s;
   if (orError_t err = resolveStream(stream, "orMemcpyAsync", &s)) return err;
   if (count) enqueue(s, [dst, src, count] { memmove(dst, src, count); });
+  return orSuccess;
+}
+
+orError_t orMemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes,
+                             size_t count, orStream_t stream) {
+  const char* call = "orMemcpyBatchAsync";
+  if (count && (!dsts || !srcs || !sizes))
+    return fail(orErrorInvalidValue, "%s: NULL array for %zu copies", call, count);
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t size;
+  };
+  std::vector<Copy> copies;
+  copies.reserve(count);
+  for (size_t i = 0; i < count; i++) {
+    if (!sizes[i]) continue;
+    if (!dsts[i] || !srcs[i]) return fail(orErrorInvalidValue, "%s: copy %zu: NULL pointer", call, i);
+    bool dstDevice, srcDevice;
+    if (!fitsIfDevice(dsts[i], sizes[i], &dstDevice))
+      return fail(orErrorInvalidValue, "%s: copy %zu: destination %p + %zu bytes runs past its "
+                  "openreg segment", call, i, dsts[i], sizes[i]);
+    if (!fitsIfDevice(srcs[i], sizes[i], &srcDevice))
+      return fail(orErrorInvalidValue, "%s: copy %zu: source %p + %zu bytes runs past its openreg "
+                  "segment", call, i, srcs[i], sizes[i]);
+    if (!dstDevice && !srcDevice)
+      return fail(orErrorInvalidValue, "%s: copy %zu: neither destination %p nor source %p is "
+                  "inside openreg memory", call, i, dsts[i], srcs[i]);
+    copies.push_back({dsts[i], srcs[i], sizes[i]});
+  }
+  orStream_t s;
+  if (orError_t err = resolveStream(stream, call, &s)) return err;
+  if (!copies.empty())
+    enqueue(s, [copies = std::move(copies)] {
+      for (const Copy& c : copies) memmove(c.dst, c.src, c.size);
+    });
   return orSuccess;
 }
 

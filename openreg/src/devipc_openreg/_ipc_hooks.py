@@ -73,6 +73,10 @@ class OpenRegIpcHooks(IpcHooks):
     def device_identity(self, device: torch.device) -> bytes:
         return _runtime.device_uuid(device.index).encode()
 
+    def copy_batch(self, device_index: int, table: torch.Tensor) -> None:
+        stream = _runtime.stream_from_id(device_index, _runtime.current_stream_id(device_index))
+        _runtime.memcpy_batch_async(table, stream)
+
     def memory_kind(self, device_index: int) -> str:
         return "DRAM"  # runtime segments are host shared memory: any engine can address them
 

@@ -76,6 +76,7 @@ declare({
     "orIpcCloseMemHandle": [_vp],
     "orIpcGetEventHandle": [_P(_Handle), _vp],
     "orIpcOpenEventHandle": [_P(_vp), _Handle],
+    "orMemcpyBatchAsync": [_vp, _vp, _vp, _size, _vp],
 })
 lib.orGetErrorString.argtypes = [_int]
 lib.orGetErrorString.restype = ctypes.c_char_p
@@ -256,6 +257,16 @@ def ipc_open_mem_handle(handle):
     check(lib.orIpcOpenMemHandle(ctypes.byref(base), ctypes.byref(size), ctypes.byref(device), h),
           "ipc_open_mem_handle")
     return base.value, size.value, device.value
+
+
+def memcpy_batch_async(table, stream):
+    """Queue the copies of `table`, an int64 CPU tensor of shape (N, 3) whose rows are
+    (destination, source, bytes), as one operation of runtime `stream`."""
+    columns = table.t().contiguous()  # three arrays, one per column: one small copy
+    count = columns.shape[1]
+    base, row = columns.data_ptr(), 8 * count
+    check(lib.orMemcpyBatchAsync(base, base + row, base + 2 * row, count, stream),
+          f"memcpy_batch_async({count} copies)")
 
 
 def ipc_close_mem_handle(base):

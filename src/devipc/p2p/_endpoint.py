@@ -21,6 +21,7 @@ from .._errors import (
     UnsupportedDeviceError,
 )
 from .._handles import _identity
+from .._hooks import hooks_for
 from ._descriptor import CPU, DEVICE, NONE, Descriptor, Metadata, host_identity
 from ._export import export_of, order_for_peers
 from ._registry import Registration, registry
@@ -31,6 +32,7 @@ __all__ = ["Connection", "Endpoint"]
 
 READ, WRITE = "READ", "WRITE"
 _DECODED_KEPT = 4096  # decoded descriptors a connection remembers, by their bytes
+_BATCH_MIN = 2  # pairs from which readv/writev hand the device one batch (hooks' copy_batch)
 
 
 class Endpoint:
@@ -245,7 +247,11 @@ class Connection:
         if len(locals_) != len(remotes):
             raise ValueError(f"{len(locals_)} local tensors for {len(remotes)} remote "
                              f"descriptors")
-        descs = [self._descriptor(remote) for remote in remotes]
+        decoded, page, descs = self._decoded, self._page_handle, []
+        for remote in remotes:  # the common case first: bytes decoded before, of this peer
+            desc = decoded.get(remote) if type(remote) is bytes else None
+            descs.append(desc if desc is not None and desc.page == page
+                         else self._descriptor(remote))
         for local, desc in zip(locals_, descs):
             _check_local(local, desc)
         if self._agent is not None:
@@ -262,20 +268,29 @@ class Connection:
         peer = self._peer
         peer.check_alive()
         peer.sweep()
-        entries = [peer.open(desc) for desc in descs]
-        devices = {entry.device for entry in entries if entry.device.type != "cpu"}
+        entries = peer.open_all(descs)
+        distinct = list({id(entry): entry for entry in entries}.values())  # few: many ranges each
+        devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
         devices.update(local.device for local in locals_ if not local.is_cpu)
-        pairs = [_pair(op, local, entry, desc) for local, entry, desc in
-                 zip(locals_, entries, descs)]
+        batch = _batch(op, locals_, entries, descs, devices)
+        if batch is None:
+            pairs = [_pair(op, local, entry, desc) for local, entry, desc in
+                     zip(locals_, entries, descs)]
+        else:
+            pairs = batch
         peer.pin(entries)  # CPU mappings stay while copies use them
         if not devices and not wait:
             return self._on_host(pairs, entries, locals_)
         try:
             if devices:
                 self._wait_for_owner(entries, descs, devices)
-            _copy(pairs)
+            if batch is None:
+                _copy(pairs)
+            else:
+                copy_batch, index, table = batch
+                copy_batch(index, table)
             transfer = Transfer(record_events(devices), keep=(pairs, entries, locals_))
-            if any(entry.device.type == "cpu" for entry in entries):
+            if any(entry.device.type == "cpu" for entry in distinct):
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
         finally:
             peer.unpin(entries)
@@ -328,6 +343,35 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<devipc.p2p.Connection to process {self.peer_pid}>"
+
+
+def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> tuple | None:
+    """(copy_batch, device index, table) doing all the copies as one operation of the device's
+    current stream, when its hooks have `copy_batch` and every pair is a contiguous range of one
+    device's remote memory and a contiguous local tensor on that device or the CPU; else None
+    (the per-pair path). Addresses come straight from the tensors: no views are made."""
+    if len(descs) < _BATCH_MIN or len(devices) != 1:
+        return None
+    (device,) = devices
+    copy_batch = getattr(hooks_for(device), "copy_batch", None)
+    if copy_batch is None:
+        return None
+    bases: dict[int, int] = {}  # id(entry) -> its first byte's address
+    rows = []
+    add = rows.extend
+    for local, entry, desc in zip(locals_, entries, descs):
+        base = bases.get(id(entry))  # `entries` holds them: ids stay theirs
+        if base is None:
+            if entry.device != device:
+                return None
+            base = bases[id(entry)] = entry.data.data_ptr()
+        if not local.is_contiguous() or not (local.is_cpu or local.device == device):
+            return None
+        if op == READ:
+            add((local.data_ptr(), base + desc.offset, desc.nbytes))
+        else:
+            add((base + desc.offset, local.data_ptr(), desc.nbytes))
+    return copy_batch, device.index, torch.tensor(rows, dtype=torch.int64).view(-1, 3)
 
 
 def _copy(pairs) -> None:

@@ -56,6 +56,17 @@ def where(desc: Descriptor) -> tuple:
     return (desc.device, desc.storage_bytes, desc.mem_offset, desc.counter, desc.anchor)
 
 
+def _key(desc: Descriptor) -> tuple:
+    """A registration's key in a peer's cache: (handle, generation), and the rest of what the
+    descriptor says about the memory, so a forged one gets an entry of its own, never another
+    one's. Kept on the (immutable) descriptor: decoded ones are reused call after call."""
+    key = desc.__dict__.get("_peer_key")
+    if key is None:
+        key = (desc.kind, desc.mem, desc.fd, desc.reg_id, desc.slot, where(desc))
+        object.__setattr__(desc, "_peer_key", key)
+    return key
+
+
 class Peer:
     """A peer process reached through its registry page. Thread-safe."""
 
@@ -110,11 +121,24 @@ class Peer:
         return len(entries)
 
     # -- opening --
+    def open_all(self, descs: list[Descriptor]) -> list[RemoteEntry]:
+        """`open` of each descriptor, under one lock for those already open and live (vectors
+        of many ranges of a few registrations)."""
+        entries, missing = [], []
+        with self._lock:
+            words, cached = self._words, self._entries
+            for desc in descs:
+                entry = cached.get(_key(desc))
+                if entry is None or words is None or words[desc.slot] != desc.reg_id:
+                    missing.append(len(entries))
+                entries.append(entry)
+        for i in missing:
+            entries[i] = self.open(descs[i])
+        return entries
+
     def open(self, desc: Descriptor) -> RemoteEntry:
         """The opened registration `desc` names; RemoteTensorFreedError if it ended."""
-        # (handle, generation), and the rest of what it says about the memory: a descriptor
-        # that says otherwise (forged) gets an entry of its own, never another one's
-        key = (desc.kind, desc.mem, desc.fd, desc.reg_id, desc.slot, where(desc))
+        key = _key(desc)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and self._live(desc.reg_id, desc.slot):
