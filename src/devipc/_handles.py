@@ -96,12 +96,7 @@ class Handle:
     @classmethod
     def from_bytes(cls, data) -> "Handle":
         """Any handle's bytes, validated; anything else raises InvalidHandleError."""
-        try:
-            return cls._decode(data)
-        except InvalidHandleError:
-            raise
-        except Exception as error:  # a gap in the checks must still read as a bad handle
-            raise InvalidHandleError(f"malformed devipc handle: {error}") from error
+        return _wire.decode(cls._decode, data, "devipc handle")
 
     @classmethod
     def _decode(cls, data) -> "Handle":

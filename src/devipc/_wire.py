@@ -194,6 +194,17 @@ class Reader:
                                      f"last field of a devipc handle")
 
 
+def decode(read, data, what: str):
+    """`read(data)`, where any failure reads as InvalidHandleError: a gap in a reader's checks
+    must still name bad bytes, never leak a TypeError or struct.error."""
+    try:
+        return read(data)
+    except InvalidHandleError:
+        raise
+    except Exception as error:
+        raise InvalidHandleError(f"malformed {what}: {error}") from error
+
+
 def wrap_storage_handle(device: torch.device, handle: bytes) -> bytes:
     """reduce_tensor's args[7]: the hooks' handle, with the device the sender put in args[6]."""
     return Writer(STORAGE).device(device).bytes(handle).done()

@@ -97,12 +97,7 @@ class Descriptor:
 
     @classmethod
     def from_bytes(cls, data) -> "Descriptor":
-        try:
-            return cls._decode(data)
-        except InvalidHandleError:
-            raise
-        except Exception as error:  # a gap in the checks must still read as a bad descriptor
-            raise InvalidHandleError(f"malformed p2p descriptor: {error}") from error
+        return _wire.decode(cls._decode, data, "p2p descriptor")
 
     @classmethod
     def _decode(cls, data) -> "Descriptor":
