@@ -8,7 +8,7 @@ test_runtime.py.
 import ctypes
 import os
 
-from devipc_openreg._runtime import check, declare, lib
+from devipc_openreg._runtime import check, declare, lib, stream_from_id
 
 # for a fresh interpreter (_support.start_python / json_of) whose code imports this module
 PYTHONPATH = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
@@ -218,6 +218,10 @@ class Gate:
 
     def hold(self, stream):
         check(lib.orLaunchHostFunc(stream, _SEM_WAIT, self.addr), "Gate.hold")
+
+    def hold_torch_stream(self, stream):
+        """`hold` for an openreg `torch.Stream` (the runtime stream behind its id)."""
+        self.hold(stream_from_id(stream.device_index, stream.stream_id))
 
     def open(self):
         assert _libc.sem_post(ctypes.c_void_p(self.addr)) == 0

@@ -150,14 +150,13 @@ def test_compiled_kernel_waits_for_pending_copy_on_the_current_stream(tmp_path):
     out = compiled("""
         import json, threading, torch, devipc_openreg
         from _native import Gate
-        from devipc_openreg import _runtime
 
         f = torch.compile(lambda x: x * 2 + 1)
         x = torch.zeros(4096, device="openreg")
         f(x)  # compiled now; the next call only runs the wrapper and its kernel
         stream = torch.openreg.current_stream()
         gate = Gate()
-        gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+        gate.hold_torch_stream(stream)
         x.copy_(torch.ones(4096), non_blocking=True)
         pending = not stream.query()
         threading.Timer(0.5, gate.open).start()

@@ -199,7 +199,7 @@ def test_pin_memory_pins_in_runtime_host_memory():
 
 def test_copy_from_pinned_memory_is_asynchronous_on_the_stream(gate):
     side = torch.Stream(device="openreg")
-    gate.hold(_runtime.stream_from_id(side.device_index, side.stream_id))
+    gate.hold_torch_stream(side)
     pinned = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
     with side:
         dev = pinned.to("openreg", non_blocking=True)  # returns while the stream is held

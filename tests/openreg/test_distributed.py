@@ -14,7 +14,7 @@ from _distributed_workers import collectives, lost_peer, rank_input
 from _support import recv
 
 import devipc_openreg  # noqa: F401  (registers the device and the backend)
-from devipc_openreg import _distributed, _runtime
+from devipc_openreg import _distributed
 
 
 def _reduced(world, op, dtype=torch.float32):
@@ -111,7 +111,7 @@ def group():
 def test_reads_inputs_only_after_the_current_stream_wrote_them(group, gate):
     x = torch.zeros(1 << 16, device="openreg")
     stream = torch.accelerator.current_stream()
-    gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+    gate.hold_torch_stream(stream)
     x.copy_(torch.full((1 << 16,), 3.0), non_blocking=True)  # queued behind the gate
     gathered = [torch.empty_like(x)]
     threading.Timer(0.2, gate.open).start()  # when it opens does not change the outcome

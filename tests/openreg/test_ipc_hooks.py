@@ -79,7 +79,6 @@ def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkey
     free (and hand out again) the memory that work still reads."""
     from devipc import _sharing
     from devipc._refcount import HELD, RELEASED
-    from devipc_openreg import _runtime
 
     monkeypatch.setenv("OPENREG_IPC_EVENTS", "1" if mode == "events" else "0")
     source = torch.ones(1 << 20, device="openreg")  # 4 MiB: a segment of its own
@@ -87,7 +86,7 @@ def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkey
     shared = devipc.share_device(source.untyped_storage())
     received = torch.tensor([], device="openreg").set_(devipc.new_shared_device(*shared))
     stream = torch.openreg.current_stream()
-    gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+    gate.hold_torch_stream(stream)
     copy = received.clone()  # queued behind the gate
     del received  # its storage dies while the clone still has to read it
     counter = _sharing._counters._open(shared[4])

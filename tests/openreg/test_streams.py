@@ -16,7 +16,7 @@ from devipc_openreg import _runtime
 
 def held(stream, gate):
     """Holds `stream` (any openreg torch.Stream) at `gate`."""
-    gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+    gate.hold_torch_stream(stream)
 
 
 @pytest.fixture

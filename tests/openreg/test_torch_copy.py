@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
-from devipc_openreg import _runtime
 
 
 def hold(gate, stream):
-    gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+    gate.hold_torch_stream(stream)
 
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.bool, torch.complex64]

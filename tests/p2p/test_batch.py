@@ -14,7 +14,6 @@ from _support import TIMEOUT, Children, recv, wait_until
 import devipc
 import devipc.p2p as p2p
 from devipc.p2p import _endpoint
-from devipc_openreg import _runtime
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
@@ -150,7 +149,7 @@ def test_an_async_batch_is_queued_on_the_callers_current_stream(owner, peer, bat
     safety = threading.Timer(TIMEOUT, gate.open)  # a failing test must not hang the stream
     safety.start()
     try:
-        gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+        gate.hold_torch_stream(stream)
         for local in locals_:
             local.copy_(minus)  # the caller's own work (asynchronous), queued first
         transfer = peer.readv_async(locals_, remotes)

@@ -13,7 +13,6 @@ from _support import TIMEOUT, Children, foreign_memfd_maps, open_fds, recv, wait
 
 import devipc
 import devipc.p2p as p2p
-from devipc_openreg import _runtime
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
 from _native import Gate  # noqa: E402 - the openreg tests' stream gate
@@ -106,7 +105,7 @@ def test_device_transfers_are_queued_on_the_callers_current_stream(owner, peer):
     safety = threading.Timer(TIMEOUT, gate.open)  # a failing test must not hang the stream
     safety.start()
     try:
-        gate.hold(_runtime.stream_from_id(stream.device_index, stream.stream_id))
+        gate.hold_torch_stream(stream)
         local.copy_(hundreds)  # the caller's own work (asynchronous), queued first
         transfer = peer.read_async(local, whole)
         assert not transfer.done()  # queued behind the gate, behind add_
