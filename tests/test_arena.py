@@ -61,6 +61,22 @@ def test_fifty_chunks_stream_with_acknowledgements_and_flat_memory(children):
     assert torch.openreg.memory_allocated() == baseline
 
 
+def test_buffers_of_an_odd_size_start_aligned(children):
+    arena = devipc.Arena(1001, "openreg")  # rounded up: buffer 1 must start aligned for int64
+    assert arena.nbytes == 1024
+    _, inbox, outbox = _start(children, arena)
+    for generation in range(3):
+        source = {"b": torch.full((7,), generation, dtype=torch.int64, device="openreg"),
+                  "w": torch.arange(4, dtype=torch.float32, device="openreg") + generation}
+        inbox.put(arena.put(source, timeout=TIMEOUT))
+        assert outbox.get(timeout=TIMEOUT) == (generation, {n: t.cpu().tolist()
+                                                            for n, t in source.items()})
+    inbox.put(None)
+    children.join_ok()
+    arena.close()
+    _drain()
+
+
 def test_a_buffer_is_reused_only_after_its_acknowledgement(children):
     arena = devipc.Arena(4096, "openreg", buffers=2)
     proc, inbox, outbox = _start(children, arena, acknowledge=False)

@@ -136,7 +136,7 @@ def test_a_bucket_of_mixed_dtypes_crosses_processes(children):
     assert after["buckets_shared"] == before["buckets_shared"] + 1
     assert after["bucket_tensors_shared"] == before["bucket_tensors_shared"] + len(source)
     assert handle.kind == "bucket" and handle.names == tuple(source)
-    offsets = [entry.offset for entry in handle._entries]
+    offsets = handle._table.offsets
     assert all(offset % 256 == 0 for offset in offsets) and offsets == sorted(offsets)
     inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
     children.start(_workers.open_bucket_and_write, inbox, outbox)
@@ -203,7 +203,7 @@ def test_share_without_copy_needs_views_of_one_storage():
                               "b": torch.ones(2, device="openreg")}, copy=False)
     base = torch.arange(8, dtype=torch.float32, device="openreg")
     handle = devipc.share_tensors({"head": base[:3], "odd": base[1::2]}, copy=False)
-    assert [(e.offset, e.stride) for e in handle._entries] == [(0, (1,)), (4, (2,))]
+    assert (handle._table.offsets, handle._table.strides) == ([0, 4], [(1,), (2,)])
     assert handle.revoke()
     _drain()
 

@@ -21,7 +21,7 @@ def _field(payload: bytes) -> bytes:
 
 def test_fields_round_trip():
     data = (_wire.Writer(_wire.TENSOR).device(torch.device("openreg", 3)).bytes(b"\0\1")
-            .text("ünï").int(-5).ints([0, 2, 1 << 40]).dtype(torch.bfloat16).done())
+            .text("ünï").int(-5).ints([0, 2, 1 << 40]).done())
     assert data[:4] == b"DVIP"
     reader = _wire.Reader(data, (_wire.TENSOR,))
     assert reader.device() == torch.device("openreg", 3)
@@ -29,16 +29,18 @@ def test_fields_round_trip():
     assert reader.text("t") == "ünï"
     assert reader.int("i", -10, 0) == -5
     assert reader.ints("shape") == (0, 2, 1 << 40)
-    assert reader.dtype() is torch.bfloat16
     reader.end()
 
 
-def test_every_dtype_in_the_table_round_trips():
-    for name, dtype in _wire.DTYPES.items():
-        reader = _wire.Reader(_wire.Writer(_wire.TENSOR).dtype(dtype).done(), (_wire.TENSOR,))
-        assert reader.dtype() is dtype, name
+def test_every_dtype_in_the_list_round_trips_as_its_code():
+    dtypes = [d for d in _wire._DTYPE_BY_CODE if d is not None]
+    assert torch.bfloat16 in dtypes and torch.complex128 in dtypes and len(dtypes) >= 16
+    assert _wire.dtypes_of(bytes(map(_wire.dtype_code, dtypes))) == dtypes
+    assert _wire.dtype_code(torch.bool) == 0  # codes are fixed: the list only grows
     with pytest.raises(TypeError, match="cannot send"):
-        _wire.dtype_name(torch.qint8)
+        _wire.dtype_code(torch.qint8)
+    with pytest.raises(devipc.InvalidHandleError, match="unknown dtype code"):
+        _wire.dtypes_of(bytes([1, len(_wire._DTYPE_BY_CODE)]))
 
 
 def test_storage_handle_wrap_round_trips():
@@ -51,7 +53,7 @@ def test_storage_handle_wrap_round_trips():
     ("not bytes", "is bytes"),
     (b"DVI", "truncated"),
     (_message(magic=b"PKL\x80"), "magic"),
-    (_message(version=2), "version 2"),
+    (_message(version=1), "version 1; this devipc reads version 2"),
     (_message(kind=99), "unknown kind 99"),
     (_message(kind=_wire.BUCKET), "expected a tensor handle, got a bucket handle"),
     (_message(), "missing"),
@@ -71,8 +73,7 @@ def test_malformed_headers_and_lengths_are_refused(data, message):
     (_field(struct.pack("<65q", *[1] * 65)), lambda r: r.ints("shape"), "at most 64"),
     (_field(b"\0" * 9), lambda r: r.ints("shape"), "not a list"),
     (_field(struct.pack("<2q", 3, -2)), lambda r: r.ints("stride"), "negative"),
-    (_field(b"float128"), lambda r: r.dtype(), "unknown dtype"),
-    (_field(b"__class__"), lambda r: r.dtype(), "unknown dtype"),
+    (_field(struct.pack("<2q", 1, 2)), lambda r: r.ints("offsets", 3, exact=True), "exactly 3"),
     (_field(b"\xff\xfe"), lambda r: r.text("name"), "not UTF-8"),
     (_field(b"open\xc3\xa9reg"), lambda r: r.device_type(), "short lowercase ASCII"),
     (_field(b"x" * 33), lambda r: r.device_type(), "at most 32"),
@@ -104,21 +105,6 @@ def test_handles_round_trip_through_bytes():
             (handle.kind, handle.device, handle.names, handle.nbytes)
         assert again.local is None and handle.revoke()
     del tensor, handles
-    devipc.ipc_collect()
-
-
-def test_forged_entries_that_reach_outside_the_storage_are_refused():
-    tensor = torch.ones(4, device="openreg")
-    handle = devipc.share(tensor)
-    data = bytes(handle)
-    shape = struct.pack("<q", 4)
-    assert data.count(shape) >= 1
-    with pytest.raises(devipc.InvalidHandleError, match="outside its storage"):
-        Handle.from_bytes(data.replace(_field(shape), _field(struct.pack("<q", 5))))
-    with pytest.raises(devipc.InvalidHandleError, match="differ in length"):
-        Handle.from_bytes(data.replace(_field(shape), _field(shape * 2), 1))
-    assert handle.revoke()
-    del tensor
     devipc.ipc_collect()
 
 

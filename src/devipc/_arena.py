@@ -23,6 +23,7 @@ from . import _handles, _locks, _sharing, _wire
 from ._errors import AckTimeoutError, ConsumerDiedError, InvalidHandleError
 from ._hooks import hooks_for
 from ._memfd import SharedFile, open_shared_file
+from ._table import ALIGNMENT, Table
 
 __all__ = ["Arena", "ArenaReader", "Chunk", "open_arena"]
 
@@ -82,18 +83,19 @@ def _check_timeout(timeout) -> float:
 
 
 class Arena:
-    """Producer: `buffers` buffers of `nbytes` each on `device`, one allocation. `attach()` once
-    per consumer, then `put()` chunk after chunk. Not thread-safe: one producer thread."""
+    """Producer: `buffers` buffers of `nbytes` each (rounded up to 256, so that every buffer
+    starts aligned for any dtype) on `device`, one allocation. `attach()` once per consumer, then
+    `put()` chunk after chunk. Not thread-safe: one producer thread."""
 
     def __init__(self, nbytes: int, device, buffers: int = 2):
-        self.nbytes = _positive(nbytes, "nbytes")
+        self.nbytes = -(-_positive(nbytes, "nbytes") // ALIGNMENT) * ALIGNMENT
         self.buffers = _positive(buffers, "buffers")
         if buffers > MAX_BUFFERS:
             raise ValueError(f"an arena has at most {MAX_BUFFERS} buffers, not {buffers}")
         device = torch.device(device)
         hooks_for(device)  # UnsupportedDeviceError before anything is allocated
         self.device = _sharing.local_device(device, device.type)
-        self._storage = torch.empty(nbytes * buffers, dtype=torch.uint8,
+        self._storage = torch.empty(self.nbytes * buffers, dtype=torch.uint8,
                                     device=self.device).untyped_storage()
         self._control = SharedFile(_MAGIC, _CONTROL_BYTES)
         self._records = _Records(self._control.buffer)
@@ -113,7 +115,8 @@ class Arena:
         self._records.set_pid(index, 0)
         self._records.set_state(index, PENDING)
         device, *shared = _sharing.share_device(self._storage)
-        send = _handles.Handle(True, device, _handles._identity(device), tuple(shared), False, ())
+        send = _handles.Handle(True, device, _handles._identity(device), tuple(shared), False,
+                               Table([], [], [], [], []))
         self._sends.append(send)
         writer = _wire.Writer(_wire.ARENA).bytes(self._token).bytes(bytes(send))
         writer.bytes(self._control.handle).int(index).int(self.nbytes).int(self.buffers)
@@ -128,18 +131,18 @@ class Arena:
         items = _handles.named_items(named_tensors, "Arena.put()")
         if items[0][1].device != self.device:
             raise ValueError(f"the arena is on {self.device}, the chunk on {items[0][1].device}")
-        entries, end = _handles.layout(items)
+        table, end = Table.packed(items)
         if end > self.nbytes:
             raise ValueError(f"the chunk needs {end} bytes, an arena buffer holds {self.nbytes}: "
                              f"split it into smaller chunks")
         generation = self.generation + 1
         self.wait_for(generation - self.buffers, timeout)
         buffer = generation % self.buffers
-        _handles.fill(self._storage, buffer * self.nbytes, entries, items)
+        _handles.fill(self._storage, buffer * self.nbytes, table, items)
         torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
         self.generation = generation
         writer = _wire.Writer(_wire.CHUNK).bytes(self._token).int(generation).int(buffer)
-        _handles.write_table(writer, entries)
+        table.write(writer)
         return writer.done()
 
     def wait_for(self, generation: int, timeout: float = 60.0) -> None:
@@ -268,7 +271,7 @@ class ArenaReader:
             raise InvalidHandleError("this chunk belongs to another arena")
         generation = reader.int("generation")
         buffer = reader.int("buffer", 0, self.buffers - 1)
-        entries = _handles.read_table(reader, self.nbytes)
+        table = Table.read(reader, self.nbytes)
         reader.end()
         if generation <= self.acknowledged:
             raise InvalidHandleError(f"chunk {generation} is older than the acknowledged "
@@ -278,8 +281,7 @@ class ArenaReader:
                                      f"{generation % self.buffers}")
         self._read = max(self._read, generation)
         base = buffer * self.nbytes
-        return Chunk(generation, {entry.name: _handles._view(self._storage, entry, shift=base)
-                                  for entry in entries})
+        return Chunk(generation, table.views(self._storage, shift=base))
 
     def ack(self, generation) -> None:
         """Done with every chunk up to `generation` (or a Chunk): the producer may reuse their

@@ -6,50 +6,15 @@ unopened (`Handle.revoke`). A bucket is one device allocation, one memory handle
 any number of tensors: a trainer can publish its weights in one message and the consumer maps
 them once, as zero-copy views.
 """
-import math
-from dataclasses import dataclass
-
 import torch
 
 from . import _sharing, _wire
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
 from ._refcount import SLOTS_PER_FILE
+from ._table import MAX_NAME, Table
 
 __all__ = ["Handle", "open", "open_tensors", "pack", "share", "share_tensors"]
-
-ALIGNMENT = 256  # bytes between the starts of a bucket's tensors
-MAX_ENTRIES = 1 << 20
-MAX_NAME = 1024  # bytes of UTF-8
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor of a handle: where it lies in the shared storage, in bytes."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    def check(self, storage_bytes: int) -> None:
-        """A forged entry must not reach outside the storage it is a view of."""
-        itemsize = self.dtype.itemsize
-        if len(self.shape) != len(self.stride):
-            raise InvalidHandleError(f"{self.name!r}: shape {self.shape} and stride "
-                                     f"{self.stride} differ in length")
-        if self.offset % itemsize:
-            raise InvalidHandleError(f"{self.name!r}: byte offset {self.offset} is not a multiple "
-                                     f"of {itemsize}")
-        if math.prod(max(s, 1) for s in self.shape) > _wire.INT_MAX:
-            raise InvalidHandleError(f"{self.name!r}: shape {self.shape} is too large")
-        end = self.offset
-        if all(self.shape):
-            end += (1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))) * itemsize
-        if end > storage_bytes:
-            raise InvalidHandleError(f"{self.name!r} ends at byte {end}, outside its storage of "
-                                     f"{storage_bytes}")
 
 
 class Handle:
@@ -57,14 +22,14 @@ class Handle:
     handle sends the same bytes. `local` is the producer's own views of a bucket it packed (None
     elsewhere): writes through it reach the consumers, and theirs come back."""
 
-    __slots__ = ("_device", "_identity", "_shared", "_requires_grad", "_entries", "_bucket",
+    __slots__ = ("_device", "_identity", "_shared", "_requires_grad", "_table", "_bucket",
                  "local")
 
     def __init__(self, bucket: bool, device: torch.device, identity: bytes, shared: tuple,
-                 requires_grad: bool, entries: tuple[_Entry, ...], local=None):
+                 requires_grad: bool, table: Table, local=None):
         self._bucket, self._device, self._identity = bucket, device, identity
         self._shared = shared  # share_device's 8-tuple, less its device
-        self._requires_grad, self._entries, self.local = requires_grad, entries, local
+        self._requires_grad, self._table, self.local = requires_grad, table, local
 
     @property
     def kind(self) -> str:
@@ -78,7 +43,7 @@ class Handle:
     @property
     def names(self) -> tuple[str, ...]:
         """A bucket's names, in order; a tensor handle has one, ""."""
-        return tuple(entry.name for entry in self._entries)
+        return tuple(self._table.names)
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +55,7 @@ class Handle:
         writer.device(self._device).bytes(self._identity).bytes(mem or b"").int(size).int(offset)
         writer.bytes(counter or b"").int(slot).bytes(event).int(int(sync))
         writer.int(int(self._requires_grad))
-        write_table(writer, self._entries)
+        self._table.write(writer)
         return writer.done()
 
     @classmethod
@@ -114,13 +79,12 @@ class Handle:
         if bool(mem) != bool(counter) or (not mem and size):
             raise InvalidHandleError("a handle of a non-empty storage needs both a memory handle "
                                      "and a ref-counter handle")
-        entries = read_table(reader, size)
-        if reader.kind == _wire.TENSOR and len(entries) != 1:
-            raise InvalidHandleError(f"a tensor handle holds one tensor, this one {len(entries)}")
+        table = Table.read(reader, size)
+        if reader.kind == _wire.TENSOR and len(table) != 1:
+            raise InvalidHandleError(f"a tensor handle holds one tensor, this one {len(table)}")
         reader.end()
         shared = (mem or None, size, offset, counter or None, slot, event, sync)
-        return cls(reader.kind == _wire.BUCKET, device, identity, shared, requires_grad,
-                   tuple(entries))
+        return cls(reader.kind == _wire.BUCKET, device, identity, shared, requires_grad, table)
 
     def __reduce__(self):
         return Handle.from_bytes, (bytes(self),)
@@ -132,7 +96,7 @@ class Handle:
         return counter is not None and _sharing.revoke_send(counter, slot)
 
     def __repr__(self) -> str:
-        return (f"<devipc.Handle {self.kind} of {len(self._entries)} on {self._device}, "
+        return (f"<devipc.Handle {self.kind} of {len(self._table)} on {self._device}, "
                 f"{self.nbytes} bytes>")
 
 
@@ -147,20 +111,22 @@ def _check(tensor, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} is not a tensor but {type(tensor).__name__}")
     hooks_for(tensor.device)  # UnsupportedDeviceError for devices that cannot share
+    _check_kind(tensor, what)
+    return tensor
+
+
+def _check_kind(tensor: torch.Tensor, what: str) -> None:
     if tensor.layout != torch.strided or tensor.is_nested:
         raise TypeError(f"{what}: only strided tensors can be shared, not {tensor.layout}")
-    _wire.dtype_name(tensor.dtype)
-    return tensor
+    _wire.dtype_code(tensor.dtype)
 
 
 def share(tensor: torch.Tensor) -> Handle:
     """One send of `tensor`, zero-copy: the consumer maps the same memory."""
     _check(tensor, "share()")
     device, *shared = _sharing.share_device(tensor.untyped_storage())
-    entry = _Entry("", tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                   tensor.storage_offset() * tensor.element_size())
     return Handle(False, device, _identity(device), tuple(shared), tensor.requires_grad,
-                  (entry,))
+                  Table.where_they_lie([("", tensor)]))
 
 
 def share_tensors(named_tensors, copy: bool = True) -> Handle:
@@ -176,9 +142,9 @@ def pack(named_tensors) -> dict[str, torch.Tensor]:
     kept there (`param.data = packed[name]`) are sent with `share_tensors(packed, copy=False)`,
     one handle and no copy per sync. Names of one same view stay tied."""
     items = named_items(named_tensors, "pack()")
-    entries, end = layout(items, aliases=True)
+    table, end = Table.packed(items, aliases=True)
     storage = torch.empty(max(end, 1), dtype=torch.uint8, device=items[0][1].device)
-    return fill(storage.untyped_storage(), 0, entries, items)
+    return fill(storage.untyped_storage(), 0, table, items)
 
 
 def pack_and_share(named_tensors, aliases: bool, copy: bool = True) -> Handle:
@@ -186,103 +152,66 @@ def pack_and_share(named_tensors, aliases: bool, copy: bool = True) -> Handle:
     items = named_items(named_tensors, "share_tensors()")
     device = items[0][1].device
     if copy:
-        entries, end = layout(items, aliases)
+        table, end = Table.packed(items, aliases)
         storage = torch.empty(max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
-        local = fill(storage, 0, entries, items)
+        local = fill(storage, 0, table, items)
     else:
-        storage, entries = in_place(items)
+        storage, table = in_place(items)
         local = dict(items)
     _, *shared = _sharing.share_device(storage)
     _sharing.counts["buckets_shared"] += 1
-    _sharing.counts["bucket_tensors_shared"] += len(entries)
-    return Handle(True, device, _identity(device), tuple(shared), False, tuple(entries), local)
+    _sharing.counts["bucket_tensors_shared"] += len(table)
+    return Handle(True, device, _identity(device), tuple(shared), False, table, local)
 
 
-def in_place(items) -> tuple[torch.UntypedStorage, list[_Entry]]:
-    """The one storage `items` are views of, and their entries where they already lie."""
+def in_place(items) -> tuple[torch.UntypedStorage, Table]:
+    """The one storage `items` are views of, and their table where they already lie."""
     storages = {tensor.untyped_storage().data_ptr() for _, tensor in items}
     if len(storages) != 1:
         raise ValueError(f"share_tensors(copy=False) needs views of one storage (devipc.pack "
                          f"makes them), got tensors of {len(storages)} storages: pass copy=True "
                          f"to pack a copy")
-    entries = [_Entry(name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                      tensor.storage_offset() * tensor.element_size()) for name, tensor in items]
-    return items[0][1].untyped_storage(), entries
+    return items[0][1].untyped_storage(), Table.where_they_lie(items)
 
 
 def named_items(named_tensors, what: str) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a dict or an iterable of pairs: unique names, one device."""
+    """(name, tensor) pairs of a dict or an iterable of pairs: unique names, one device. One
+    pass over the tensors collects their kinds; a bad kind is looked up again to be named."""
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-    names = [name for name, _ in items]
-    if not all(isinstance(name, str) and len(name.encode()) <= MAX_NAME for name in names) \
-            or len(set(names)) != len(names):
-        raise ValueError(f"a bucket's names must be unique strings of at most {MAX_NAME} "
-                         f"bytes, got {names}")
+    kinds = set()
     for name, tensor in items:
-        _check(tensor, f"{what}[{name!r}]")
-    devices = {tensor.device for _, tensor in items}
+        if not isinstance(name, str) or len(name) > MAX_NAME // 4 \
+                and len(name.encode()) > MAX_NAME:
+            raise ValueError(f"a bucket's names are strings of at most {MAX_NAME} bytes, got "
+                             f"{name!r:.80}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what}[{name!r}] is not a tensor but {type(tensor).__name__}")
+        kinds.add((tensor.device, tensor.layout, tensor.dtype, tensor.is_nested))
+    if len({name for name, _ in items}) != len(items):
+        raise ValueError("a bucket's names must be unique")
+    devices = {device for device, *_ in kinds}
+    for device in devices:
+        hooks_for(device)  # UnsupportedDeviceError for devices that cannot share
     if len(devices) > 1:
         raise ValueError(f"a bucket's tensors must all be on one device, got "
                          f"{sorted(map(str, devices))}")
     if not devices:
         raise ValueError("a bucket needs at least one tensor")
+    for _, layout, dtype, nested in kinds:
+        if layout != torch.strided or nested or dtype not in _wire.DTYPE_CODES:
+            for name, tensor in items:
+                _check_kind(tensor, f"{what}[{name!r}]")
     return items
 
 
-def layout(items, aliases: bool = False) -> tuple[list[_Entry], int]:
-    """Where each tensor goes in a bucket, contiguous at 256-byte aligned offsets; the end."""
-    entries, end, seen = [], 0, {}
-    for name, tensor in items:
-        stride = torch.empty(tensor.shape, device="meta").stride()
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        if aliases and tensor.numel() and key in seen:
-            offset = seen[key]
-        else:
-            offset = seen[key] = -(-end // ALIGNMENT) * ALIGNMENT
-            end = offset + tensor.numel() * tensor.element_size()
-        entries.append(_Entry(name, tensor.dtype, tuple(tensor.shape), stride, offset))
-    return entries, end
-
-
-def fill(storage, base: int, entries, items) -> dict[str, torch.Tensor]:
-    """Copy `items` into `storage` at `base` + their entries' offsets; the views, by name."""
-    views = {}
-    for entry, (name, tensor) in zip(entries, items):
-        views[name] = _view(storage, entry, shift=base)
-        if tensor.numel():
-            with torch.no_grad():
-                views[name].copy_(tensor)
+def fill(storage, base: int, table: Table, items) -> dict[str, torch.Tensor]:
+    """Copy `items` into `storage` at `base` + their table's offsets; the views, by name."""
+    views = table.views(storage, shift=base)
+    with torch.no_grad():
+        for (_, tensor), view in zip(items, views.values()):
+            if tensor.numel():
+                view.copy_(tensor)
     return views
-
-
-def write_table(writer: _wire.Writer, entries) -> None:
-    """A bucket's table on the wire: count, then name, dtype, shape, stride, offset each."""
-    writer.int(len(entries))
-    for entry in entries:
-        writer.text(entry.name).dtype(entry.dtype).ints(entry.shape).ints(entry.stride)
-        writer.int(entry.offset)
-
-
-def read_table(reader: _wire.Reader, size: int) -> tuple[_Entry, ...]:
-    """`write_table`'s entries, each checked to lie inside `size` bytes, names unique."""
-    entries = []
-    for _ in range(reader.int("tensor count", 0, MAX_ENTRIES)):
-        entry = _Entry(reader.text("tensor name", MAX_NAME), reader.dtype(),
-                       reader.ints("shape"), reader.ints("stride"), reader.int("tensor offset"))
-        entry.check(size)
-        entries.append(entry)
-    if len({entry.name for entry in entries}) != len(entries):
-        raise InvalidHandleError("a bucket's tensor names must be unique")
-    return tuple(entries)
-
-
-def _view(storage: torch.UntypedStorage, entry: _Entry, requires_grad=False,
-          shift: int = 0) -> torch.Tensor:
-    typed = torch.TypedStorage(wrap_storage=storage, dtype=entry.dtype, _internal=True)
-    tensor = torch._utils._rebuild_tensor(typed, (shift + entry.offset) // entry.dtype.itemsize,
-                                          entry.shape, entry.stride)
-    tensor.requires_grad_(requires_grad)
-    return tensor
 
 
 def _as_handle(handle) -> Handle:
@@ -305,7 +234,9 @@ def open(handle, device=None) -> torch.Tensor:
     handle = _as_handle(handle)
     if handle.kind != "tensor":
         raise InvalidHandleError("this is a bucket handle: open it with devipc.open_tensors")
-    return _view(_open_storage(handle, device), handle._entries[0], handle._requires_grad)
+    views = handle._table.views(_open_storage(handle, device),
+                                requires_grad=handle._requires_grad)
+    return views[""]
 
 
 def open_tensors(handle, device=None) -> dict[str, torch.Tensor]:
@@ -314,5 +245,4 @@ def open_tensors(handle, device=None) -> dict[str, torch.Tensor]:
     handle = _as_handle(handle)
     if handle.kind != "bucket":
         raise InvalidHandleError("this is a tensor handle: open it with devipc.open")
-    storage = _open_storage(handle, device)
-    return {entry.name: _view(storage, entry) for entry in handle._entries}
+    return handle._table.views(_open_storage(handle, device))

@@ -21,8 +21,7 @@ def share_state_dict(state_dict, copy: bool = True) -> Handle:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a tensor: "
                             f"send what is not a tensor separately")
-    return pack_and_share([(name, value.detach()) for name, value in state_dict.items()],
-                          aliases=True, copy=copy)
+    return pack_and_share(list(state_dict.items()), aliases=True, copy=copy)
 
 
 def open_state_dict(handle, device=None) -> dict[str, torch.Tensor]:

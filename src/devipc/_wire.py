@@ -7,7 +7,7 @@ Integers are 8-byte signed payloads, text is ASCII or UTF-8, arrays of integers 
 element. A reader names the type and the bounds of each field it expects, in order, and the bytes
 must end exactly after the last one. Whatever the bytes hold, decoding raises only
 InvalidHandleError: handles come from other processes, sockets and files, and a forged length or
-count must neither crash nor allocate without bound. P2P descriptors will reuse it: a new kind
+count must neither crash nor allocate without bound. P2P descriptors use it too: a new kind
 takes a new number, a changed layout a new version.
 """
 import re
@@ -18,7 +18,7 @@ import torch
 from ._errors import InvalidHandleError
 
 MAGIC = b"DVIP"
-VERSION = 1
+VERSION = 2  # 2: a bucket's table as columns
 _HEADER = struct.Struct("<4sHH")
 _LENGTH = struct.Struct("<I")
 _INT = struct.Struct("<q")
@@ -39,24 +39,36 @@ KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucke
               P2P_NIXL: "p2p NIXL descriptor part", P2P_NIXL_AGENT: "p2p NIXL agent metadata"}
 
 MAX_NDIM = 64
-MAX_BYTES = 1 << 16  # any one bytes or text field
+MAX_BYTES = 1 << 16  # a bytes or text field, unless its writer and reader name another limit
 INT_MAX = (1 << 63) - 1
 MAX_DEVICE_INDEX = 127
+_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
-# The dtypes that cross the wire, by name: never `getattr(torch, whatever came in)`.
+# The dtypes that cross the wire; a dtype's code is its index here: append, never reorder.
 _DTYPE_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
                 "float16", "bfloat16", "float32", "float64", "complex32", "complex64",
                 "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-DTYPES = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
-_DTYPE_TO_NAME = {dtype: name for name, dtype in DTYPES.items()}
-_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_DTYPE_BY_CODE = tuple(getattr(torch, name, None) for name in _DTYPE_NAMES)
+DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_BY_CODE) if dtype is not None}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as one byte: its index in the fixed list of names above."""
     try:
-        return _DTYPE_TO_NAME[dtype]
+        return DTYPE_CODES[dtype]
     except KeyError:
         raise TypeError(f"devipc cannot send tensors of dtype {dtype}") from None
+
+
+def dtypes_of(codes: bytes) -> list[torch.dtype]:
+    """The dtypes of `dtype_code`s; InvalidHandleError for a code this torch does not know."""
+    try:
+        dtypes = [_DTYPE_BY_CODE[code] for code in codes]
+    except IndexError:
+        dtypes = [None]
+    if None in dtypes:
+        raise InvalidHandleError(f"unknown dtype code in {codes[:16]!r}")
+    return dtypes
 
 
 class Writer:
@@ -72,22 +84,19 @@ class Writer:
     def int(self, value: int) -> "Writer":
         return self._field(_INT.pack(value))
 
-    def bytes(self, value: bytes) -> "Writer":
-        if len(value) > MAX_BYTES:
-            raise ValueError(f"a wire field holds at most {MAX_BYTES} bytes, not {len(value)}")
+    def bytes(self, value: bytes, limit: int = MAX_BYTES) -> "Writer":
+        if len(value) > limit:
+            raise ValueError(f"this wire field holds at most {limit} bytes, not {len(value)}")
         return self._field(bytes(value))
 
     def text(self, value: str) -> "Writer":
         return self.bytes(value.encode("utf-8"))
 
     def ints(self, values) -> "Writer":
-        return self._field(b"".join(_INT.pack(v) for v in values))
+        return self._field(struct.pack(f"<{len(values)}q", *values))
 
     def device(self, device: torch.device) -> "Writer":
         return self.text(device.type).int(device.index or 0)
-
-    def dtype(self, dtype: torch.dtype) -> "Writer":
-        return self.text(dtype_name(dtype))
 
     def done(self) -> bytes:
         return b"".join(self._parts)
@@ -171,22 +180,17 @@ class Reader:
         except RuntimeError:
             raise InvalidHandleError(f"unknown device type {device_type!r}") from None
 
-    def ints(self, what: str, max_count: int = MAX_NDIM) -> tuple[int, ...]:
+    def ints(self, what: str, max_count: int = MAX_NDIM, exact: bool = False) -> tuple[int, ...]:
+        """Non-negative integers: at most `max_count`, or exactly that many with `exact`."""
         payload = self._field(what)
         count, rest = divmod(len(payload), _INT.size)
-        if rest or count > max_count:
-            raise InvalidHandleError(f"{what}: {len(payload)} bytes is not a list of at most "
-                                     f"{max_count} integers")
+        if rest or count > max_count or exact and count != max_count:
+            raise InvalidHandleError(f"{what}: {len(payload)} bytes is not a list of "
+                                     f"{'exactly' if exact else 'at most'} {max_count} integers")
         values = struct.unpack(f"<{count}q", payload)
-        if any(v < 0 for v in values):
+        if values and min(values) < 0:
             raise InvalidHandleError(f"{what} {values} holds a negative value")
         return values
-
-    def dtype(self) -> torch.dtype:
-        name = self.text("dtype", 32)
-        if name not in DTYPES:
-            raise InvalidHandleError(f"unknown dtype {name!r}")
-        return DTYPES[name]
 
     def end(self) -> None:
         if self._at != len(self._data):
