@@ -34,6 +34,7 @@ from devipc.p2p._nixl import new_agent
 
 TIMEOUT = 300
 BATCH, BATCH_BYTES, BATCH_STRIDE = 1000, 4 << 10, 8 << 10
+NOTES = "Method notes:"  # from here to the next section, the doc's notes are kept on a rerun
 DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
 SECTION = "## P2P bandwidth (`benchmarks/p2p_bandwidth.py`)"
 METHODS = ("memcpy", "devipc", "devipc-nixl", "nixl")
@@ -273,12 +274,16 @@ def acceptance(rows, results) -> str:
 
 
 def write_doc(text: str) -> None:
+    """Replace this benchmark's section with `text`, keeping its hand-written method notes."""
     with open(DOC) as doc:
         content = doc.read()
     at = content.find(SECTION)
     if at >= 0:
         following = re.search(r"^## ", content[at + len(SECTION):], re.M)
         end = len(content) if following is None else at + len(SECTION) + following.start()
+        notes = content.find(NOTES, at, end)
+        if notes >= 0:
+            text = text.rstrip("\n") + "\n\n" + content[notes:end].rstrip("\n") + "\n\n"
         content = content[:at] + text + content[end:]
     else:
         content = content.rstrip("\n") + "\n\n" + text

@@ -46,6 +46,28 @@ def check_received(inbox, outbox):
         del tensor, item
 
 
+def reopen_while_release_pends(first, second, outbox):
+    """Opens `first`, drops it and opens `second` (the same allocation) before the pending
+    release runs (the collector thread is kept out); reports how often the memory was mapped."""
+    from devipc import _sharing
+    from devipc._hooks import hooks_for
+
+    _sharing._background.wake = lambda: None
+    hooks = hooks_for(torch.device("openreg"))
+    maps, open_handle = [], hooks.open_ipc_mem_handle
+    hooks.open_ipc_mem_handle = lambda handle: maps.append(1) or open_handle(handle)
+    tensor = devipc.open(first)
+    values = tensor.cpu().tolist()
+    del tensor
+    pending = devipc.stats()["pending_releases"]
+    tensor = devipc.open(second)
+    report = (len(maps), pending, devipc.stats()["pending_releases"], devipc.stats()["mapped"],
+              values == tensor.cpu().tolist())
+    del tensor
+    settle()
+    outbox.put(report + (devipc.stats()["mapped"],))
+
+
 def mutate_both_ways(inbox, outbox):
     tensor = inbox.get(timeout=TIMEOUT)
     tensor.add_(1)                       # the parent must see this

@@ -98,6 +98,23 @@ def test_memory_returns_to_baseline_after_release(children):
     children.join_ok()
 
 
+def test_an_allocation_sent_again_stays_mapped_across_a_pending_release(children):
+    """Weights synced every step: the consumer drops step k's tensor and opens step k + 1's;
+    the release that was pending runs after the new open, which reuses the mapping."""
+    tensor = torch.arange(1 << 16, dtype=torch.float32, device="openreg")
+    first, second = bytes(devipc.share(tensor)), bytes(devipc.share(tensor))
+    outbox = children.ctx.Queue()
+    children.start(_workers.reopen_while_release_pends, first, second, outbox)
+    maps, pending_before, pending_after, mapped, same, mapped_at_end = \
+        outbox.get(timeout=TIMEOUT)
+    assert (pending_before, pending_after) == (1, 0)  # the old release ran, after the open
+    assert (maps, mapped, same, mapped_at_end) == (1, 1, True, 0)
+    children.join_ok()
+    del tensor
+    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
+               "every send ended")
+
+
 def test_failed_open_gives_the_slot_back():
     tensor = torch.ones(4, device="openreg")
     shared = list(devipc.share_device(tensor.untyped_storage()))

@@ -124,7 +124,6 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
         raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
                                  f"size {size_bytes!r}, offset {offset_bytes!r}")
     counter_handle, index = check_slot(ref_counter_handle, ref_counter_offset)
-    _deferred.poll()
     _counters.hold(counter_handle, index)
     try:
         memory = _opened.acquire(hooks, handle)
@@ -149,6 +148,9 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
 
             storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free)
             _received.add(key, receipt)
+            # Pending releases run after the acquire: an allocation sent again (weights synced
+            # every step) stays mapped, rather than unmapped and mapped again, pages re-faulted.
+            _deferred.poll()
             return storage
         except BaseException:
             _opened.release(handle)
