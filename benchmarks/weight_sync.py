@@ -12,7 +12,7 @@ device, five ways, one run:
   via-cpu       copy through the host: .cpu() per tensor, the queue, .to("openreg")
 
 Then the arena's device memory across >= 50 chunks.
-Usage: python benchmarks/weight_sync.py [--mib N]
+Usage: python benchmarks/weight_sync.py [--mib N] [--steps N] [--tight-loop]
 """
 import argparse
 import statistics
@@ -65,14 +65,25 @@ def checksum(tensors) -> float:
     return float(torch.stack([t.reshape(-1)[0].float().cpu() for t in tensors]).sum())
 
 
-def consumer(inbox, outbox):
+def settle():
+    """Run the releases of what the consumer dropped before the next sync comes, as the
+    collector thread does between a trainer's steps: no sync pays for the one before it."""
+    torch.accelerator.synchronize()
+    deadline = time.monotonic() + TIMEOUT
+    while devipc.ipc_collect() is not None and devipc.stats()["pending_releases"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the consumer's releases did not run")
+        time.sleep(0.001)
+
+
+def consumer(inbox, outbox, settle_between):
     readers = {}
     while (message := inbox.get(timeout=TIMEOUT)) is not None:
         mode, payload = message
         if mode == "attach":
             name, data = payload
             readers[name] = devipc.open_arena(data)
-            outbox.put("attached")
+            outbox.send("attached")
             continue
         held = []
         if mode in ("torch-cpu", "per-tensor", "via-cpu"):
@@ -89,11 +100,23 @@ def consumer(inbox, outbox):
                 reader.ack(chunk)
                 del chunk
         torch.accelerator.synchronize()
-        outbox.put("done")  # the clock stops here; the check below is not timed
-        outbox.put(checksum(held))
+        outbox.send("done")  # the clock stops here; what follows is not timed
+        total = checksum(held)
         del held
+        if settle_between:
+            settle()
+        outbox.send(total)
     for reader in readers.values():
         reader.close()
+
+
+def receive(outbox):
+    """The consumer's next reply. Replies go through a pipe, written by the consumer's own
+    thread: a Queue's feeder thread can wait for the GIL while the consumer computes its
+    (untimed) checksum, and "done" would arrive milliseconds late."""
+    if not outbox.poll(TIMEOUT):
+        raise TimeoutError(f"no reply from the consumer within {TIMEOUT} s")
+    return outbox.recv()
 
 
 def progress(text):
@@ -122,9 +145,9 @@ def sync(mode, state, cpu_state, packed, arenas, inbox, outbox) -> tuple[float, 
             inbox.put(arena.put(chunk, timeout=TIMEOUT))
         inbox.put(None)
         opened = 0  # the arena was opened once, before
-    assert outbox.get(timeout=TIMEOUT) == "done"
+    assert receive(outbox) == "done"
     elapsed = time.perf_counter() - start
-    got = outbox.get(timeout=TIMEOUT)
+    got = receive(outbox)
     expected = checksum(state.values())
     assert abs(got - expected) <= 1e-3 * max(1.0, abs(expected)), (mode, got, expected)
     return elapsed, opened
@@ -141,7 +164,7 @@ def arena_memory(state, arena, inbox, outbox, rounds):
             inbox.put(arena.put(chunk, timeout=TIMEOUT))
             seen.append(torch.openreg.memory_allocated() - before)
         inbox.put(None)
-        outbox.get(timeout=TIMEOUT)
+        receive(outbox)
     return before, seen, torch.openreg.max_memory_allocated() - before
 
 
@@ -150,6 +173,9 @@ def main():
     parser.add_argument("--mib", type=int, default=256, help="total size of the state_dict")
     parser.add_argument("--steps", type=int, default=5,
                         help="syncs after the first (a trainer syncs every step), median shown")
+    parser.add_argument("--tight-loop", action="store_true",
+                        help="syncs back to back: the consumer's releases of one sync run in "
+                             "the next (by default they run between syncs, untimed)")
     args = parser.parse_args()
     total = args.mib << 20
     shapes = transformer_shapes(total)
@@ -160,11 +186,13 @@ def main():
     for tensor in cpu_state.values():
         tensor.share_memory_()
     nbytes = sum(t.nbytes for t in state.values())
-    print(f"state_dict: {len(state)} tensors, {nbytes / 2**20:.0f} MiB", flush=True)
+    print(f"state_dict: {len(state)} tensors, {nbytes / 2**20:.0f} MiB; the consumer's releases "
+          f"run {'in the next sync' if args.tight_loop else 'between syncs'}", flush=True)
 
     ctx = mp.get_context("spawn")
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=consumer, args=(inbox, outbox), daemon=True)
+    inbox = ctx.Queue()
+    outbox, replies = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=consumer, args=(inbox, replies, not args.tight_loop), daemon=True)
     proc.start()
     try:
         biggest = max(-(-t.nbytes // 256) * 256 for t in state.values())
@@ -172,7 +200,7 @@ def main():
                   "arena-1": devipc.Arena(max(nbytes // 8, biggest), "openreg", buffers=1)}
         for name, one in arenas.items():
             inbox.put(("attach", (name, one.attach())))
-            assert outbox.get(timeout=TIMEOUT) == "attached"
+            assert receive(outbox) == "attached"
         arena = arenas["arena"]
         results = {}
         for mode in ("torch-cpu", "per-tensor", "bucket", "packed", "arena", "arena-1",

@@ -5,7 +5,7 @@ Columns, because a weight sync moves thousands of tensors: one wire field per co
 same for one entry or for 19,500, where fields per entry cost microseconds each to write, read
 and check. A tensor handle is a table of one entry.
 """
-from itertools import accumulate, chain
+from itertools import accumulate, chain, repeat
 from operator import floordiv, mod
 
 import torch
@@ -115,11 +115,10 @@ class Table:
         if any(map(mod, starts, itemsizes)):
             raise ValueError(f"shifted by {shift} bytes, a row would not start at a multiple of "
                              f"its item size")
-        new, set_ = torch.Tensor.new, torch.Tensor.set_
-        views = {name: set_(new(empties[dtype]), storage, start, shape, stride)
-                 for name, dtype, start, shape, stride
-                 in zip(self.names, self.dtypes, map(floordiv, starts, itemsizes), self.shapes,
-                        self.strides)}
+        fresh = map(torch.Tensor.new, map(empties.__getitem__, self.dtypes))
+        views = dict(zip(self.names, map(torch.Tensor.set_, fresh, repeat(storage),
+                                         map(floordiv, starts, itemsizes), self.shapes,
+                                         self.strides)))
         if requires_grad:
             for view in views.values():
                 view.requires_grad_(True)
