@@ -5,8 +5,10 @@ It uses `_runtime`'s library handle and error check; what the package itself cal
 statistics, stream lookup) the tests take from `_runtime`. Constants mirror openreg.h, checked by
 test_runtime.py.
 """
+import contextlib
 import ctypes
 import os
+import threading
 
 from devipc_openreg._runtime import check, declare, lib, stream_from_id
 
@@ -225,3 +227,18 @@ class Gate:
 
     def open(self):
         assert _libc.sem_post(ctypes.c_void_p(self.addr)) == 0
+
+
+@contextlib.contextmanager
+def held_stream(stream, timeout):
+    """An openreg `torch.Stream` held back by a Gate until the block ends; a timer opens the gate
+    after `timeout` seconds, so a failing test cannot hang the stream."""
+    gate = Gate()
+    safety = threading.Timer(timeout, gate.open)
+    safety.start()
+    try:
+        gate.hold_torch_stream(stream)
+        yield gate
+    finally:
+        gate.open()
+        safety.cancel()

@@ -4,7 +4,6 @@ is really taken, queued on the caller's current stream, and a device without the
 works."""
 import os
 import sys
-import threading
 
 import _p2p_workers
 import pytest
@@ -17,7 +16,7 @@ from devipc.p2p import _endpoint
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
-from _native import Gate  # noqa: E402 - the openreg tests' stream gate
+from _native import held_stream  # noqa: E402 - the openreg tests' stream gate
 
 NBYTES = 1 << 16
 
@@ -144,21 +143,13 @@ def test_an_async_batch_is_queued_on_the_callers_current_stream(owner, peer, bat
     remotes = [call("advertise", tensor_id, 16 * i, 16) for i in range(16)]
     locals_ = [torch.zeros(4, device="openreg") for _ in remotes]
     minus = torch.full((4,), -1.0, device="openreg")
-    stream = torch.accelerator.current_stream()
-    gate = Gate()
-    safety = threading.Timer(TIMEOUT, gate.open)  # a failing test must not hang the stream
-    safety.start()
-    try:
-        gate.hold_torch_stream(stream)
+    with held_stream(torch.accelerator.current_stream(), TIMEOUT):
         for local in locals_:
             local.copy_(minus)  # the caller's own work (asynchronous), queued first
         transfer = peer.readv_async(locals_, remotes)
         assert batches == [16] and not transfer.done()
         with pytest.raises(TimeoutError):
             transfer.wait(0.01)
-    finally:
-        gate.open()
-        safety.cancel()
     transfer.wait(TIMEOUT)
     assert torch.equal(torch.cat([t.cpu() for t in locals_]), torch.arange(64.0))
     call("drop", tensor_id)

@@ -4,7 +4,6 @@ peers; a freed, deregistered or collected remote tensor raises and its mapping i
 SIGKILLed owner gives a clear error and leaves nothing behind."""
 import os
 import sys
-import threading
 
 import _p2p_workers
 import pytest
@@ -15,7 +14,7 @@ import devipc
 import devipc.p2p as p2p
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
-from _native import Gate  # noqa: E402 - the openreg tests' stream gate
+from _native import held_stream  # noqa: E402 - the openreg tests' stream gate
 
 both_modes = pytest.mark.usefixtures("ipc_mode")
 
@@ -100,20 +99,12 @@ def test_device_transfers_are_queued_on_the_callers_current_stream(owner, peer):
     tensor_id, whole = owner.call("create", torch.arange(16, dtype=torch.float32), "openreg")
     local = torch.zeros(16, device="openreg")
     hundreds = torch.full((16,), 100.0, device="openreg")
-    stream = torch.accelerator.current_stream()
-    gate = Gate()
-    safety = threading.Timer(TIMEOUT, gate.open)  # a failing test must not hang the stream
-    safety.start()
-    try:
-        gate.hold_torch_stream(stream)
+    with held_stream(torch.accelerator.current_stream(), TIMEOUT):
         local.copy_(hundreds)  # the caller's own work (asynchronous), queued first
         transfer = peer.read_async(local, whole)
         assert not transfer.done()  # queued behind the gate, behind add_
         with pytest.raises(TimeoutError):
             transfer.wait(0.01)
-    finally:
-        gate.open()
-        safety.cancel()
     transfer.wait(TIMEOUT)
     assert transfer.done() and local.cpu().tolist() == list(range(16))  # read after copy_
     owner.call("drop", tensor_id)
