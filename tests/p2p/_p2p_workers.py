@@ -10,12 +10,26 @@ import devipc
 import devipc.p2p as p2p
 
 
-def owner(conn):
-    """Registers and advertises on request; reports what it holds. Commands are tuples."""
+def nixl_registered(transport, addr: int, nbytes: int) -> bool:
+    """Whether NIXL's agent itself has [addr, addr + nbytes) registered: preparing a local
+    descriptor list succeeds only for memory some backend registered."""
+    agent = transport._agent
+    try:
+        agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(addr, nbytes, 0)], "DRAM").release()
+    except Exception as error:  # NIXL's own exception type
+        assert type(error).__name__ == "nixlNotFoundError", error
+        return False
+    return True
+
+
+def owner(conn, transport="auto"):
+    """Registers and advertises on request over an Endpoint(transport=...); reports what it
+    holds. Commands are tuples."""
     import devipc_openreg  # noqa: F401 - the device, also where autoload is off
 
-    endpoint = p2p.Endpoint()
+    endpoint = p2p.Endpoint(transport=transport)
     tensors: dict[int, torch.Tensor] = {}
+    spans: dict[int, tuple[int, int]] = {}  # id -> (address, bytes), kept after the tensor went
     conn.send(("ready", os.getpid(), endpoint.metadata()))
     while True:
         command, *args = recv(conn, TIMEOUT)
@@ -31,12 +45,15 @@ def owner(conn):
             tensor, tensor_id = p2p.create_tensor(values.shape, values.dtype, device)
             tensor.copy_(values)
             tensors[tensor_id] = tensor
+            spans[tensor_id] = (tensor.data_ptr(), tensor.nbytes)
             conn.send((tensor_id, endpoint.advertise(tensor)))
             del tensor  # only `tensors` holds it: "drop" must be its last reference
         elif command == "advertise":  # (id, offset, nbytes) -> descriptor
             conn.send(endpoint.advertise(*args))
         elif command == "get":
             conn.send(tensors[args[0]].cpu().clone())
+        elif command == "registered":  # -> whether NIXL's agent has the memory registered
+            conn.send(nixl_registered(endpoint._transport, *spans[args[0]]))
         elif command == "free":
             p2p.free_tensor(tensors[args[0]])
             conn.send("ok")

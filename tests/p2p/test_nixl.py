@@ -1,6 +1,6 @@
 """devipc.p2p through NIXL (`Endpoint(transport="nixl")`): two processes, UCX over TCP loopback.
 Skipped, with the reason, where NIXL is not installed; the error without it is tested anyway."""
-import _nixl_workers
+import _p2p_workers
 import pytest
 import torch
 from _support import TIMEOUT, open_fds, recv, run_python
@@ -32,7 +32,7 @@ def loopback(monkeypatch):
 @pytest.fixture
 def owner(children, loopback):
     """(control pipe, connection to it): a child whose endpoint goes through NIXL."""
-    proc, conn = children.start_piped(_nixl_workers.nixl_owner)
+    proc, conn = children.start_piped(_p2p_workers.owner, "nixl")
     ready, _, metadata = recv(conn)
     assert ready == "ready"
     endpoint = p2p.Endpoint(transport="nixl")
@@ -153,7 +153,7 @@ def test_bad_input_is_a_clear_error(owner):
 
 @needs_nixl
 def test_a_killed_peer_is_a_clear_error_not_a_hang(children, loopback):
-    proc, conn = children.start_piped(_nixl_workers.nixl_owner)
+    proc, conn = children.start_piped(_p2p_workers.owner, "nixl")
     _, _, metadata = recv(conn)
     with p2p.Endpoint(transport="nixl") as endpoint:
         connection = endpoint.connect(metadata)
