@@ -346,6 +346,10 @@ def hold_from_queue(inbox, outbox, gate=None):
 
 
 # -- arena -----------------------------------------------------------------------------------------
+def exit_now(*_received):
+    """Receives its arguments (an arena attachment) and ends without using them."""
+
+
 def arena_consumer(attachment, inbox, outbox, acknowledge):
     """Opens an arena; for each chunk's bytes, reports (generation, values by name) and, if told
     to, acknowledges it; None: close and exit."""

@@ -213,3 +213,61 @@ def test_an_attachment_opens_once():
             devipc.open_arena(data)
         reader.close()
     _drain()
+
+
+def test_an_attachment_never_opened_does_not_hold_the_producer(children):
+    """A consumer that dies after attach() and before open_arena: puts go on, no timeout."""
+    arena = devipc.Arena(4096, "openreg", buffers=2)
+    proc = children.start(_workers.exit_now, arena.attach())  # receives the bytes, opens nothing
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 0
+    lost = arena.attach()  # bytes that never reach anyone
+    del lost
+    for generation in range(6):
+        arena.put(_chunk(generation), timeout=1)
+    assert [c["state"] for c in arena.consumers().values()] == ["not opened yet"] * 2
+    arena.close()
+    _drain()
+
+
+def test_a_reader_opening_late_starts_after_the_refilled_buffers():
+    with devipc.Arena(4096, "openreg", buffers=2) as arena:
+        data = arena.attach()
+        chunks = [arena.put(_chunk(generation), timeout=1) for generation in range(4)]
+        reader = devipc.open_arena(data)
+        assert reader.acknowledged == 1  # chunks 0 and 1 lie in buffers refilled by 2 and 3
+        for old in chunks[:2]:
+            with pytest.raises(devipc.InvalidHandleError, match="before this reader opened"):
+                reader.read(old)
+        chunk = reader.read(chunks[2])
+        assert chunk.tensors["b"].cpu().tolist() == [2] * 7
+        with pytest.raises(devipc.AckTimeoutError):  # the late reader now counts
+            arena.put(_chunk(4), timeout=0.2)
+        reader.ack(chunk)
+        arena.put(_chunk(4), timeout=1)
+        del chunk
+        reader.close()
+    _drain()
+
+
+def test_records_of_closed_and_revoked_attachments_are_reused():
+    with devipc.Arena(1024, "openreg") as arena:
+        for _ in range(3 * 64):  # attach/open/close cycles: each record freed for the next
+            devipc.open_arena(arena.attach()).close()
+        unopened = [arena.attach() for _ in range(64)]
+        with pytest.raises(ValueError, match="at most 64 consumers attached at a time"):
+            arena.attach()
+        devipc.set_unopened_deadline(0.05)
+        try:
+            wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
+                       "the unopened attachments revoked by the deadline")
+        finally:
+            devipc.set_unopened_deadline(None)
+        fresh = arena.attach()  # a revoked attachment's record, under a new serial
+        for stale in unopened:
+            with pytest.raises(devipc.InvalidHandleError):
+                devipc.open_arena(stale)
+        reader = devipc.open_arena(fresh)
+        reader.read(arena.put({"a": torch.ones(1, device="openreg")}))
+        reader.close()
+    _drain()

@@ -44,8 +44,18 @@ def other_accelerator() -> str | None:
     return next((name for name, check in checks.items() if _available(check)), None)
 
 
-def autoload() -> None:
+def switch_value() -> str:
+    """DEVIPC_OPENREG as documented: unset or empty (decide by the machine), "1" or "0"."""
     switch = os.environ.get(SWITCH, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{SWITCH}={switch!r} is not understood: set {SWITCH}=1 to load openreg "
+                         f"even next to another accelerator, {SWITCH}=0 never to autoload it, or "
+                         f"leave it unset")
+    return switch
+
+
+def autoload() -> None:
+    switch = switch_value()
     if switch == "0":
         return
     claim = privateuse1_claim()

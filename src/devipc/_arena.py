@@ -7,12 +7,20 @@ sync; through an arena it does so once per consumer and then only copies. The ar
 chunk k + 1 while the consumer still works on chunk k.
 
 Acknowledgements live in a small control file (a memfd) that the producer owns and each consumer
-maps: one record per consumer, (state, acknowledged generation, pid). A consumer keeps an OFD
-lock (`_locks`) on its record while attached, so a record that says ATTACHED and whose lock is
+maps: a header whose first word is the newest generation the producer started to fill, then one
+record per consumer, (state, acknowledged generation, pid, attachment serial). A consumer keeps an
+OFD lock (`_locks`) on its record while attached, so a record that says ATTACHED and whose lock is
 free belongs to a consumer that died: the producer's wait ends there and names it. Every wait is
 bounded by a timeout. Chunk tables travel as devipc wire bytes (`_wire`) by whatever transport
 the user picks.
+
+Only consumers that opened their attachment are waited for: one that never opens it (it died, the
+bytes were lost, the send was revoked) cannot hold the producer. A consumer that opens late starts
+after the chunks whose buffers may already be refilled (the header word tells which); the header
+lock orders its "attached" against the producer's next fill. Records of closed, dead and revoked
+attachments are reused, each time under a new serial, so stale attachment bytes never open one.
 """
+import itertools
 import os
 import secrets
 import time
@@ -31,7 +39,7 @@ _MAGIC = b"ACKS"
 MAX_CONSUMERS = 64
 MAX_BUFFERS = 16
 _HEADER = 64
-_RECORD = 32  # bytes: state, acknowledged generation, pid, unused
+_RECORD = 32  # bytes: state, acknowledged generation, pid, attachment serial
 _CONTROL_BYTES = _HEADER + MAX_CONSUMERS * _RECORD
 FREE, PENDING, ATTACHED, CLOSED, GONE = 0, 1, 2, 3, 4
 _STATE_NAMES = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached", CLOSED: "closed",
@@ -65,9 +73,25 @@ class _Records:
     def set_pid(self, index: int, pid: int) -> None:
         self._word(index, 2).value = pid
 
+    def serial(self, index: int) -> int:
+        return self._word(index, 3).value
+
+    def set_serial(self, index: int, serial: int) -> None:
+        self._word(index, 3).value = serial
+
+    def filling(self) -> int:
+        """The newest generation the producer started to fill (-1: none). Under the header lock."""
+        return self.mapping.int64(0).value
+
+    def set_filling(self, generation: int) -> None:
+        self.mapping.int64(0).value = generation
+
     @staticmethod
     def lock_range(index: int) -> tuple[int, int]:
         return _HEADER + _RECORD * index, _RECORD
+
+
+_HEADER_LOCK = (0, 8)  # the `filling` word
 
 
 def _positive(value, what: str) -> int:
@@ -99,28 +123,59 @@ class Arena:
                                     device=self.device).untyped_storage()
         self._control = SharedFile(_MAGIC, _CONTROL_BYTES)
         self._records = _Records(self._control.buffer)
+        self._records.set_filling(-1)
         self._token = secrets.token_bytes(16)
-        self._sends: list[_handles.Handle] = []
+        self._sends: dict[int, _handles.Handle] = {}  # record index -> its attachment's send
+        self._serials = itertools.count(1)
         self.generation = -1  # the last one put
 
     def attach(self) -> bytes:
         """One consumer's way in, for `open_arena`: a send of the arena (opened once) and a
         record in the control file. Chunks put before it are not for that consumer."""
         self._check_open()
-        free = [i for i in range(MAX_CONSUMERS) if self._records.state(i) == FREE]
-        if not free:
-            raise ValueError(f"an arena has at most {MAX_CONSUMERS} consumers")
-        index = free[0]
+        index = self._take_record()
+        serial = next(self._serials)
         self._records.set_ack(index, self.generation)
         self._records.set_pid(index, 0)
-        self._records.set_state(index, PENDING)
+        self._records.set_serial(index, serial)
         device, *shared = _sharing.share_device(self._storage)
         send = _handles.Handle(True, device, _handles._identity(device), tuple(shared), False,
                                Table([], [], [], [], []))
-        self._sends.append(send)
+        self._sends[index] = send
+        self._records.set_state(index, PENDING)
         writer = _wire.Writer(_wire.ARENA).bytes(self._token).bytes(bytes(send))
         writer.bytes(self._control.handle).int(index).int(self.nbytes).int(self.buffers)
+        writer.int(serial)
         return writer.done()
+
+    def _take_record(self) -> int:
+        """A record nobody uses: free, or of a consumer that closed or died, or of an
+        attachment nobody opened whose send ended (revoked, or its deadline passed). Taken
+        under the record's lock, so no consumer is opening it meanwhile."""
+        records = self._records
+        for index in range(MAX_CONSUMERS):
+            state = records.state(index)
+            if state == ATTACHED:
+                self._died(index)  # a dead consumer's record is free once marked
+                state = records.state(index)
+            if state == PENDING:
+                send = self._sends.get(index)
+                if send is not None and send.unopened():
+                    continue  # its consumer may still open it
+            elif state not in (FREE, CLOSED, GONE):
+                continue
+            start, length = _Records.lock_range(index)
+            if not _locks.try_lock(self._control.fd, start, length):
+                continue  # a consumer is in the middle of opening or closing it
+            try:
+                if records.state(index) == state:
+                    records.set_state(index, FREE)
+                    self._sends.pop(index, None)
+                    return index
+            finally:
+                _locks.unlock(self._control.fd, start, length)
+        raise ValueError(f"an arena has at most {MAX_CONSUMERS} consumers attached at a time: "
+                         f"close a reader (or revoke an attachment nobody will open) first")
 
     def put(self, named_tensors, timeout: float = 60.0) -> bytes:
         """Copy a chunk of named tensors into the next buffer, packed as `share_tensors` packs
@@ -136,6 +191,7 @@ class Arena:
             raise ValueError(f"the chunk needs {end} bytes, an arena buffer holds {self.nbytes}: "
                              f"split it into smaller chunks")
         generation = self.generation + 1
+        self._announce(generation)
         self.wait_for(generation - self.buffers, timeout)
         buffer = generation % self.buffers
         _handles.fill(self._storage, buffer * self.nbytes, table, items)
@@ -145,14 +201,25 @@ class Arena:
         table.write(writer)
         return writer.done()
 
+    def _announce(self, generation: int) -> None:
+        """Say which generation is about to be filled, before looking at who to wait for: a
+        consumer attaching meanwhile either is waited for or starts after what it overwrites."""
+        fd = self._control.fd
+        _locks.lock(fd, *_HEADER_LOCK)
+        try:
+            self._records.set_filling(max(generation, self._records.filling()))
+        finally:
+            _locks.unlock(fd, *_HEADER_LOCK)
+
     def wait_for(self, generation: int, timeout: float = 60.0) -> None:
-        """Return once every consumer acknowledged `generation` (or closed). ConsumerDiedError
+        """Return once every attached consumer (one that opened its attachment) acknowledged
+        `generation`, or closed. ConsumerDiedError
         names the consumers found dead, which stop counting; AckTimeoutError after `timeout`."""
         timeout = _check_timeout(timeout)
         deadline, pause = time.monotonic() + timeout, 0.00005
         while True:
             waiting = [i for i in range(MAX_CONSUMERS)
-                       if self._records.state(i) in (PENDING, ATTACHED)
+                       if self._records.state(i) == ATTACHED
                        and self._records.ack(i) < generation]
             dead = [(i, self._records.pid(i)) for i in waiting if self._died(i)]
             if dead:
@@ -197,7 +264,7 @@ class Arena:
         the consumers that opened it let go (or died). Idempotent."""
         if self._storage is None:
             return
-        for send in self._sends:
+        for send in self._sends.values():
             send.revoke()
         self._sends.clear()
         self._storage = None
@@ -238,6 +305,7 @@ class ArenaReader:
         self._index = reader.int("consumer index", 0, MAX_CONSUMERS - 1)
         self.nbytes = reader.int("buffer size", 1)
         self.buffers = reader.int("buffer count", 1, MAX_BUFFERS)
+        serial = reader.int("attachment serial")
         reader.end()
         if send.kind != "bucket" or send.nbytes != self.nbytes * self.buffers:
             raise InvalidHandleError(f"the arena's allocation has {send.nbytes} bytes, not "
@@ -249,18 +317,26 @@ class ArenaReader:
                                          f"this one {self._mapping.size}")
             self._records = _Records(self._mapping)
             if not _locks.try_lock(self._mapping.fd, *_Records.lock_range(self._index)) \
-                    or self._records.state(self._index) != PENDING:
+                    or self._records.state(self._index) != PENDING \
+                    or self._records.serial(self._index) != serial:
                 raise InvalidHandleError("this arena attachment was already opened (attach once "
-                                         "per consumer) or the arena is closed")
+                                         "per consumer), revoked, or the arena is closed")
             self._storage = _handles._open_storage(send, device)  # the one send: opened once
         except BaseException:
             self._mapping.close()  # the lock goes with it
             raise
         self.device = self._storage.device
-        self.acknowledged = self._records.ack(self._index)
+        records, index = self._records, self._index
+        records.set_pid(index, os.getpid())
+        records.set_state(index, ATTACHED)
+        _locks.lock(self._mapping.fd, *_HEADER_LOCK)  # after ATTACHED: see `Arena._announce`
+        try:
+            filling = records.filling()
+        finally:
+            _locks.unlock(self._mapping.fd, *_HEADER_LOCK)
+        self.acknowledged = max(records.ack(index), filling - self.buffers)
+        records.set_ack(index, self.acknowledged)
         self._read = self.acknowledged
-        self._records.set_pid(self._index, os.getpid())
-        self._records.set_state(self._index, ATTACHED)
 
     def read(self, data) -> Chunk:
         """The tensors of a chunk's bytes from `Arena.put`, as views of the arena (clone what
@@ -275,7 +351,9 @@ class ArenaReader:
         reader.end()
         if generation <= self.acknowledged:
             raise InvalidHandleError(f"chunk {generation} is older than the acknowledged "
-                                     f"generation {self.acknowledged}: its buffer may be reused")
+                                     f"generation {self.acknowledged} (acknowledged here, or put "
+                                     f"before this reader opened the arena): its buffer may be "
+                                     f"reused")
         if buffer != generation % self.buffers:
             raise InvalidHandleError(f"chunk {generation} claims buffer {buffer}, not "
                                      f"{generation % self.buffers}")

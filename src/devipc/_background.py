@@ -1,9 +1,17 @@
 """One daemon thread per process that runs devipc's periodic work while there is some: the
 producer's collection (dead consumers, deadlines) and the consumer's releases that wait for
 device work. It exits when nothing is pending and is started again by `wake`.
+
+At interpreter exit nothing is started any more: a thread started while Python finalizes never
+runs, and `threading.Thread.start` would wait for it forever (storages freed at shutdown wake the
+collector). Threads are started without waiting for them to run, for the same reason. What the
+collector would have freed goes with the process; consumers keep their mappings valid.
 """
+import _thread
+import atexit
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -19,29 +27,40 @@ class Background:
         self._stop = threading.Event()
         self._running = False
         self._kicked = False
+        self._exiting = False
         os.register_at_fork(after_in_child=self._forget_thread)
+        atexit.register(self._stop_at_exit)
 
     def wake(self) -> None:
         """Make sure a thread runs rounds until nothing is pending."""
         with self._lock:
             self._kicked = True
-            if self._running:
+            if self._running or self._exiting or sys.is_finalizing():
                 return
             self._running = True
-        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+        try:
+            _thread.start_new_thread(self._loop, ())
+        except RuntimeError:  # "can't start new thread": the next wake tries again
+            with self._lock:
+                self._running = False
 
     def _loop(self) -> None:
         while not self._stop.wait(INTERVAL):
             try:
                 more = self._round()
             except Exception:  # noqa: BLE001 - keep the thread alive; the next round retries
-                _log.exception("devipc: a collector round failed; retrying")
+                _log.exception("devipc: a round of %s failed; retrying", self._name)
                 more = True
             with self._lock:
                 if not more and not self._kicked:
                     self._running = False
                     return
                 self._kicked = False
+
+    def _stop_at_exit(self) -> None:
+        with self._lock:
+            self._exiting = True
+        self._stop.set()
 
     def _forget_thread(self) -> None:
         self._lock = threading.Lock()  # a forked child has no thread, and maybe a held lock

@@ -171,6 +171,11 @@ class Exports:
             self.collect()
         return revoked
 
+    def unopened(self, counter_handle: bytes, index: int) -> bool:
+        """Whether the send named by (counter handle, slot) is ours and may still be opened."""
+        file = self._counters.file(counter_handle)
+        return file is not None and file.counter.state(index) == SENT
+
     def pending(self) -> bool:
         """Whether a later collection may still free something."""
         return bool(self._active) or bool(self._dropped)

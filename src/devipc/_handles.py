@@ -82,6 +82,10 @@ class Handle:
         table = Table.read(reader, size)
         if reader.kind == _wire.TENSOR and len(table) != 1:
             raise InvalidHandleError(f"a tensor handle holds one tensor, this one {len(table)}")
+        if requires_grad:
+            if reader.kind == _wire.BUCKET:
+                raise InvalidHandleError("a bucket handle's tensors never require grad")
+            _sharing.check_grad(table.dtypes[0], requires_grad)
         reader.end()
         shared = (mem or None, size, offset, counter or None, slot, event, sync)
         return cls(reader.kind == _wire.BUCKET, device, identity, shared, requires_grad, table)
@@ -94,6 +98,11 @@ class Handle:
         InvalidHandleError); whether it did. Only the process that made the handle can."""
         _, _, _, counter, slot, _, _ = self._shared
         return counter is not None and _sharing.revoke_send(counter, slot)
+
+    def unopened(self) -> bool:
+        """Producer: whether this send may still be opened (not opened, revoked nor expired)."""
+        _, _, _, counter, slot, _, _ = self._shared
+        return counter is not None and _sharing.send_unopened(counter, slot)
 
     def __repr__(self) -> str:
         return (f"<devipc.Handle {self.kind} of {len(self._table)} on {self._device}, "
@@ -222,7 +231,7 @@ def _open_storage(handle: Handle, device) -> torch.UntypedStorage:
     target = None if device is None else _sharing.local_device(device, handle.device.type)
     mem, size, offset, counter, slot, event, sync = handle._shared
     if mem is None:
-        return torch.UntypedStorage(0, device=target or handle.device)
+        return _sharing.empty_storage(target or handle.device)
     return _sharing.new_shared_device(handle.device, mem, size, offset, counter, slot, event,
                                       sync, target=target)
 

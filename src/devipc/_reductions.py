@@ -15,6 +15,8 @@ from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, stora
 from ._errors import InvalidHandleError
 from ._hooks import device_supports_ipc, on_register, torch_shares, unsupported_device
 from ._sharing import (
+    check_grad,
+    empty_storage,
     new_shared_device,
     release_ipc_counter_device,
     requested_device,
@@ -33,7 +35,7 @@ def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handl
     bytes), wrapped or not; plus the device asked for, when the caller overwrote args[6]."""
     handle, origin, target = requested_device(device, handle)
     if not handle and size_bytes == 0 and type(size_bytes) is int and ref_counter_handle is None:
-        return torch.UntypedStorage(0, device=target or origin)  # empty: travels without a send
+        return empty_storage(target or origin)  # empty: travels without a send
     if not isinstance(handle, bytes) or not handle or type(size_bytes) is not int \
             or size_bytes <= 0:
         # a forged empty storage would leave its slot unreleased; a bytearray is unhashable
@@ -62,6 +64,7 @@ def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset,
     """Same 15 positional arguments as torch's rebuild_cuda_tensor. The device at index 6, left
     as the producer wrote it, means the local device that owns the memory (found by identity);
     overwritten (an index, as for CUDA), it means that device, where the hooks can map it."""
+    check_grad(dtype, requires_grad)  # before the send is taken: the genuine bytes still open
     storage = _receive_storage(storage_device, storage_handle, storage_size_bytes,
                                storage_offset_bytes, ref_counter_handle, ref_counter_offset,
                                event_handle, event_sync_required)

@@ -23,9 +23,10 @@ from ._memory import storage_from_memory
 from ._received import DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
-__all__ = ["LIMBO_WARN_BLOCKS", "ipc_collect", "local_device", "new_shared_device",
-           "received_via_ipc", "release_ipc_counter_device", "requested_device", "revoke",
-           "revoke_send", "set_unopened_deadline", "share_device", "stats"]
+__all__ = ["LIMBO_WARN_BLOCKS", "check_grad", "empty_storage", "ipc_collect", "local_device",
+           "new_shared_device", "received_via_ipc", "release_ipc_counter_device",
+           "requested_device", "revoke", "revoke_send", "send_unopened", "set_unopened_deadline",
+           "share_device", "stats"]
 
 _exports = Exports(wake=lambda: _background.wake())
 _counters = ConsumerCounters()
@@ -206,6 +207,28 @@ def local_device(device, device_type: str) -> torch.device:
     return device
 
 
+def empty_storage(device: torch.device) -> torch.UntypedStorage:
+    """The storage of an empty tensor a handle names: it travels without memory, but its device
+    must exist here."""
+    try:
+        count = torch.get_device_module(device.type).device_count()
+        if device.index is None or 0 <= device.index < count:
+            return torch.UntypedStorage(0, device=device)
+    except (AttributeError, RuntimeError) as error:
+        raise InvalidHandleError(f"this empty tensor's handle names {device}: {error}") from None
+    raise InvalidHandleError(f"this empty tensor's handle names {device}, which this process does "
+                             f"not see ({count} {device.type} devices visible)")
+
+
+def check_grad(dtype, requires_grad) -> None:
+    """A handle's requires_grad flag: a bool, and True only for dtypes autograd supports."""
+    if not isinstance(dtype, torch.dtype) or not isinstance(requires_grad, bool):
+        raise InvalidHandleError(f"malformed tensor: dtype {dtype!r}, requires_grad "
+                                 f"{requires_grad!r}")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidHandleError(f"a {dtype} tensor cannot require grad: the handle is forged")
+
+
 def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
     """Make the current stream of (local) `device` wait for the producer's event."""
     if not isinstance(event_handle, bytes):
@@ -238,6 +261,11 @@ def revoke(storage) -> int:
 def revoke_send(counter_handle: bytes, slot: int) -> bool:
     """Producer: take back the one send named by (counter handle, slot) if nobody opened it."""
     return _exports.revoke_slot(counter_handle, slot)
+
+
+def send_unopened(counter_handle: bytes, slot: int) -> bool:
+    """Producer: whether the send named by (counter handle, slot) may still be opened."""
+    return _exports.unopened(counter_handle, slot)
 
 
 def set_unopened_deadline(seconds: float | None) -> None:

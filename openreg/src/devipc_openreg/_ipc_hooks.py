@@ -16,7 +16,12 @@ from . import _runtime
 
 
 def _events_enabled() -> bool:
-    return os.environ.get("OPENREG_IPC_EVENTS", "0") == "1"
+    """OPENREG_IPC_EVENTS: "1" interprocess events, "0" or unset a synchronization per send."""
+    value = os.environ.get("OPENREG_IPC_EVENTS", "0")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"OPENREG_IPC_EVENTS={value!r} is not understood: set it to 1 "
+                         f"(interprocess events) or 0 (the producer synchronizes), or unset it")
+    return value == "1"
 
 
 def _runtime_stream(stream: torch.Stream) -> int:

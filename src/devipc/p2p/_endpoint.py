@@ -268,17 +268,20 @@ class Connection:
         peer = self._peer
         peer.check_alive()
         peer.sweep()
-        entries = peer.open_all(descs)
-        distinct = list({id(entry): entry for entry in entries}.values())  # few: many ranges each
-        devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
-        devices.update(local.device for local in locals_ if not local.is_cpu)
-        batch = _batch(op, locals_, entries, descs, devices)
-        if batch is None:
-            pairs = [_pair(op, local, entry, desc) for local, entry, desc in
-                     zip(locals_, entries, descs)]
-        else:
-            pairs = batch
-        peer.pin(entries)  # CPU mappings stay while copies use them
+        entries = peer.open_all(descs)  # pinned: no other thread unmaps them under the copies
+        try:
+            distinct = list({id(entry): entry for entry in entries}.values())  # few, many ranges
+            devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
+            devices.update(local.device for local in locals_ if not local.is_cpu)
+            batch = _batch(op, locals_, entries, descs, devices)
+            if batch is None:
+                pairs = [_pair(op, local, entry, desc) for local, entry, desc in
+                         zip(locals_, entries, descs)]
+            else:
+                pairs = batch
+        except BaseException:
+            peer.unpin(entries)
+            raise
         if not devices and not wait:
             return self._on_host(pairs, entries, locals_)
         try:
@@ -289,7 +292,8 @@ class Connection:
             else:
                 copy_batch, index, table = batch
                 copy_batch(index, table)
-            transfer = Transfer(record_events(devices), keep=(pairs, entries, locals_))
+            remote = [entry.data for entry in distinct]  # kept: their memory outlives the copies
+            transfer = Transfer(record_events(devices), keep=(pairs, remote, locals_))
             if any(entry.device.type == "cpu" for entry in distinct):
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
         finally:

@@ -123,7 +123,8 @@ class Peer:
     # -- opening --
     def open_all(self, descs: list[Descriptor]) -> list[RemoteEntry]:
         """`open` of each descriptor, under one lock for those already open and live (vectors
-        of many ranges of a few registrations)."""
+        of many ranges of a few registrations). Every entry comes back pinned, once per
+        descriptor: `unpin(entries)` when the copies using them are queued or done."""
         entries, missing = [], []
         with self._lock:
             words, cached = self._words, self._entries
@@ -131,17 +132,27 @@ class Peer:
                 entry = cached.get(_key(desc))
                 if entry is None or words is None or words[desc.slot] != desc.reg_id:
                     missing.append(len(entries))
+                else:
+                    entry._pins += 1
                 entries.append(entry)
-        for i in missing:
-            entries[i] = self.open(descs[i])
+        pinned = [entry for entry in entries if entry is not None]
+        try:
+            for i in missing:
+                entries[i] = self.open(descs[i])
+                pinned.append(entries[i])
+        except BaseException:
+            self.unpin(pinned)
+            raise
         return entries
 
     def open(self, desc: Descriptor) -> RemoteEntry:
-        """The opened registration `desc` names; RemoteTensorFreedError if it ended."""
+        """The opened registration `desc` names, pinned (see `open_all`); RemoteTensorFreedError
+        if it ended."""
         key = _key(desc)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and self._live(desc.reg_id, desc.slot):
+                entry._pins += 1
                 return entry
             if entry is not None:
                 del self._entries[key]
@@ -154,13 +165,14 @@ class Peer:
         with self._lock:
             other = self._entries.get(key)
             if other is None and self._page is not None:
-                self._entries[key] = entry
-        if other is not None or self._page is None:  # another thread won, or we were closed
+                self._entries[key] = other = entry
+            if other is not None:
+                other._pins += 1
+        if other is not entry:  # another thread won, or we were closed
             self._drop(entry)
             if other is None:
                 raise ValueError("this connection is closed")
-            return other
-        return entry
+        return other
 
     def _freed(self, desc: Descriptor) -> RemoteTensorFreedError:
         return RemoteTensorFreedError(
@@ -233,12 +245,7 @@ class Peer:
         buffer = (ctypes.c_uint8 * desc.storage_bytes).from_address(mapping.address)
         return RemoteEntry(desc, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
 
-    # -- host copies pin CPU mappings --
-    def pin(self, entries) -> None:
-        with self._lock:
-            for entry in entries:
-                entry._pins += 1
-
+    # -- copies pin the entries they use: a pinned entry is unmapped only once unpinned --
     def unpin(self, entries) -> None:
         closing = []
         with self._lock:
