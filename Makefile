@@ -37,10 +37,13 @@ bench-all: bench
 # The long runs behind docs/reliability.md (the suite runs bounded versions of both).
 fuzz: $(STAMP)
 	$(PY) benchmarks/fuzz_handles.py --mutations 5000 --seed 7
+	$(PY) benchmarks/fuzz_wire.py --mutations 6000 --seed 7
 
 stress: $(STAMP)
 	OPENREG_IPC_EVENTS=0 $(PY) benchmarks/stress.py
 	OPENREG_IPC_EVENTS=1 $(PY) benchmarks/stress.py
+	$(PY) benchmarks/p2p_stress.py --threads 8 --transfers 10000
+	$(PY) benchmarks/exit_soak.py --runs 100 --limit 5
 
 setup: $(STAMP)
 

@@ -27,7 +27,9 @@ def _back_to(baseline, what):
                       and torch.accelerator.memory_allocated() == baseline, what, timeout=10)
 
 
-def test_resizing_after_a_send_is_refused_and_the_sent_memory_stays(children):
+def test_resizing_after_a_send_gives_new_memory_and_the_sent_memory_stays(children):
+    """CUDA's semantics, and FSDP's pattern: send, resize_(0), regrow, write. The sent block
+    stays for the consumer; the producer's tensor gets new memory; nothing aliases."""
     baseline = _baseline()
     inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
     children.start(_workers.hold_then_write, inbox, outbox)
@@ -35,22 +37,24 @@ def test_resizing_after_a_send_is_refused_and_the_sent_memory_stays(children):
     sent_ptr = t1.data_ptr()
     inbox.put(t1)
     assert outbox.get(timeout=TIMEOUT) == 1024.0
-    # As with torch's shared CPU tensors: a sent storage is not resizable any more.
-    with pytest.raises(RuntimeError, match="cannot be resized"):
-        t1.resize_(4096)
-    with pytest.raises(RuntimeError, match="cannot be resized"):
-        t1.untyped_storage().resize_(0)
-    t1.set_(torch.empty(0, device="openreg"))  # the producer lets go of the sent storage
-    del t1
-    devipc.ipc_collect()
+    storage = t1.untyped_storage()
+    assert storage.resizable()
+    storage.resize_(0)  # FSDP frees an unsharded parameter so
+    assert t1.untyped_storage().nbytes() == 0
+    storage.resize_(4096)  # ...and regrows it
+    t1.fill_(2.0)
+    assert t1.data_ptr() != sent_ptr, "the regrown storage reuses the sent block"
+    t1.resize_(2048)  # a tensor's resize_ grows its storage the same way
+    t1[1024:] = 3.0
     t2 = torch.zeros(1024, device="openreg")
-    assert t2.data_ptr() != sent_ptr, "the sent block was reused while a consumer holds it"
+    assert sent_ptr not in (t1.data_ptr(), t2.data_ptr()), "the sent block was reused"
     inbox.put("write")
     assert outbox.get(timeout=TIMEOUT) == "written"
     assert t2.sum().item() == 0, "the consumer's write landed in the producer's next tensor"
+    assert t1[:1024].sum().item() == 2048 and t1[1024:].sum().item() == 3072
     inbox.put("exit")
     children.join_ok()
-    del t2
+    del t1, t2, storage
     _back_to(baseline, "memory back after the consumer exited")
 
 

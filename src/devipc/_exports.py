@@ -4,9 +4,16 @@ storage object that pointed at it when it was sent.
 The first send of a storage swaps its DataPtr with that of an alias over the same bytes
 (`_swap_data_ptr_`), as CUDA's sender swaps in its sent-data context: the alias (the export's
 `owner`) now owns the allocation, and the producer's storage reaches the same bytes through a
-DataPtr whose deleter keeps the owner alive. So whatever the producer does to its storage later
-(resize_, set_, dropping it), the allocation lives until the storage stops pointing at it AND each
-slot sent for it is released, revoked, or held by a process that died.
+DataPtr whose deleter keeps the owner alive (the device's optional `make_resizable` hook gives the
+storage its allocator back, so it stays resizable as a CUDA storage does). So whatever the
+producer does to its storage later (resize_, set_, dropping it), the allocation lives until the
+storage stops pointing at it AND each slot sent for it is released, revoked, or held by a process
+that died AND every `hold` on it (a p2p registration) ended.
+
+This is the one rule of every path that lets a peer reach memory (queue, typed handle, bucket,
+arena, p2p on either transport): memory a peer may reach never returns to the allocator, or to
+another tensor, while the peer may reach it. A hold also learns when its storage stops pointing
+at the allocation (`on_moved`), so that what advertised it can stop advertising it.
 """
 import collections
 import itertools
@@ -19,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from ._hooks import hooks_for
 from ._memory import storage_from_memory, storage_key
 from ._refcount import HELD, RELEASED, REVOKED, SENT, ProducerCounters, ProducerFile
 
@@ -27,15 +35,30 @@ _log = logging.getLogger("devipc")
 
 
 class Export:
-    """One exported allocation: its owner and the slots sent for it."""
+    """One exported allocation: its owner, the slots sent for it, the holds on it."""
 
-    __slots__ = ("id", "owner", "slots", "aliased", "key")
+    __slots__ = ("id", "owner", "slots", "aliased", "key", "holds")
 
     def __init__(self, export_id: int, key: tuple):
         self.id, self.key = export_id, key
         self.owner: torch.UntypedStorage | None = None
         self.slots: list[tuple[ProducerFile, int, float]] = []  # (file, index, sent at)
         self.aliased = True  # a producer storage still points at the allocation
+        self.holds: list[Hold] = []
+
+    def finished(self) -> bool:
+        return not self.slots and not self.aliased and not self.holds
+
+
+class Hold:
+    """Keeps an export's allocation alive until `release`; `on_moved()` runs once (from a devipc
+    call or the collector thread, never inside a deleter) when the storage held stops pointing
+    at the allocation."""
+
+    __slots__ = ("export", "on_moved")
+
+    def __init__(self, export: Export, on_moved: Callable[[], None]):
+        self.export, self.on_moved = export, on_moved
 
 
 class Exports:
@@ -50,6 +73,7 @@ class Exports:
         self._active: dict[int, Export] = {}  # exports with slots
         self._held = 0  # slots listed in `_active`
         self._dropped: collections.deque[Export] = collections.deque()  # from deleters
+        self._moved: list[Hold] = []  # holds whose storage moved, to tell outside the lock
         self._collect_at = 64  # amortizes collection over sends; grows with what is held
         self._warned = False
         self.deadline: float | None = None  # seconds an unopened send may wait
@@ -59,16 +83,42 @@ class Exports:
         """A slot for one more send of `storage`'s memory."""
         key = storage_key(storage)
         with self._lock:
-            self._apply_dropped()
-            export = self._by_key.get(key)
-            if export is None:
-                export = self._adopt(storage, key)
+            finished = self._apply_dropped()
+            export = self._export_of(storage, key)
             file, index = self._counters.allocate(export.id)
             self._list(export, file, index, time.monotonic())
             crowded = self._held >= self._collect_at
+        self._let_go(finished)
         if crowded:
             self.collect()
         return file, index
+
+    def hold(self, storage: torch.UntypedStorage, on_moved: Callable[[], None]) -> Hold:
+        """Keep `storage`'s allocation alive until `release(hold)`, whatever becomes of the
+        storage; `on_moved` as in `Hold`."""
+        key = storage_key(storage)
+        with self._lock:
+            finished = self._apply_dropped()
+            export = self._export_of(storage, key)
+            hold = Hold(export, on_moved)
+            export.holds.append(hold)
+        self._let_go(finished)
+        return hold
+
+    def release(self, hold: Hold) -> None:
+        """End a hold; the allocation goes now if nothing else keeps it."""
+        with self._lock:
+            export = hold.export
+            if hold in export.holds:
+                export.holds.remove(hold)
+            if hold in self._moved:
+                self._moved.remove(hold)
+            finished = self._apply_dropped(export)
+        self._let_go(finished)
+
+    def _export_of(self, storage: torch.UntypedStorage, key: tuple) -> Export:
+        export = self._by_key.get(key)
+        return export if export is not None else self._adopt(storage, key)
 
     def _adopt(self, storage: torch.UntypedStorage, key: tuple) -> Export:
         export = Export(next(self._ids), key)
@@ -78,6 +128,9 @@ class Exports:
                                     lambda: (self._dropped.append(export), self._wake()))
         storage._swap_data_ptr_(alias)  # the alias now owns the allocation, `storage` aliases it
         export.owner = alias
+        make_resizable = getattr(hooks_for(storage.device), "make_resizable", None)
+        if make_resizable is not None:
+            make_resizable(storage)
         self._by_id[export.id] = export
         self._by_key[key] = export
         return export
@@ -88,20 +141,54 @@ class Exports:
         self._held += 1
         self._active[export.id] = export
 
-    def _apply_dropped(self) -> None:
-        """Producer storages that stopped pointing at their exports (call with the lock)."""
+    def _list_new_slots(self, now: float) -> None:
+        """List the slots others took in our files since the last look (call with the lock):
+        forwarders, and p2p peers that take a slot of an export they were told of."""
+        for file, index, export_id in self._counters.new_slots():
+            export = self._by_id.get(export_id)
+            if export is not None:
+                self._list(export, file, index, now)
+            else:  # a p2p peer that took its slot as the registration ended: it lets go
+                _log.debug("devipc: a slot taken for export %d, which is gone, is ignored "
+                           "(slot %d)", export_id, index)
+
+    def _apply_dropped(self, *also: Export) -> list[Export]:
+        """Producer storages that stopped pointing at their exports (call with the lock); the
+        exports (of those and `also`) that nothing keeps any more, for `_let_go`."""
+        candidates = list(also)
         while self._dropped:
             export = self._dropped.popleft()
             export.aliased = False
             if self._by_key.get(export.key) is export:
                 del self._by_key[export.key]
+            self._moved.extend(export.holds)
+            candidates.append(export)
+        if not any(export.finished() for export in candidates):
+            return []
+        self._list_new_slots(time.monotonic())  # a slot a peer just took keeps its export
+        return [export for export in candidates
+                if export.finished() and self._by_id.pop(export.id, None) is export]
+
+    def _let_go(self, finished: list[Export]) -> None:
+        """Outside the lock: tell the holds whose storage moved, free what nothing keeps."""
+        for export in finished:
+            export.owner = None  # frees the allocation
+        while True:
+            with self._lock:
+                if not self._moved:
+                    return
+                hold = self._moved.pop(0)
+            try:
+                hold.on_moved()
+            except Exception:  # noqa: BLE001 - every hold must hear it
+                _log.exception("devipc: a hold's on_moved failed")
 
     def collect(self) -> int:
         """Let go of what consumers released or cannot use any more; returns how many sends."""
         now = time.monotonic()
         ended, finished = 0, []
         with self._lock:
-            self._apply_dropped()
+            finished = self._apply_dropped()
             for export in list(self._active.values()):
                 live = [slot for slot in export.slots if self._still_needed(*slot, now)]
                 for file, _, _ in export.slots:
@@ -115,15 +202,9 @@ class Exports:
                     del self._active[export.id]
             # Forwarded sends, read after the states above: a forwarder takes its new slot
             # before it releases its own, so an export seen released here is seen again.
-            for file, index, export_id in self._counters.new_slots():
-                export = self._by_id.get(export_id)
-                if export is not None:
-                    self._list(export, file, index, now)
-                else:
-                    _log.warning("devipc: a forwarded send names export %d, which is gone; its "
-                                 "slot %d is ignored", export_id, index)
+            self._list_new_slots(now)
             for export in list(self._by_id.values()):
-                if not export.slots and not export.aliased:
+                if export.finished():
                     del self._by_id[export.id]
                     finished.append(export)
             self._counters.close_finished()
@@ -131,8 +212,7 @@ class Exports:
             self._collect_at = max(64, 2 * held)
             warn = held > LIMBO_WARN_BLOCKS and not self._warned
             self._warned = held > LIMBO_WARN_BLOCKS
-        for export in finished:
-            export.owner = None  # frees the allocation, outside the lock
+        self._let_go(finished)
         if warn:
             warnings.warn(f"devipc: {held} sends are still held by consumers; their memory stays "
                           f"allocated until the consumers drop the tensors they received",
@@ -178,7 +258,7 @@ class Exports:
 
     def pending(self) -> bool:
         """Whether a later collection may still free something."""
-        return bool(self._active) or bool(self._dropped)
+        return bool(self._active) or bool(self._dropped) or bool(self._moved)
 
     def stats(self) -> dict:
         with self._lock:
@@ -191,4 +271,4 @@ class Exports:
         self._counters.forget_after_fork()
         self._by_id, self._by_key, self._active = {}, {}, {}
         self._held = 0
-        self._dropped = collections.deque()
+        self._dropped, self._moved = collections.deque(), []

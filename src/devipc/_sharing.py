@@ -17,16 +17,16 @@ import torch
 from . import _wire
 from ._background import Background
 from ._errors import DevIpcError, InvalidHandleError, ReshareError, UnsupportedDeviceError
-from ._exports import LIMBO_WARN_BLOCKS, Exports
+from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
 from ._hooks import hooks_for
 from ._memory import storage_from_memory
 from ._received import DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
-__all__ = ["LIMBO_WARN_BLOCKS", "check_grad", "empty_storage", "ipc_collect", "local_device",
-           "new_shared_device", "received_via_ipc", "release_ipc_counter_device",
-           "requested_device", "revoke", "revoke_send", "send_unopened", "set_unopened_deadline",
-           "share_device", "stats"]
+__all__ = ["LIMBO_WARN_BLOCKS", "check_grad", "empty_storage", "hold", "ipc_collect",
+           "local_device", "new_shared_device", "received_via_ipc", "release_hold",
+           "release_ipc_counter_device", "requested_device", "revoke", "revoke_send",
+           "send_unopened", "set_unopened_deadline", "share_device", "stats"]
 
 _exports = Exports(wake=lambda: _background.wake())
 _counters = ConsumerCounters()
@@ -261,6 +261,16 @@ def revoke(storage) -> int:
 def revoke_send(counter_handle: bytes, slot: int) -> bool:
     """Producer: take back the one send named by (counter handle, slot) if nobody opened it."""
     return _exports.revoke_slot(counter_handle, slot)
+
+
+def hold(storage, on_moved) -> Hold:
+    """Keep `storage`'s memory allocated until `release_hold`, whatever becomes of the storage
+    (see `_exports`); `on_moved()` runs once if the storage stops pointing at that memory."""
+    return _exports.hold(_untyped(storage), on_moved)
+
+
+def release_hold(held: Hold) -> None:
+    _exports.release(held)
 
 
 def send_unopened(counter_handle: bytes, slot: int) -> bool:

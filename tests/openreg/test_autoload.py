@@ -7,7 +7,7 @@ import importlib.metadata
 import json
 import textwrap
 
-from _support import json_of, run_python
+from _support import FRESH_TIMEOUT, json_of, run_python, start_python
 
 SEED_USAGE = '''\
 import torch
@@ -129,3 +129,25 @@ def test_explicit_import_over_another_backend_says_why():
             print("refused:", error)
     """), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert "refused: cannot load openreg" in proc.stdout and "'vendordev'" in proc.stdout
+
+
+def test_switch_values_other_than_documented_are_refused_with_the_value(monkeypatch):
+    import _devipc_openreg_autoload as autoload
+
+    for value in ("false", "off", "no", " 0", "0 ", "true", "2"):
+        monkeypatch.setenv("DEVIPC_OPENREG", value)
+        try:
+            autoload.switch_value()
+        except ValueError as error:
+            assert f"DEVIPC_OPENREG={value!r}" in str(error) and "=1" in str(error)
+        else:
+            raise AssertionError(f"DEVIPC_OPENREG={value!r} was accepted")
+    for value in ("", "0", "1"):
+        monkeypatch.setenv("DEVIPC_OPENREG", value)
+        assert autoload.switch_value() == value
+
+
+def test_a_refused_switch_stops_import_torch_loudly():
+    proc = start_python("import torch", DEVIPC_OPENREG="false")
+    _, err = proc.communicate(timeout=FRESH_TIMEOUT)
+    assert proc.returncode != 0 and "DEVIPC_OPENREG='false' is not understood" in err

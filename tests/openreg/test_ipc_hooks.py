@@ -105,3 +105,23 @@ def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkey
         assert counter.state(shared[5]) == RELEASED
     finally:
         _sharing._counters._put(shared[4])
+
+
+def test_an_ipc_mode_switch_other_than_0_or_1_is_refused_with_the_value(monkeypatch):
+    monkeypatch.setenv("OPENREG_IPC_EVENTS", "yes")
+    with pytest.raises(ValueError, match="OPENREG_IPC_EVENTS='yes' is not understood"):
+        devipc.share(torch.ones(2, device="openreg"))
+
+
+def test_make_resizable_gives_a_storage_its_allocator_back():
+    from devipc._memory import storage_from_memory
+
+    base = torch.arange(16.0, device="openreg")
+    borrowed = storage_from_memory(base.data_ptr(), 64, base.device, lambda: None)
+    assert not borrowed.resizable()
+    OpenRegIpcHooks().make_resizable(borrowed)
+    assert borrowed.resizable()
+    borrowed.resize_(128)  # new openreg memory, the first 64 bytes copied
+    assert borrowed.data_ptr() != base.data_ptr()
+    view = torch.empty(0, device="openreg").set_(borrowed, 0, (32,))
+    assert view[:16].cpu().tolist() == list(range(16))

@@ -48,8 +48,14 @@ def owner(conn, transport="auto"):
             spans[tensor_id] = (tensor.data_ptr(), tensor.nbytes)
             conn.send((tensor_id, endpoint.advertise(tensor)))
             del tensor  # only `tensors` holds it: "drop" must be its last reference
-        elif command == "advertise":  # (id, offset, nbytes) -> descriptor
-            conn.send(endpoint.advertise(*args))
+        elif command == "advertise":  # (id, offset, nbytes) -> descriptor, or the error
+            try:
+                conn.send(endpoint.advertise(*args))
+            except devipc.DevIpcError as error:
+                conn.send(error)
+        elif command == "resize":  # (id, nbytes): the storage gets new memory
+            tensors[args[0]].untyped_storage().resize_(args[1])
+            conn.send("ok")
         elif command == "get":
             conn.send(tensors[args[0]].cpu().clone())
         elif command == "registered":  # -> whether NIXL's agent has the memory registered

@@ -286,3 +286,38 @@ def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
         wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
                    "the dead peer's slot was reclaimed and the export ended")
     assert torch.accelerator.memory_allocated() < memory
+
+
+def _freed(peer, local, descriptor) -> bool:
+    try:
+        peer.read(local, descriptor)
+    except p2p.RemoteTensorFreedError:
+        return True
+    return False
+
+
+@both_modes
+def test_a_resized_registration_ends_and_its_old_memory_is_never_reused(owner, peer):
+    """Register, resize_ the storage 4096 -> 256 bytes, advertise: the registration ended (its
+    descriptor would cover memory the storage no longer has), and a peer's writes through an
+    older descriptor never reach another tensor of the owner."""
+    tensor_id, whole = owner.call("create", torch.zeros(1024), "openreg")
+    local = torch.empty(1024, device="openreg")
+    peer.read(local, whole)  # the peer maps the registration's memory
+    owner.call("resize", tensor_id, 256)
+    refused = owner.call("advertise", tensor_id, 0, None)
+    assert isinstance(refused, p2p.NotRegisteredError) and "resized" in str(refused)
+    neighbour_id, _ = owner.call("create", torch.arange(1024.0), "openreg")
+    with pytest.raises(p2p.RemoteTensorFreedError):
+        peer.write(torch.full((1024,), -1.0, device="openreg"), whole)
+    assert torch.equal(owner.call("get", neighbour_id), torch.arange(1024.0))
+    # Resized with no advertisement after it: the collector ends the registration by itself.
+    other_id, other = owner.call("create", torch.ones(1024), "openreg")
+    peer.read(local, other)
+    owner.call("resize", other_id, 0)
+    wait_until(lambda: _freed(peer, local, other), "the resized registration ended", 10)
+    assert torch.equal(owner.call("get", neighbour_id), torch.arange(1024.0))
+    for dropped in (tensor_id, neighbour_id, other_id):
+        owner.call("drop", dropped)
+    _settle()
+    _owner_idle(owner)

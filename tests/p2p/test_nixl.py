@@ -3,7 +3,7 @@ Skipped, with the reason, where NIXL is not installed; the error without it is t
 import _p2p_workers
 import pytest
 import torch
-from _support import TIMEOUT, open_fds, recv, run_python
+from _support import TIMEOUT, open_fds, recv, run_python, wait_until
 
 import devipc.p2p as p2p
 from devipc import InvalidHandleError, PeerGoneError, UnsupportedDeviceError
@@ -120,6 +120,33 @@ def test_ending_a_registration_undoes_the_nixl_registration_and_peers_see_it(own
     tensor_id, whole = ask(conn, "create", torch.full((64,), 3.0), "openreg")
     connection.read(local, whole)  # a registration made after connecting: reached as well
     assert (local == 3).all()
+
+
+@needs_nixl
+def test_a_storage_resized_after_its_advertisement_is_never_reached_again(owner):
+    """Over NIXL as over IPC: resize_ ends the registration (its old memory stays registered and
+    allocated until then), so a peer never reads or writes the tensor that takes the old block."""
+    conn, connection = owner
+    tensor_id, whole = ask(conn, "create", torch.zeros(1024), "openreg")
+    local = torch.zeros(1024)
+    connection.read(local, whole)
+    assert ask(conn, "resize", tensor_id, 256) == "ok"
+    neighbour_id, _ = ask(conn, "create", torch.arange(1024.0), "openreg")
+
+    def freed():
+        try:
+            connection.read(local, whole)
+        except RemoteTensorFreedError:
+            return True
+        return False
+
+    wait_until(freed, "the resized registration ended", 10)
+    with pytest.raises(RemoteTensorFreedError):
+        connection.write(torch.full((1024,), -1.0), whole)
+    assert torch.equal(ask(conn, "get", neighbour_id), torch.arange(1024.0))
+    assert ask(conn, "registered", tensor_id) is False
+    refused = ask(conn, "advertise", tensor_id, 0, None)
+    assert isinstance(refused, p2p.NotRegisteredError)
 
 
 @needs_nixl

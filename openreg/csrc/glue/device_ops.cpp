@@ -66,6 +66,16 @@ TORCH_LIBRARY(devipc_openreg, m) {
     c10::getDeviceAllocator(kDeviceType)->resetAccumulatedStats(checked_index(device));
   });
   m.def("empty_cache() -> ()", [] { c10::getDeviceAllocator(kDeviceType)->emptyCache(); });
+  // devipc's optional make_resizable hook: a sent storage reaches its memory through a DataPtr
+  // that keeps the sent block alive for consumers; with openreg's allocator back, resize_ gives
+  // the storage new memory and the sent block stays (CUDA's semantics after a send).
+  m.def("make_resizable(Tensor self) -> ()", [](const at::Tensor& self) {
+    c10::StorageImpl* impl = self.storage().unsafeGetStorageImpl();
+    TORCH_CHECK(impl->device_type() == kDeviceType, "openreg: make_resizable of a ",
+                impl->device_type(), " storage");
+    impl->set_allocator(c10::GetAllocator(kDeviceType));
+    impl->set_resizable(true);
+  });
 }
 
 }  // namespace

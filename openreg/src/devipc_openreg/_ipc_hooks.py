@@ -82,6 +82,9 @@ class OpenRegIpcHooks(IpcHooks):
         stream = _runtime.stream_from_id(device_index, _runtime.current_stream_id(device_index))
         _runtime.memcpy_batch_async(table, stream)
 
+    def make_resizable(self, storage: torch.UntypedStorage) -> None:
+        _runtime.make_resizable(storage)
+
     def memory_kind(self, device_index: int) -> str:
         return "DRAM"  # runtime segments are host shared memory: any engine can address them
 

@@ -269,6 +269,13 @@ def memcpy_batch_async(table, stream):
           f"memcpy_batch_async({count} copies)")
 
 
+def make_resizable(storage):
+    """Give a storage openreg's allocator back and make it resizable (devipc's hook)."""
+    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    view.set_(storage, 0, (0,))
+    _ops.make_resizable(view)
+
+
 def ipc_close_mem_handle(base):
     check(lib.orIpcCloseMemHandle(base), f"ipc_close_mem_handle({base:#x})")
 

@@ -160,8 +160,7 @@ def _resolve(tensor_or_id, offset, nbytes) -> tuple[Registration, int, int]:
     nbytes = size - offset if nbytes is None else _int(nbytes, "nbytes")
     if offset + nbytes > size:
         raise ValueError(f"bytes [{offset}, {offset + nbytes}) reach past the end of {size}")
-    if not reg.alive:
-        raise _gone(reg)
+    registry.check_current(reg)  # the descriptor matches the memory as it is now
     return reg, start + offset, nbytes
 
 

@@ -11,6 +11,15 @@ process owns and peers map read-only in effect: word `slot` holds the registrati
 lives and 0 after. Ids are never reused, so the id doubles as the generation: a peer that cached
 (handle, id) and reads another value knows its cached mapping is stale. The word is cleared first
 of all when a registration ends, before listeners run and before the memory can go.
+
+A registration covers the memory its storage had when it was registered. Device memory is held
+through devipc's core (`_sharing.hold`) until the registration ends, whatever becomes of the
+storage, so a peer (over IPC or NIXL) never reaches memory that went back to the allocator. When
+the storage stops pointing at that memory (`resize_`, on a device whose hooks keep sent storages
+resizable; elsewhere resizing a registered storage raises), the registration ends: at once when
+the owner advertises or registers it again, else within a collector round (peers then get
+RemoteTensorFreedError), and the old memory goes once it ended. Register the storage again for
+its new memory.
 """
 import itertools
 import logging
@@ -20,6 +29,7 @@ import weakref
 
 import torch
 
+from .. import _sharing
 from .._errors import NotRegisteredError
 from .._hooks import hooks_for
 from .._memfd import SharedFile
@@ -43,7 +53,7 @@ class Registration:
     its size; `export` is what a transport made of it for peers (set lazily, dropped with it)."""
 
     __slots__ = ("id", "nbytes", "device", "base", "slot", "_ref", "_key", "_finalizer", "export",
-                 "__weakref__")
+                 "_hold", "__weakref__")
 
     def __init__(self, reg_id: int, storage: torch.UntypedStorage, slot: int):
         self.id, self.slot = reg_id, slot
@@ -51,6 +61,11 @@ class Registration:
         self._ref, self._key = weakref.ref(storage), id(storage)
         self._finalizer = None
         self.export = None
+        self._hold = None  # device memory kept allocated while the registration lives
+
+    def moved(self, storage: torch.UntypedStorage) -> bool:
+        """Whether `storage` no longer holds the memory this registration covers."""
+        return storage.data_ptr() != self.base or storage.nbytes() != self.nbytes
 
     def storage(self) -> torch.UntypedStorage | None:
         """The registered storage, or None once it died."""
@@ -126,19 +141,39 @@ class Registry:
         storage = untyped(tensor_or_storage)
         with self._lock:
             found = self._find(storage)
-            if found is not None:
-                return found
-            check_registrable(storage)
-            page = self.page()
-            slot = self._take_slot()
-            reg = Registration(next(self._ids), storage, slot)
-            self._next_id = reg.id + 1
-            reg._finalizer = weakref.finalize(storage, self._collected, reg.id)
-            reg._finalizer.atexit = False
-            self._by_storage[id(storage)] = reg
-            self._by_id[reg.id] = reg
-            page.buffer.int64(word_index(slot)).value = reg.id
-            listeners = list(self._listeners)
+        if found is not None and found.moved(storage):
+            self.deregister(found.id)  # its memory moved: a new registration for the new one
+        elif found is not None:
+            return found
+        check_registrable(storage)
+        # The memory is held before any peer can learn of it, outside the registry's lock (the
+        # core's lock is never taken under it, so a finalizer ending a registration inside the
+        # core cannot wait for a thread that waits for the core).
+        named: list[int] = []  # the id, once there is one
+        held = None
+        if storage.device.type != "cpu" and not _sharing.received_via_ipc(storage):
+            held = _sharing.hold(storage, lambda: named and self.deregister(named[0]))
+        reg = None
+        try:
+            with self._lock:
+                found = self._find(storage)  # another thread may have registered it meanwhile
+                if found is None:
+                    page = self.page()
+                    reg = Registration(next(self._ids), storage, self._take_slot())
+                    reg._hold = held
+                    named.append(reg.id)
+                    self._next_id = reg.id + 1
+                    reg._finalizer = weakref.finalize(storage, self._collected, reg.id)
+                    reg._finalizer.atexit = False
+                    self._by_storage[id(storage)] = reg
+                    self._by_id[reg.id] = reg
+                    page.buffer.int64(word_index(reg.slot)).value = reg.id
+                    listeners = list(self._listeners)
+        finally:
+            if reg is None and held is not None:
+                _sharing.release_hold(held)
+        if found is not None:
+            return found
         try:
             for listener in listeners:
                 listener.on_register(reg)
@@ -206,7 +241,23 @@ class Registry:
         export, reg.export = reg.export, None
         if export is not None:
             export.close()
+        held, reg._hold = reg._hold, None
+        if held is not None:
+            _sharing.release_hold(held)  # last: peers and listeners let go first
         return True
+
+    def check_current(self, reg: Registration) -> None:
+        """NotRegisteredError unless `reg` lives and its storage still holds the memory it
+        covers; a storage whose memory moved ends its registration here."""
+        storage = reg.storage()
+        if storage is not None and self.is_alive(reg):
+            if not reg.moved(storage):
+                return
+            self.deregister(reg.id)
+            raise NotRegisteredError(f"tensor id {reg.id} ended: its storage was resized after "
+                                     f"it was registered (peers get RemoteTensorFreedError). "
+                                     f"Register it again for its new memory")
+        raise NotRegisteredError(f"tensor id {reg.id} is not registered any more")
 
     def _collected(self, reg_id: int) -> None:
         """The storage is being destroyed (weakref.finalize): end its registration now."""

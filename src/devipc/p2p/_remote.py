@@ -229,11 +229,17 @@ class Peer:
                 raise PeerGoneError(f"peer process {self.pid} has exited") from None
             if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
                 raise
+            if not self._is_live(desc.reg_id, desc.slot):  # its storage closed the fd
+                raise self._freed(desc) from None
             raise InvalidHandleError(f"{path} cannot be opened ({error.strerror}): the "
                                      f"descriptor is stale or forged") from None
         try:
             stat = os.fstat(fd)
             if stat.st_ino != desc.anchor or stat.st_size != desc.storage_bytes:
+                # The owner clears the word before the storage (and its fd) can go: an fd
+                # number reused by another file means the registration ended, else a forgery.
+                if not self._is_live(desc.reg_id, desc.slot):
+                    raise self._freed(desc)
                 raise InvalidHandleError(f"{path} is not the shared file this descriptor names "
                                          f"(stale or forged)")
             mapping = MappedFile(fd, stat.st_size)
