@@ -20,6 +20,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # Wheels of both packages, installed into a fresh venv (no editable paths), then used there.
 check-install: $(STAMP)

@@ -138,14 +138,21 @@ def zombie_child(code, **env):
         proc.stderr.close()
 
 
-def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.01):
+def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.01,
+               collect: bool = False):
     """Polls `condition()` until it is truthy, for effects that happen in the background (the
-    collector thread, a killed process's locks); fails the test after `timeout` seconds."""
+    collector thread, a killed process's locks); fails the test after `timeout` seconds. With
+    `collect`, each poll runs `devipc.ipc_collect()` first."""
     deadline = time.monotonic() + timeout
-    while not (value := condition()):
+    while True:
+        if collect:
+            import devipc
+
+            devipc.ipc_collect()
+        if value := condition():
+            return value
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
         time.sleep(poll)
-    return value
 
 
 def foreign_memfd_maps() -> set[str]:

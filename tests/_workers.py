@@ -12,8 +12,8 @@ import devipc
 def settle():
     """Run the releases that waited for device work, so the producer sees them now."""
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and not devipc.stats()["pending_releases"],
-               "received storages released")
+    wait_until(lambda: not devipc.stats()["pending_releases"],
+               "received storages released", collect=True)
 
 
 # -- _memfd / _refcount ----------------------------------------------------------------------------

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 def _drain():
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-               "every send ended")
+    wait_until(lambda: devipc.stats()["sent"] == 0,
+               "every send ended", collect=True)
 
 
 def _chunk(generation):
@@ -259,8 +259,8 @@ def test_records_of_closed_and_revoked_attachments_are_reused():
             arena.attach()
         devipc.set_unopened_deadline(0.05)
         try:
-            wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-                       "the unopened attachments revoked by the deadline")
+            wait_until(lambda: devipc.stats()["sent"] == 0,
+                       "the unopened attachments revoked by the deadline", collect=True)
         finally:
             devipc.set_unopened_deadline(None)
         fresh = arena.attach()  # a revoked attachment's record, under a new serial

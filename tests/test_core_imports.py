@@ -45,3 +45,48 @@ def test_importing_devipc_registers_no_device():
     # the entry point of the installed reference device ran, and stepped aside
     assert state["device_modules"] == ["_devipc_openreg_autoload"]
     assert state["installed"] is False  # no device registered hooks: torch's reducers untouched
+
+
+def _module_of(path: pathlib.Path) -> str:
+    return ".".join(("devipc", *path.relative_to(CORE).with_suffix("").parts)).removesuffix(
+        ".__init__")
+
+
+def _resolve(path: pathlib.Path, node: ast.ImportFrom) -> str:
+    package = _module_of(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_module(name: str) -> bool:
+    relative = pathlib.Path(*name.split(".")[1:])
+    return (CORE / relative).with_suffix(".py").exists() or (CORE / relative).is_dir()
+
+
+def private_reaches(path: pathlib.Path) -> list[str]:
+    """Names with a leading underscore that `path` takes from another devipc module: imported
+    from it, or read as an attribute of a devipc module it imported."""
+    found, modules = [], {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            source = _resolve(path, node)
+            for alias in node.names:
+                if _is_module(f"{source}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{source}.{alias.name}"
+                elif alias.name.startswith("_"):
+                    found.append(f"from {source} import {alias.name}")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in modules and node.attr.startswith("_") \
+                and not _is_module(f"{modules[node.value.id]}.{node.attr}"):
+            found.append(f"{modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """Layers talk through each other's named functions, never their private state."""
+    reaches = {path.relative_to(CORE).as_posix(): private_reaches(path)
+               for path in sorted(CORE.rglob("*.py"))}
+    assert {name: found for name, found in reaches.items() if found} == {}

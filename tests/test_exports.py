@@ -17,14 +17,14 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 def _baseline():
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-               "earlier sends ended")
+    wait_until(lambda: devipc.stats()["sent"] == 0,
+               "earlier sends ended", collect=True)
     return torch.accelerator.memory_allocated()
 
 
 def _back_to(baseline, what):
-    return wait_until(lambda: devipc.ipc_collect() is not None
-                      and torch.accelerator.memory_allocated() == baseline, what, timeout=10)
+    return wait_until(lambda: torch.accelerator.memory_allocated() == baseline, what, timeout=10,
+                      collect=True)
 
 
 def test_resizing_after_a_send_gives_new_memory_and_the_sent_memory_stays(children):
@@ -83,8 +83,8 @@ def test_unopened_sends_are_revoked_after_the_deadline(children):
     os.kill(child.pid, signal.SIGKILL)
     child.join(TIMEOUT)
     # The 50 read are reclaimed with their dead reader; the 50 never read wait for a deadline.
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 50,
-               "the 50 opened sends reclaimed")
+    wait_until(lambda: devipc.stats()["sent"] == 50,
+               "the 50 opened sends reclaimed", collect=True)
     assert torch.accelerator.memory_allocated() >= baseline + 50 * 4096
     devipc.set_unopened_deadline(0.1)
     try:

@@ -23,8 +23,8 @@ class Snapshot:
 
     def __init__(self):
         torch.accelerator.synchronize()
-        wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-                   "earlier sends ended")
+        wait_until(lambda: devipc.stats()["sent"] == 0,
+                   "earlier sends ended", collect=True)
         self.memory = torch.accelerator.memory_allocated()
         self.fds, self.shm, self.maps = open_fds(), shm_entries(), foreign_memfd_maps()
 

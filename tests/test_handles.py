@@ -16,8 +16,8 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 def _drain():
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-               "every send ended")
+    wait_until(lambda: devipc.stats()["sent"] == 0,
+               "every send ended", collect=True)
 
 
 def _round_trip(children, tensor, device=None):
@@ -79,7 +79,7 @@ def test_open_on_a_device_the_hooks_cannot_map_is_refused(monkeypatch):
         devipc.open(handle, device="openreg:1")
     with pytest.raises(devipc.UnsupportedDeviceError, match="cannot be mapped on cpu"):
         devipc.open(handle, device="cpu")
-    counter, slot = handle._shared[3], handle._shared[4]
+    counter, slot = handle._shared.ref_counter_handle, handle._shared.ref_counter_offset
     from devipc import _sharing
     assert _sharing._exports._counters.file(counter).counter.state(slot) == RELEASED
     del tensor, handle
@@ -264,7 +264,7 @@ def test_forged_or_truncated_handles_are_refused():
     for bad in (data[:-1], data[:20], b"", data + b"\0", b"PK" + data[2:]):
         with pytest.raises(devipc.InvalidHandleError):
             devipc.open(bad)
-    memory = handle._shared[0]
+    memory = handle._shared.handle
     forged = bytearray(memory)
     forged[40] ^= 0xFF  # the random token: names no memfd of the producer
     with pytest.raises(devipc.InvalidHandleError):
@@ -294,7 +294,7 @@ def test_forged_grad_and_device_flags_are_invalid_handles_and_leave_the_send_alo
             rebuild(*args[:10], forged, *args[11:])
     assert rebuild(*args).cpu().tolist() == [0, 1, 2, 3]
     empty = devipc.share(torch.empty(0, device="openreg"))
-    empty._device = torch.device("openreg", 8)
+    empty._shared = empty._shared._replace(device=torch.device("openreg", 8))
     with pytest.raises(devipc.InvalidHandleError, match="openreg:8"):
         devipc.open(bytes(empty))
     rebuild, args = reductions.reduce_tensor(torch.empty(0, device="openreg"))

@@ -156,8 +156,8 @@ def test_a_received_tensor_is_forwarded_and_outlives_its_forwarder(children):
     """A -> B -> C: C maps A's memory, its writes reach A, and A's memory stays allocated until
     both B and C let go, also when B exits first."""
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-               "earlier sends ended")
+    wait_until(lambda: devipc.stats()["sent"] == 0,
+               "earlier sends ended", collect=True)
     baseline = torch.accelerator.memory_allocated()
     to_b, from_b = children.ctx.Queue(), children.ctx.Queue()
     to_c, from_c = children.ctx.Queue(), children.ctx.Queue()
@@ -176,8 +176,8 @@ def test_a_received_tensor_is_forwarded_and_outlives_its_forwarder(children):
     assert torch.accelerator.memory_allocated() >= baseline + (1 << 20), "freed while C holds it"
     to_c.put("drop")
     assert from_c.get(timeout=TIMEOUT) == "dropped"
-    wait_until(lambda: devipc.ipc_collect() is not None
-               and torch.accelerator.memory_allocated() == baseline, "A's memory freed", 10)
+    wait_until(lambda: torch.accelerator.memory_allocated() == baseline, "A's memory freed", 10,
+               collect=True)
     to_c.put("exit")
     children.join_ok()
 

@@ -111,8 +111,8 @@ def test_an_allocation_sent_again_stays_mapped_across_a_pending_release(children
     assert (maps, mapped, same, mapped_at_end) == (1, 1, True, 0)
     children.join_ok()
     del tensor
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-               "every send ended")
+    wait_until(lambda: devipc.stats()["sent"] == 0,
+               "every send ended", collect=True)
 
 
 def test_failed_open_gives_the_slot_back():
@@ -163,8 +163,8 @@ def test_many_held_storages_warn_and_are_freed_once_released():
     for shared in sends:
         devipc.release_ipc_counter_device(shared[4], shared[5])
     # With IPC events a release completes on the stream's worker: collect until all have.
-    wait_until(lambda: devipc.ipc_collect() is not None and _sharing.stats()["sent"] <= before,
-               "every released send collected")
+    wait_until(lambda: _sharing.stats()["sent"] <= before,
+               "every released send collected", collect=True)
 
 
 def test_dropping_received_memory_waits_for_copies_queued_on_it():

@@ -22,8 +22,8 @@ def test_a_state_dict_round_trips_with_its_ties():
     assert torch.equal(copy[1].bias.cpu(), model[1].bias.detach().cpu())
     del opened
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] <= sent,
-               "the send ended")  # <=: earlier tests' sends may end meanwhile
+    wait_until(lambda: devipc.stats()["sent"] <= sent,
+               "the send ended", collect=True)  # <=: earlier tests' sends may end too
 
 
 def test_weights_kept_packed_are_sent_without_a_copy():
@@ -47,8 +47,8 @@ def test_weights_kept_packed_are_sent_without_a_copy():
     assert opened["1.bias"].cpu().tolist() == [0.0] * 10
     del opened
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["sent"] == 0,
-               "the send ended")
+    wait_until(lambda: devipc.stats()["sent"] == 0,
+               "the send ended", collect=True)
 
 
 def test_what_is_not_a_tensor_is_refused():

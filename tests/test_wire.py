@@ -134,7 +134,7 @@ def test_random_mutations_raise_only_invalid_handle_errors():
     """Handle._decode has no catch-all: its explicit checks must cover every mutation."""
     tensor, handles = _real_handles()
     originals = [bytes(h) for h in handles]
-    originals.append(_wire.wrap_storage_handle(tensor.device, handles[0]._shared[0]))
+    originals.append(_wire.wrap_storage_handle(tensor.device, handles[0]._shared.handle))
     rng = random.Random(20261130)
     decoded = refused = 0
     for i in range(3000):

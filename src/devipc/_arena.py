@@ -138,9 +138,10 @@ class Arena:
         self._records.set_ack(index, self.generation)
         self._records.set_pid(index, 0)
         self._records.set_serial(index, serial)
-        device, *shared = _sharing.share_device(self._storage)
-        send = _handles.Handle(True, device, _handles._identity(device), tuple(shared), False,
-                               Table([], [], [], [], []))
+        shared = _sharing.share_device(self._storage)
+        send = _handles.Handle(bucket=True, shared=shared,
+                               identity=_handles.identity_of(shared.device),
+                               table=Table([], [], [], [], []))
         self._sends[index] = send
         self._records.set_state(index, PENDING)
         writer = _wire.Writer(_wire.ARENA).bytes(self._token).bytes(bytes(send))
@@ -267,7 +268,7 @@ class Arena:
         for send in self._sends.values():
             send.revoke()
         self._sends.clear()
-        self._storage = None
+        self._storage = None  # type: ignore[assignment]
         self._control.close()
 
     def __enter__(self) -> "Arena":
@@ -321,7 +322,7 @@ class ArenaReader:
                     or self._records.serial(self._index) != serial:
                 raise InvalidHandleError("this arena attachment was already opened (attach once "
                                          "per consumer), revoked, or the arena is closed")
-            self._storage = _handles._open_storage(send, device)  # the one send: opened once
+            self._storage = _handles.open_storage(send, device)  # the one send: opened once
         except BaseException:
             self._mapping.close()  # the lock goes with it
             raise

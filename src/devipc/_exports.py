@@ -28,7 +28,15 @@ import torch
 
 from ._hooks import hooks_for
 from ._memory import storage_from_memory, storage_key
-from ._refcount import HELD, RELEASED, REVOKED, SENT, ProducerCounters, ProducerFile
+from ._refcount import (
+    HELD,
+    RELEASED,
+    REVOKED,
+    SENT,
+    SLOTS_PER_FILE,
+    ProducerCounters,
+    ProducerFile,
+)
 
 LIMBO_WARN_BLOCKS = 1_000
 _log = logging.getLogger("devipc")
@@ -122,11 +130,17 @@ class Exports:
 
     def _adopt(self, storage: torch.UntypedStorage, key: tuple) -> Export:
         export = Export(next(self._ids), key)
-        # The deleter runs wherever the storage dies, the garbage collector included: it only
-        # queues the export, and a collection takes it from there.
+
+        def dropped() -> None:
+            """The deleter: it runs wherever the storage dies, the garbage collector included,
+            so it only queues the export; a collection takes it from there."""
+            self._dropped.append(export)
+            self._wake()
+
         alias = storage_from_memory(storage.data_ptr(), storage.nbytes(), storage.device,
-                                    lambda: (self._dropped.append(export), self._wake()))
-        storage._swap_data_ptr_(alias)  # the alias now owns the allocation, `storage` aliases it
+                                    dropped)
+        # The alias now owns the allocation, `storage` aliases it.
+        storage._swap_data_ptr_(alias)  # type: ignore[attr-defined]
         export.owner = alias
         make_resizable = getattr(hooks_for(storage.device), "make_resizable", None)
         if make_resizable is not None:
@@ -250,6 +264,12 @@ class Exports:
         if revoked:
             self.collect()
         return revoked
+
+    def takes_slots(self, counter_handle: bytes) -> bool:
+        """Whether peers can still take slots in our counter file `counter_handle` (it is ours,
+        open, and not full)."""
+        file = self._counters.file(counter_handle)
+        return file is not None and file.counter.cursor() < SLOTS_PER_FILE
 
     def unopened(self, counter_handle: bytes, index: int) -> bool:
         """Whether the send named by (counter handle, slot) is ours and may still be opened."""

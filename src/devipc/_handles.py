@@ -22,13 +22,11 @@ class Handle:
     handle sends the same bytes. `local` is the producer's own views of a bucket it packed (None
     elsewhere): writes through it reach the consumers, and theirs come back."""
 
-    __slots__ = ("_device", "_identity", "_shared", "_requires_grad", "_table", "_bucket",
-                 "local")
+    __slots__ = ("_bucket", "_shared", "_identity", "_requires_grad", "_table", "local")
 
-    def __init__(self, bucket: bool, device: torch.device, identity: bytes, shared: tuple,
-                 requires_grad: bool, table: Table, local=None):
-        self._bucket, self._device, self._identity = bucket, device, identity
-        self._shared = shared  # share_device's 8-tuple, less its device
+    def __init__(self, *, bucket: bool, shared: _sharing.SharedStorage, identity: bytes,
+                 table: Table, requires_grad: bool = False, local=None):
+        self._bucket, self._shared, self._identity = bucket, shared, identity
         self._requires_grad, self._table, self.local = requires_grad, table, local
 
     @property
@@ -38,7 +36,7 @@ class Handle:
     @property
     def device(self) -> torch.device:
         """The producer's device, in the producer's numbering."""
-        return self._device
+        return self._shared.device
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -47,13 +45,15 @@ class Handle:
 
     @property
     def nbytes(self) -> int:
-        return self._shared[1]
+        return self._shared.size_bytes
 
     def __bytes__(self) -> bytes:
-        mem, size, offset, counter, slot, event, sync = self._shared
+        shared = self._shared
         writer = _wire.Writer(_wire.BUCKET if self._bucket else _wire.TENSOR)
-        writer.device(self._device).bytes(self._identity).bytes(mem or b"").int(size).int(offset)
-        writer.bytes(counter or b"").int(slot).bytes(event).int(int(sync))
+        writer.device(shared.device).bytes(self._identity).bytes(shared.handle or b"")
+        writer.int(shared.size_bytes).int(shared.offset_bytes)
+        writer.bytes(shared.ref_counter_handle or b"").int(shared.ref_counter_offset)
+        writer.bytes(shared.event_handle).int(int(shared.event_sync_required))
         writer.int(int(self._requires_grad))
         self._table.write(writer)
         return writer.done()
@@ -87,8 +87,10 @@ class Handle:
                 raise InvalidHandleError("a bucket handle's tensors never require grad")
             _sharing.check_grad(table.dtypes[0], requires_grad)
         reader.end()
-        shared = (mem or None, size, offset, counter or None, slot, event, sync)
-        return cls(reader.kind == _wire.BUCKET, device, identity, shared, requires_grad, table)
+        shared = _sharing.SharedStorage(device, mem or None, size, offset, counter or None, slot,
+                                        event, sync)
+        return cls(bucket=reader.kind == _wire.BUCKET, shared=shared, identity=identity,
+                   table=table, requires_grad=requires_grad)
 
     def __reduce__(self):
         return Handle.from_bytes, (bytes(self),)
@@ -96,20 +98,21 @@ class Handle:
     def revoke(self) -> bool:
         """Producer: take this send back if no consumer opened it (opening it later raises
         InvalidHandleError); whether it did. Only the process that made the handle can."""
-        _, _, _, counter, slot, _, _ = self._shared
+        counter, slot = self._shared.ref_counter_handle, self._shared.ref_counter_offset
         return counter is not None and _sharing.revoke_send(counter, slot)
 
     def unopened(self) -> bool:
         """Producer: whether this send may still be opened (not opened, revoked nor expired)."""
-        _, _, _, counter, slot, _, _ = self._shared
+        counter, slot = self._shared.ref_counter_handle, self._shared.ref_counter_offset
         return counter is not None and _sharing.send_unopened(counter, slot)
 
     def __repr__(self) -> str:
-        return (f"<devipc.Handle {self.kind} of {len(self._table)} on {self._device}, "
+        return (f"<devipc.Handle {self.kind} of {len(self._table)} on {self.device}, "
                 f"{self.nbytes} bytes>")
 
 
-def _identity(device: torch.device) -> bytes:
+def identity_of(device: torch.device) -> bytes:
+    """The device's identity for a handle (the hooks' optional `device_identity`), or b""."""
     try:
         return bytes(hooks_for(device).device_identity(device))[:256]
     except Exception:  # optional: a handle without identity still opens
@@ -133,9 +136,9 @@ def _check_kind(tensor: torch.Tensor, what: str) -> None:
 def share(tensor: torch.Tensor) -> Handle:
     """One send of `tensor`, zero-copy: the consumer maps the same memory."""
     _check(tensor, "share()")
-    device, *shared = _sharing.share_device(tensor.untyped_storage())
-    return Handle(False, device, _identity(device), tuple(shared), tensor.requires_grad,
-                  Table.where_they_lie([("", tensor)]))
+    shared = _sharing.share_device(tensor.untyped_storage())
+    return Handle(bucket=False, shared=shared, identity=identity_of(shared.device),
+                  table=Table.where_they_lie([("", tensor)]), requires_grad=tensor.requires_grad)
 
 
 def share_tensors(named_tensors, copy: bool = True) -> Handle:
@@ -167,10 +170,11 @@ def pack_and_share(named_tensors, aliases: bool, copy: bool = True) -> Handle:
     else:
         storage, table = in_place(items)
         local = dict(items)
-    _, *shared = _sharing.share_device(storage)
+    shared = _sharing.share_device(storage)
     _sharing.counts["buckets_shared"] += 1
     _sharing.counts["bucket_tensors_shared"] += len(table)
-    return Handle(True, device, _identity(device), tuple(shared), False, table, local)
+    return Handle(bucket=True, shared=shared, identity=identity_of(device), table=table,
+                  local=local)
 
 
 def in_place(items) -> tuple[torch.UntypedStorage, Table]:
@@ -227,13 +231,13 @@ def _as_handle(handle) -> Handle:
     return handle if isinstance(handle, Handle) else Handle.from_bytes(handle)
 
 
-def _open_storage(handle: Handle, device) -> torch.UntypedStorage:
+def open_storage(handle: Handle, device) -> torch.UntypedStorage:
+    """The storage a handle sends (its one slot taken), on `device` if given."""
     target = None if device is None else _sharing.local_device(device, handle.device.type)
-    mem, size, offset, counter, slot, event, sync = handle._shared
-    if mem is None:
-        return _sharing.empty_storage(target or handle.device)
-    return _sharing.new_shared_device(handle.device, mem, size, offset, counter, slot, event,
-                                      sync, target=target)
+    shared = handle._shared
+    if shared.handle is None:
+        return _sharing.empty_storage(target or shared.device)
+    return _sharing.new_shared_device(*shared, target=target)  # type: ignore[arg-type]
 
 
 def open(handle, device=None) -> torch.Tensor:
@@ -243,7 +247,7 @@ def open(handle, device=None) -> torch.Tensor:
     handle = _as_handle(handle)
     if handle.kind != "tensor":
         raise InvalidHandleError("this is a bucket handle: open it with devipc.open_tensors")
-    views = handle._table.views(_open_storage(handle, device),
+    views = handle._table.views(open_storage(handle, device),
                                 requires_grad=handle._requires_grad)
     return views[""]
 
@@ -254,4 +258,4 @@ def open_tensors(handle, device=None) -> dict[str, torch.Tensor]:
     handle = _as_handle(handle)
     if handle.kind != "bucket":
         raise InvalidHandleError("this is a tensor handle: open it with devipc.open")
-    return handle._table.views(_open_storage(handle, device))
+    return handle._table.views(open_storage(handle, device))

@@ -5,6 +5,7 @@ also under SIGKILL. Another process of the same user opens it through /proc/<pid
 random token in the memfd's name proves the fd is still the one the handle was made for.
 docs/ipc-handles.md specifies the protocol; the openreg runtime (ipc.cpp) follows it too.
 """
+import builtins
 import ctypes
 import errno
 import mmap
@@ -51,7 +52,7 @@ class MappedFile:
     def bytes(self, start: int, end: int) -> bytes:
         return ctypes.string_at(self.address + start, end - start)
 
-    def write(self, start: int, data: bytes) -> None:
+    def write(self, start: int, data: builtins.bytes) -> None:
         ctypes.memmove(self.address + start, data, len(data))
 
     def close(self) -> None:
@@ -110,13 +111,13 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
     if got_magic != magic or version != _VERSION or pid <= 0 or fd < 0 or size <= 0:
         raise InvalidHandleError(f"not a devipc {kind} handle (magic {got_magic!r}, "
                                  f"version {version})")
-    if not _alive(pid):
+    if not pid_alive(pid):
         raise _peer_gone(pid, kind)
     path = f"/proc/{pid}/fd/{fd}"
     try:
         peer_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as error:
-        if not _alive(pid):
+        if not pid_alive(pid):
             raise _peer_gone(pid, kind) from None
         if error.errno in (errno.EACCES, errno.EPERM):
             raise InvalidHandleError(
@@ -145,9 +146,14 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
         raise
 
 
+def handle_pid(handle: bytes) -> int:
+    """The pid a well-formed handle names (the process that owns the memfd)."""
+    return struct.unpack_from(_FORMAT, handle)[2]
+
+
 def producer_alive(handle: bytes) -> bool:
     """Whether the process that a well-formed handle names still lives."""
-    return _alive(struct.unpack_from("<i", handle, 6)[0])
+    return pid_alive(handle_pid(handle))
 
 
 def _memfd_name(magic: bytes, token: bytes) -> str:
@@ -159,7 +165,7 @@ def _peer_gone(pid: int, kind: str) -> PeerGoneError:
                          f"producer alive until consumers have opened what it sent")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Exists and is not a zombie or dying (state Z or X): an exited process holds no fds even
     before its parent reaps it, while kill(pid, 0) still succeeds on it."""
     try:

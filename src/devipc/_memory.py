@@ -74,6 +74,17 @@ def _on_storage_freed(managed):
             pass
 
 
+def untyped(tensor_or_storage) -> torch.UntypedStorage:
+    """The untyped storage of a tensor, a typed storage or an untyped storage."""
+    if isinstance(tensor_or_storage, torch.Tensor):
+        return tensor_or_storage.untyped_storage()
+    if isinstance(tensor_or_storage, torch.TypedStorage):
+        return tensor_or_storage._untyped_storage
+    if isinstance(tensor_or_storage, torch.UntypedStorage):
+        return tensor_or_storage
+    raise TypeError(f"expected a tensor or a storage, got {type(tensor_or_storage).__name__}")
+
+
 def storage_key(storage: torch.UntypedStorage) -> tuple:
     """(device, data_ptr, nbytes): how devipc's tables recognise a storage's memory. Storages
     are keyed by their bytes, not by object: two Python storages may wrap one allocation."""

@@ -100,7 +100,7 @@ class DeferredReleases:
         self._waiting: list = []  # (event, device, release), work not done yet
 
     def add(self, device: torch.device, release) -> None:
-        event = None
+        event: object = None
         try:
             stream = torch.get_device_module(device).current_stream(device)
             if not stream.query():
@@ -115,7 +115,8 @@ class DeferredReleases:
         with self._lock:
             while self._added:
                 self._waiting.append(self._added.popleft())
-            ready, waiting = [], []
+            ready: list[tuple] = []
+            waiting: list[tuple] = []
             for entry in self._waiting:
                 (ready if self._done(*entry[:2]) else waiting).append(entry)
             self._waiting = waiting

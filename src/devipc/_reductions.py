@@ -131,12 +131,10 @@ def reduce_storage(storage):
         raise unsupported_device(device) from error
 
 
-@classmethod
 def _new_shared_device(cls, *shared):
     return new_shared_device(*shared)
 
 
-@classmethod
 def _release_ipc_counter_device(cls, ref_counter_handle, ref_counter_offset, device=None):
     release_ipc_counter_device(ref_counter_handle, ref_counter_offset, device)
 
@@ -145,8 +143,9 @@ def _release_ipc_counter_device(cls, ref_counter_handle, ref_counter_offset, dev
 _MODULE_NAMES = {"reduce_tensor": reduce_tensor, "reduce_storage": reduce_storage,
                  "rebuild_device_tensor": rebuild_device_tensor,
                  "_device_supports_ipc": device_supports_ipc}
-_STORAGE_METHODS = {"_share_device_": share_device, "_new_shared_device": _new_shared_device,
-                    "_release_ipc_counter_device": _release_ipc_counter_device}
+_STORAGE_METHODS = {"_share_device_": share_device,
+                    "_new_shared_device": classmethod(_new_shared_device),
+                    "_release_ipc_counter_device": classmethod(_release_ipc_counter_device)}
 _MISSING = object()
 
 

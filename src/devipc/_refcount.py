@@ -168,10 +168,11 @@ class ProducerCounters:
         with self._lock:
             file = self._current
             index = None if file is None else file.counter.take(export)
-            if index is None:
+            if file is None or index is None:
                 file = self._current = ProducerFile()
                 self._files[file.handle] = file
                 index = file.counter.take(export)
+                assert index is not None  # a new file has every slot free
             file.own.add(index)
             return file, index
 
@@ -243,19 +244,15 @@ class ConsumerCounters:
                 entry[1] += 1
                 return entry[0]
         self.prune()
-        mapping = open_shared_file(handle, _MAGIC)
-        if mapping.size != FILE_BYTES:
-            mapping.close()
-            raise InvalidHandleError(f"a ref-counter file has {FILE_BYTES} bytes, this one "
-                                     f"{mapping.size}")
+        opened = open_counter_file(handle)
         with self._lock:
             entry = self._held.get(handle)
+            spare = entry is not None  # another thread opened it meanwhile
             if entry is None:
-                entry = self._held[handle] = [CounterFile(mapping, mapping.fd), 0]
-                mapping = None
+                entry = self._held[handle] = [opened, 0]
             entry[1] += 1
-        if mapping is not None:
-            mapping.close()  # another thread opened it meanwhile
+        if spare:
+            opened.mapping.close()
         return entry[0]
 
     def _put(self, handle: bytes) -> None:
@@ -337,6 +334,16 @@ class ConsumerCounters:
             entry[0].mapping.close()
         self._lock = threading.Lock()
         self._held, self._idle, self._mine = {}, {}, set()
+
+
+def open_counter_file(handle: bytes) -> CounterFile:
+    """A producer's counter file by its handle, mapped and checked; `.mapping.close()` it."""
+    mapping = open_shared_file(handle, _MAGIC)
+    if mapping.size != FILE_BYTES:
+        mapping.close()
+        raise InvalidHandleError(f"a ref-counter file has {FILE_BYTES} bytes, this one "
+                                 f"{mapping.size}")
+    return CounterFile(mapping, mapping.fd)
 
 
 def check_slot(handle, index) -> tuple[bytes, int]:

@@ -11,6 +11,7 @@ original producer's file, so the memory outlives the forwarder.
 """
 import collections
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -19,16 +20,20 @@ from ._background import Background
 from ._errors import DevIpcError, InvalidHandleError, ReshareError, UnsupportedDeviceError
 from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
 from ._hooks import hooks_for
-from ._memory import storage_from_memory
+from ._memory import storage_from_memory, untyped
 from ._received import DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
-__all__ = ["LIMBO_WARN_BLOCKS", "check_grad", "empty_storage", "hold", "ipc_collect",
-           "local_device", "new_shared_device", "received_via_ipc", "release_hold",
+__all__ = ["Hold", "LIMBO_WARN_BLOCKS", "SharedStorage", "check_grad", "empty_storage", "hold",
+           "ipc_collect", "local_device", "new_shared_device", "received_via_ipc", "release_hold",
            "release_ipc_counter_device", "requested_device", "revoke", "revoke_send",
-           "send_unopened", "set_unopened_deadline", "share_device", "stats"]
+           "send_unopened", "set_unopened_deadline", "share_device", "stats", "takes_slots"]
 
-_exports = Exports(wake=lambda: _background.wake())
+def _wake_collector() -> None:
+    _background.wake()
+
+
+_exports = Exports(wake=_wake_collector)
 _counters = ConsumerCounters()
 _opened = OpenedAllocations()
 _received = ReceivedStorages()
@@ -54,21 +59,26 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _untyped(storage) -> torch.UntypedStorage:
-    if isinstance(storage, torch.Tensor):
-        storage = storage.untyped_storage()
-    if isinstance(storage, torch.TypedStorage):
-        storage = storage._untyped_storage
-    return storage
-
-
 def received_via_ipc(storage) -> bool:
     """Whether `storage` (or a tensor's storage) lives in memory this process received by IPC."""
-    storage = _untyped(storage)
+    storage = untyped(storage)
     return storage.nbytes() > 0 and _opened.contains(storage.device, storage.data_ptr())
 
 
-def share_device(storage: torch.UntypedStorage) -> tuple:
+class SharedStorage(NamedTuple):
+    """What `share_device` returns: the RFC's 8-tuple, by name (torch sees a plain tuple)."""
+
+    device: torch.device
+    handle: bytes | None  # the hooks' memory handle; None for an empty storage
+    size_bytes: int
+    offset_bytes: int  # of the storage in its allocation
+    ref_counter_handle: bytes | None
+    ref_counter_offset: int  # the send's slot
+    event_handle: bytes
+    event_sync_required: bool
+
+
+def share_device(storage: torch.UntypedStorage) -> SharedStorage:
     """Producer: the RFC's 8-tuple (device, handle, size_bytes, offset_bytes, ref_counter_handle,
     ref_counter_offset, event_handle, event_sync_required).
 
@@ -76,12 +86,12 @@ def share_device(storage: torch.UntypedStorage) -> tuple:
     pickling thread of a Queue is not the thread that queued the work). With events it records
     one on the device's current stream of the calling thread. A received storage is forwarded.
     """
-    storage = _untyped(storage)
+    storage = untyped(storage)
     device = storage.device
     hooks = hooks_for(device)
     _deferred.poll()
     if storage.nbytes() == 0:
-        return (device, None, 0, 0, None, 0, b"", False)
+        return SharedStorage(device, None, 0, 0, None, 0, b"", False)
     receipt = _received.get(storage)
     if receipt is not None:
         return _forward(storage, receipt)
@@ -97,17 +107,17 @@ def share_device(storage: torch.UntypedStorage) -> tuple:
     handle, offset = hooks.get_ipc_mem_handle(storage.data_ptr())
     file, index = _exports.send(storage)
     _background.wake()
-    return (device, handle, storage.nbytes(), offset, file.handle, index, event_handle,
-            event_sync_required)
+    return SharedStorage(device, handle, storage.nbytes(), offset, file.handle, index,
+                         event_handle, event_sync_required)
 
 
-def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> tuple:
+def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> SharedStorage:
     """Send on a received storage: the next consumer maps the original producer's memory under a
     slot of its own in the producer's file, so the memory outlives this process."""
     torch.get_device_module(storage.device).synchronize(storage.device)  # our writes first
     index = _counters.forward(receipt.counter_handle, receipt.slot)
-    return (storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
-            receipt.counter_handle, index, b"", False)
+    return SharedStorage(storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
+                         receipt.counter_handle, index, b"", False)
 
 
 def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
@@ -255,7 +265,7 @@ def ipc_collect() -> int:
 def revoke(storage) -> int:
     """Producer: take back every send of this storage's memory that no consumer opened yet
     (opening one later raises); returns how many. Sends already opened are not affected."""
-    return _exports.revoke(_untyped(storage))
+    return _exports.revoke(untyped(storage))
 
 
 def revoke_send(counter_handle: bytes, slot: int) -> bool:
@@ -266,11 +276,16 @@ def revoke_send(counter_handle: bytes, slot: int) -> bool:
 def hold(storage, on_moved) -> Hold:
     """Keep `storage`'s memory allocated until `release_hold`, whatever becomes of the storage
     (see `_exports`); `on_moved()` runs once if the storage stops pointing at that memory."""
-    return _exports.hold(_untyped(storage), on_moved)
+    return _exports.hold(untyped(storage), on_moved)
 
 
 def release_hold(held: Hold) -> None:
     _exports.release(held)
+
+
+def takes_slots(counter_handle: bytes) -> bool:
+    """Producer: whether peers can still take slots in this process's counter file (p2p)."""
+    return _exports.takes_slots(counter_handle)
 
 
 def send_unopened(counter_handle: bytes, slot: int) -> bool:

@@ -45,7 +45,8 @@ class Table:
     def packed(cls, items, aliases: bool = False) -> tuple["Table", int]:
         """Where (name, tensor) pairs go when packed: contiguous, at offsets aligned to
         ALIGNMENT; with `aliases`, names of one same view share its bytes. And the end."""
-        table, end, seen = cls([], [], [], [], []), 0, {}
+        table, end = cls([], [], [], [], []), 0
+        seen: dict[tuple, int] = {}
         for name, tensor in items:
             shape = tuple(tensor.shape)
             key = (tensor.data_ptr(), tensor.dtype, shape, tensor.stride())

@@ -10,6 +10,7 @@ InvalidHandleError: handles come from other processes, sockets and files, and a 
 count must neither crash nor allocate without bound. P2P descriptors use it too: a new kind
 takes a new number, a changed layout a new version.
 """
+import builtins
 import re
 import struct
 
@@ -63,10 +64,11 @@ def dtype_code(dtype: torch.dtype) -> int:
 def dtypes_of(codes: bytes) -> list[torch.dtype]:
     """The dtypes of `dtype_code`s; InvalidHandleError for a code this torch does not know."""
     try:
-        dtypes = [_DTYPE_BY_CODE[code] for code in codes]
+        found = [_DTYPE_BY_CODE[code] for code in codes]
     except IndexError:
-        dtypes = [None]
-    if None in dtypes:
+        found = [None]
+    dtypes = [dtype for dtype in found if dtype is not None]
+    if len(dtypes) != len(found):
         raise InvalidHandleError(f"unknown dtype code in {codes[:16]!r}")
     return dtypes
 
@@ -74,17 +76,17 @@ def dtypes_of(codes: bytes) -> list[torch.dtype]:
 class Writer:
     """Builds one message; fields go in the order the kind's reader expects them."""
 
-    def __init__(self, kind: int):
+    def __init__(self, kind: builtins.int):
         self._parts = [_HEADER.pack(MAGIC, VERSION, kind)]
 
-    def _field(self, payload: bytes) -> "Writer":
+    def _field(self, payload: builtins.bytes) -> "Writer":
         self._parts += [_LENGTH.pack(len(payload)), payload]
         return self
 
-    def int(self, value: int) -> "Writer":
+    def int(self, value: builtins.int) -> "Writer":
         return self._field(_INT.pack(value))
 
-    def bytes(self, value: bytes, limit: int = MAX_BYTES) -> "Writer":
+    def bytes(self, value: builtins.bytes, limit: builtins.int = MAX_BYTES) -> "Writer":
         if len(value) > limit:
             raise ValueError(f"this wire field holds at most {limit} bytes, not {len(value)}")
         return self._field(bytes(value))
@@ -98,14 +100,14 @@ class Writer:
     def device(self, device: torch.device) -> "Writer":
         return self.text(device.type).int(device.index or 0)
 
-    def done(self) -> bytes:
+    def done(self) -> builtins.bytes:
         return b"".join(self._parts)
 
 
 class Reader:
     """Reads one message of an expected kind; every failure is an InvalidHandleError."""
 
-    def __init__(self, data, kinds: tuple[int, ...]):
+    def __init__(self, data, kinds: tuple[builtins.int, ...]):
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidHandleError(f"a devipc handle is bytes, got {type(data).__name__}")
         self._data = bytes(data)
@@ -125,7 +127,7 @@ class Reader:
         self.kind = kind
         self._at = _HEADER.size
 
-    def _field(self, what: str) -> bytes:
+    def _field(self, what: str) -> builtins.bytes:
         if self._at + _LENGTH.size > len(self._data):
             raise InvalidHandleError(f"truncated devipc handle: {what} is missing")
         (length,) = _LENGTH.unpack_from(self._data, self._at)
@@ -136,7 +138,8 @@ class Reader:
         self._at = start + length
         return self._data[start:self._at]
 
-    def int(self, what: str, low: int = 0, high: int = INT_MAX) -> int:
+    def int(self, what: str, low: builtins.int = 0,
+            high: builtins.int = INT_MAX) -> builtins.int:
         payload = self._field(what)
         if len(payload) != _INT.size:
             raise InvalidHandleError(f"{what}: an integer field has {_INT.size} bytes, not "
@@ -149,13 +152,13 @@ class Reader:
     def flag(self, what: str) -> bool:
         return bool(self.int(what, 0, 1))
 
-    def bytes(self, what: str, max_len: int = MAX_BYTES) -> bytes:
+    def bytes(self, what: str, max_len: builtins.int = MAX_BYTES) -> builtins.bytes:
         payload = self._field(what)
         if len(payload) > max_len:
             raise InvalidHandleError(f"{what} has {len(payload)} bytes, at most {max_len} allowed")
         return payload
 
-    def text(self, what: str, max_len: int = 1024) -> str:
+    def text(self, what: str, max_len: builtins.int = 1024) -> str:
         try:
             return self.bytes(what, max_len).decode("utf-8")
         except UnicodeDecodeError:
@@ -180,7 +183,8 @@ class Reader:
         except RuntimeError:
             raise InvalidHandleError(f"unknown device type {device_type!r}") from None
 
-    def ints(self, what: str, max_count: int = MAX_NDIM, exact: bool = False) -> tuple[int, ...]:
+    def ints(self, what: str, max_count: builtins.int = MAX_NDIM,
+             exact: bool = False) -> tuple[builtins.int, ...]:
         """Non-negative integers: at most `max_count`, or exactly that many with `exact`."""
         payload = self._field(what)
         count, rest = divmod(len(payload), _INT.size)

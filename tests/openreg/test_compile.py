@@ -7,8 +7,11 @@ test process.
 """
 import textwrap
 
+import pytest
 from _native import PYTHONPATH
 from _support import json_of
+
+pytestmark = pytest.mark.slow  # a fresh interpreter that compiles: ~35 s a test here
 
 
 def compiled(code, tmp_path, **env):

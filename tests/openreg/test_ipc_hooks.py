@@ -100,8 +100,8 @@ def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkey
         gate.open()
         torch.openreg.synchronize()
         assert copy.sum().item() == 1 << 20
-        wait_until(lambda: devipc.ipc_collect() is not None
-                   and not devipc.stats()["pending_releases"], "the deferred release ran")
+        wait_until(lambda: not devipc.stats()["pending_releases"], "the deferred release ran",
+                   collect=True)
         assert counter.state(shared[5]) == RELEASED
     finally:
         _sharing._counters._put(shared[4])

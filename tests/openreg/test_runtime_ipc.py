@@ -342,12 +342,21 @@ def test_a_destroyed_event_keeps_its_slot_until_its_record_ran(gate):
         native.stream_destroy(stream)
 
 
+def _event_slot(event) -> int:
+    return struct.unpack_from("<i", rt.ipc_get_event_handle(event), 28)[0]  # the handle's slot
+
+
 def test_event_slots_are_reused():
-    for _ in range(9000):  # more than a page's 8192 slots
-        rt.event_destroy(rt.event_create(interprocess=True, timing=False))
+    seen = set()
+    for _ in range(9000):  # more than a page's 8192 slots: a destroyed event's slot comes back
+        event = rt.event_create(interprocess=True, timing=False)
+        seen.add(_event_slot(event))
+        rt.event_destroy(event)
+    assert len(seen) < 100, f"{len(seen)} slots for events alive one at a time"
     live = [rt.event_create(interprocess=True, timing=False) for _ in range(100)]
-    for e in live:
-        rt.event_destroy(e)
+    assert len({_event_slot(event) for event in live}) == 100  # live ones never share a slot
+    for event in live:
+        rt.event_destroy(event)
 
 
 def test_bad_handles_are_rejected():

@@ -25,8 +25,8 @@ def loop():
         yield held
         held.clear()  # pytest keeps the fixture's value until its teardown ends
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["mapped"] == 0
-               and devipc.stats()["exports"] == 0, "nothing held")
+    wait_until(lambda: devipc.stats()["mapped"] == 0
+               and devipc.stats()["exports"] == 0, "nothing held", collect=True)
 
 
 def test_descriptors_and_metadata_round_trip(loop):

@@ -52,8 +52,7 @@ def peer(owner, ipc_mode):
 def _settle():
     """Run the releases that waited for device work."""
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None
-               and devipc.stats()["pending_releases"] == 0, "releases done")
+    wait_until(lambda: devipc.stats()["pending_releases"] == 0, "releases done", collect=True)
 
 
 def _owner_idle(owner: Owner) -> None:
@@ -265,8 +264,8 @@ def test_several_peers_at_once(children):
             pipe.send("exit")
         children.join_ok()
     del tensor
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
-               "the peers' slots ended after they exited")
+    wait_until(lambda: devipc.stats()["exports"] == 0,
+               "the peers' slots ended after they exited", collect=True)
 
 
 def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
@@ -283,8 +282,8 @@ def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
         proc.join(30)
         p2p.free_tensor(tensor)
         del tensor
-        wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0,
-                   "the dead peer's slot was reclaimed and the export ended")
+        wait_until(lambda: devipc.stats()["exports"] == 0,
+                   "the dead peer's slot was reclaimed and the export ended", collect=True)
     assert torch.accelerator.memory_allocated() < memory
 
 

@@ -16,8 +16,8 @@ DEVICES = ["openreg", "cpu"]
 
 def _settle():
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.ipc_collect() is not None and devipc.stats()["exports"] == 0
-               and devipc.stats()["pending_releases"] == 0, "every export ended")
+    wait_until(lambda: devipc.stats()["exports"] == 0
+               and devipc.stats()["pending_releases"] == 0, "every export ended", collect=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 from _support import FRESH_TIMEOUT
 
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks",
                       "p2p_stress.py")
 
 
+@pytest.mark.slow
 def test_threads_on_one_connection_under_deregistrations_never_crash():
     done = subprocess.run([sys.executable, SCRIPT, "--threads", "4", "--transfers", "600"],
                           capture_output=True, text=True, timeout=FRESH_TIMEOUT)

@@ -17,17 +17,20 @@ import torch
 from . import _runtime
 
 
-def drain_autograd_threads() -> None:
+def drain_autograd_threads() -> int:
     """One tiny backward per device, run past the stashing wrapper (so it holds nothing of
-    Python); a no-op in a process that never used openreg."""
+    Python); a no-op in a process that never used openreg. Returns how many ran to the end."""
     if _runtime.runtime_state() != _runtime.RUNTIME_INITIALIZED:
-        return  # never used here (or a refused fork child): no device thread ran our work
+        return 0  # never used here (or a refused fork child): no device thread ran our work
     engine = torch.autograd.Variable._execution_engine
+    drained = 0
     for index in range(_runtime.device_count()):
         leaf = torch.zeros((), device=f"openreg:{index}", requires_grad=True)
         output = leaf * 2  # its backward node runs on the device's autograd thread
         engine.run_backward((output,), (torch.ones((), device=output.device),), False, False,
                             (), allow_unreachable=True, accumulate_grad=True)
+        drained += leaf.grad is not None and leaf.grad.item() == 2.0
+    return drained
 
 
 def _at_exit() -> None:

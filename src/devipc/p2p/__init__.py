@@ -34,7 +34,7 @@ def create_tensor(shape, dtype, device):
     fd-backed shared memory, so peers map them without a copy."""
     import torch
 
-    from ._registry import untyped
+    from .._memory import untyped
 
     device = torch.device(device)
     shape = tuple(shape) if not isinstance(shape, int) else (shape,)

@@ -8,14 +8,13 @@ field by field: they come from other processes, and anything malformed is Invali
                      inode | fd | event | transport extra
 """
 import os
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from .. import _wire
 from .._errors import InvalidHandleError
-from .._memfd import HANDLE_SIZE
+from .._memfd import HANDLE_SIZE, handle_pid
 from .._refcount import SLOTS_PER_FILE
 from ._registry import PAGE_SLOTS
 
@@ -63,7 +62,7 @@ class Metadata:
                                      f"{len(page)}")
         extra = reader.bytes("transport metadata")
         reader.end()
-        if struct.unpack_from("<i", page, 6)[0] != pid:  # _memfd's handle: magic, version, pid
+        if handle_pid(page) != pid:
             raise InvalidHandleError(f"the registry page handle names another process than "
                                      f"pid {pid}")
         return cls(transport, host, pid, page, extra)
@@ -128,5 +127,7 @@ class Descriptor:
                                      "handle and an anchor slot inside the file")
         if kind == CPU and (device != torch.device("cpu", 0) or mem or counter or mem_offset):
             raise InvalidHandleError("a CPU descriptor names a CPU tensor by fd and inode only")
-        return cls(page, reg_id, slot, storage_bytes, offset, nbytes, device, identity, kind, mem,
-                   mem_offset, counter, anchor, fd, event, extra)
+        return cls(page=page, reg_id=reg_id, slot=slot, storage_bytes=storage_bytes,
+                   offset=offset, nbytes=nbytes, device=device, identity=identity, kind=kind,
+                   mem=mem, mem_offset=mem_offset, counter=counter, anchor=anchor, fd=fd,
+                   event=event, extra=extra)

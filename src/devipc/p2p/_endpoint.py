@@ -20,7 +20,7 @@ from .._errors import (
     TransferSizeError,
     UnsupportedDeviceError,
 )
-from .._handles import _identity
+from .._handles import identity_of
 from .._hooks import hooks_for
 from ._descriptor import CPU, DEVICE, NONE, Descriptor, Metadata, host_identity
 from ._export import export_of, order_for_peers
@@ -84,9 +84,10 @@ class Endpoint:
         device is visible to the peers' transfers through it (an event, or a synchronization)."""
         self._check_open()
         reg, offset, nbytes = _resolve(tensor_or_id, offset, nbytes)
-        kind, mem, mem_offset, counter, anchor, fd, event, extra = NONE, b"", 0, b"", 0, 0, b"", b""
+        where: dict = dict(kind=NONE, mem=b"", mem_offset=0, counter=b"", anchor=0, fd=0,
+                           event=b"", extra=b"")
         if self._transport is not None:
-            extra = bytes(self._transport.descriptor_extra(reg, offset, nbytes))
+            where["extra"] = bytes(self._transport.descriptor_extra(reg, offset, nbytes))
             if reg.device.type != "cpu":  # no events across hosts: the queued work ends now
                 torch.get_device_module(reg.device).synchronize(reg.device)
         else:
@@ -94,15 +95,15 @@ class Endpoint:
             if export is None or not reg.alive:
                 raise _gone(reg)
             if reg.device.type == "cpu":
-                kind, fd, anchor = CPU, export.fd, export.inode
+                where.update(kind=CPU, fd=export.fd, anchor=export.inode)
             else:
-                kind, mem, mem_offset = DEVICE, export.mem, export.mem_offset
-                counter, anchor = export.counter, export.anchor
-            event = order_for_peers(reg.device)
-        identity = b"" if reg.device.type == "cpu" else _identity(reg.device)
-        return Descriptor(registry.page().handle, reg.id, reg.slot, reg.nbytes, offset, nbytes,
-                          reg.device, identity, kind, mem, mem_offset, counter, anchor, fd, event,
-                          extra).to_bytes()
+                where.update(kind=DEVICE, mem=export.mem, mem_offset=export.mem_offset,
+                             counter=export.counter, anchor=export.anchor)
+            where["event"] = order_for_peers(reg.device)
+        identity = b"" if reg.device.type == "cpu" else identity_of(reg.device)
+        return Descriptor(page=registry.page().handle, reg_id=reg.id, slot=reg.slot,
+                          storage_bytes=reg.nbytes, offset=offset, nbytes=nbytes,
+                          device=reg.device, identity=identity, **where).to_bytes()
 
     def close(self) -> None:
         """Close every connection and the transport. Idempotent."""
@@ -174,7 +175,8 @@ class Connection:
         self._endpoint, self.peer_pid = endpoint, meta.pid
         self._page_handle = meta.page
         self._decoded: dict[bytes, Descriptor] = {}
-        self._peer = self._agent = None
+        self._peer: Peer | None = None
+        self._agent = None
         if endpoint._transport is not None:
             self._agent = endpoint._transport.connect(meta.extra)
             return
@@ -230,12 +232,13 @@ class Connection:
                 raise InvalidHandleError(f"a remote descriptor is bytes, got "
                                          f"{type(remote).__name__}")
             remote = bytes(remote)
-            desc = self._decoded.get(remote)
-            if desc is None:
-                desc = Descriptor.from_bytes(remote)
+            cached = self._decoded.get(remote)
+            if cached is None:
+                cached = Descriptor.from_bytes(remote)
                 if len(self._decoded) >= _DECODED_KEPT:
                     self._decoded.clear()  # simple, and safe with other threads calling
-                self._decoded[remote] = desc
+                self._decoded[remote] = cached
+            desc = cached
         if desc.page != self._page_handle:
             raise InvalidHandleError("this descriptor was advertised by another process than "
                                      "the one this connection reaches")
@@ -265,6 +268,7 @@ class Connection:
 
     def _post_ipc(self, op: str, locals_: list, descs: list, wait: bool) -> Transfer:
         peer = self._peer
+        assert peer is not None  # _post checked it
         peer.check_alive()
         peer.sweep()
         entries = peer.open_all(descs)  # pinned: no other thread unmaps them under the copies
@@ -273,11 +277,9 @@ class Connection:
             devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
             devices.update(local.device for local in locals_ if not local.is_cpu)
             batch = _batch(op, locals_, entries, descs, devices)
-            if batch is None:
-                pairs = [_pair(op, local, entry, desc) for local, entry, desc in
-                         zip(locals_, entries, descs)]
-            else:
-                pairs = batch
+            pairs: list | tuple = batch if batch is not None else [
+                _pair(op, local, entry, desc) for local, entry, desc in
+                zip(locals_, entries, descs)]
         except BaseException:
             peer.unpin(entries)
             raise
@@ -303,17 +305,20 @@ class Connection:
         """Host copies off the calling thread (the async calls). The job holds the local tensors:
         the pairs may be bare addresses."""
 
+        peer = self._peer
+        assert peer is not None  # _post checked it
+
         def copy():
             try:
                 _copy(pairs)
             finally:
-                self._peer.unpin(entries)
+                peer.unpin(entries)
                 locals_.clear()
 
         try:
             return Transfer(future=run_on_host(copy))
         except BaseException:
-            self._peer.unpin(entries)
+            peer.unpin(entries)
             raise
 
     @staticmethod
@@ -360,7 +365,7 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
     if copy_batch is None:
         return None
     bases: dict[int, int] = {}  # id(entry) -> its first byte's address
-    rows = []
+    rows: list[tuple[int, int, int]] = []
     add = rows.extend
     for local, entry, desc in zip(locals_, entries, descs):
         base = bases.get(id(entry))  # `entries` holds them: ids stay theirs
@@ -404,6 +409,7 @@ def _pair(op: str, local: torch.Tensor, entry: RemoteEntry, desc: Descriptor) ->
     if entry.host is not None and local.is_cpu and local.is_contiguous():
         here, there = local.data_ptr(), entry.host + desc.offset
         return (here, there, desc.nbytes) if op == READ else (there, here, desc.nbytes)
+    assert entry.data is not None  # pinned: not unmapped while this transfer uses it
     remote = entry.data[desc.offset:desc.offset + desc.nbytes]
     if local.dtype is torch.uint8 and local.dim() == 1 and local.is_contiguous():
         local_view = local

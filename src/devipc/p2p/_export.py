@@ -17,7 +17,6 @@ import torch
 from .. import _sharing
 from .._errors import ReshareError
 from .._hooks import hooks_for
-from .._refcount import SLOTS_PER_FILE
 
 __all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]
 
@@ -31,14 +30,15 @@ class DeviceExport:
         if _sharing.received_via_ipc(storage):
             raise ReshareError("this storage was received from another process through devipc: "
                                "advertise a clone() of it, or have its owner advertise it")
-        _, self.mem, _, self.mem_offset, self.counter, self.anchor, _, _ = \
-            _sharing.share_device(storage)
+        shared = _sharing.share_device(storage)
+        self.mem, self.mem_offset = shared.handle, shared.offset_bytes
+        assert shared.ref_counter_handle is not None  # registered storages are never empty
+        self.counter, self.anchor = shared.ref_counter_handle, shared.ref_counter_offset
         _sharing.revoke_send(self.counter, self.anchor)
 
     def usable(self) -> bool:
         """Whether peers can still take slots in the anchor's file (not full, not closed)."""
-        file = _sharing._exports._counters.file(self.counter)
-        return file is not None and file.counter.cursor() < SLOTS_PER_FILE
+        return _sharing.takes_slots(self.counter)
 
     def close(self) -> None:
         pass  # the export lives while the storage does, then while peers' slots do
@@ -48,7 +48,7 @@ class CpuExport:
     __slots__ = ("fd", "inode")
 
     def __init__(self, storage: torch.UntypedStorage):
-        self.fd = storage._get_shared_fd()
+        self.fd = storage._get_shared_fd()  # type: ignore[attr-defined]
         self.inode = os.fstat(self.fd).st_ino
 
     def usable(self) -> bool:

@@ -457,7 +457,8 @@ class NixlTransfer:
 
     def __init__(self, transport: NixlTransport, agent: str, temps: list):
         self._transport, self._agent, self._temps = transport, agent, temps
-        self.handles, self.states = [], []
+        self.handles: list = []
+        self.states: list = []
         self._error: BaseException | None = None
         self._finished = False
 

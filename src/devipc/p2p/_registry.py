@@ -33,6 +33,7 @@ from .. import _sharing
 from .._errors import NotRegisteredError
 from .._hooks import hooks_for
 from .._memfd import SharedFile
+from .._memory import untyped
 
 __all__ = ["PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry", "registry"]
 
@@ -59,9 +60,9 @@ class Registration:
         self.id, self.slot = reg_id, slot
         self.nbytes, self.device, self.base = storage.nbytes(), storage.device, storage.data_ptr()
         self._ref, self._key = weakref.ref(storage), id(storage)
-        self._finalizer = None
+        self._finalizer: weakref.finalize | None = None
         self.export = None
-        self._hold = None  # device memory kept allocated while the registration lives
+        self._hold: _sharing.Hold | None = None  # device memory kept while it lives
 
     def moved(self, storage: torch.UntypedStorage) -> bool:
         """Whether `storage` no longer holds the memory this registration covers."""
@@ -80,16 +81,6 @@ class Registration:
         return f"<devipc.p2p.Registration {self.id}: {self.nbytes} bytes on {self.device}, {state}>"
 
 
-def untyped(tensor_or_storage) -> torch.UntypedStorage:
-    if isinstance(tensor_or_storage, torch.Tensor):
-        return tensor_or_storage.untyped_storage()
-    if isinstance(tensor_or_storage, torch.TypedStorage):
-        return tensor_or_storage._untyped_storage
-    if isinstance(tensor_or_storage, torch.UntypedStorage):
-        return tensor_or_storage
-    raise TypeError(f"expected a tensor or a storage, got {type(tensor_or_storage).__name__}")
-
-
 def check_registrable(storage: torch.UntypedStorage) -> None:
     """A storage peers can reach without a copy: device memory with IPC hooks, or CPU memory in
     fd-backed shared memory (torch's file_descriptor strategy)."""
@@ -97,7 +88,7 @@ def check_registrable(storage: torch.UntypedStorage) -> None:
         raise ValueError("an empty tensor has no memory to register")
     if storage.device.type == "cpu":
         try:
-            storage._get_shared_fd()
+            storage._get_shared_fd()  # type: ignore[attr-defined]
         except RuntimeError:
             raise ValueError(
                 "a CPU tensor is registered only in fd-backed shared memory, which peers map "
@@ -163,8 +154,8 @@ class Registry:
                     reg._hold = held
                     named.append(reg.id)
                     self._next_id = reg.id + 1
-                    reg._finalizer = weakref.finalize(storage, self._collected, reg.id)
-                    reg._finalizer.atexit = False
+                    finalizer = reg._finalizer = weakref.finalize(storage, self._collected, reg.id)
+                    finalizer.atexit = False
                     self._by_storage[id(storage)] = reg
                     self._by_id[reg.id] = reg
                     page.buffer.int64(word_index(reg.slot)).value = reg.id
@@ -172,8 +163,8 @@ class Registry:
         finally:
             if reg is None and held is not None:
                 _sharing.release_hold(held)
-        if found is not None:
-            return found
+        if found is not None or reg is None:
+            return found  # type: ignore[return-value]
         try:
             for listener in listeners:
                 listener.on_register(reg)
@@ -226,12 +217,13 @@ class Registry:
                     return False
                 raise NotRegisteredError(f"tensor id {reg_id} was never registered here")
             # Peers stop first: the word goes before anything else does.
-            self._page.buffer.int64(word_index(reg.slot)).value = 0
+            self.page().buffer.int64(word_index(reg.slot)).value = 0
             if self._by_storage.get(reg._key) is reg:
                 del self._by_storage[reg._key]
             self._free_slots.append(reg.slot)
             listeners = list(self._listeners)
-        reg._finalizer.detach()
+        if reg._finalizer is not None:
+            reg._finalizer.detach()
         for listener in listeners:
             try:
                 listener.on_deregister(reg)
@@ -287,7 +279,8 @@ class Registry:
         """A forked child owns none of its parent's registrations or its page."""
         self._lock = threading.RLock()
         for reg in self._by_id.values():
-            reg._finalizer.detach()
+            if reg._finalizer is not None:
+                reg._finalizer.detach()
         self._by_storage, self._by_id, self._free_slots, self._used_slots = {}, {}, [], 0
         self._page, self._listeners = None, []
 

@@ -25,9 +25,8 @@ from .._errors import (
     RemoteTensorFreedError,
 )
 from .._hooks import hooks_for
-from .._memfd import MappedFile, _alive, open_shared_file
-from .._refcount import _MAGIC as COUNTER_MAGIC
-from .._refcount import FILE_BYTES, CounterFile
+from .._memfd import MappedFile, open_shared_file, pid_alive
+from .._refcount import open_counter_file
 from ._descriptor import DEVICE, Descriptor, Metadata
 from ._registry import PAGE_BYTES, PAGE_MAGIC, PAGE_SLOTS, word_index
 
@@ -42,7 +41,8 @@ class RemoteEntry:
                  "_dropped")
 
     def __init__(self, desc: Descriptor, data: torch.Tensor, mapping: MappedFile | None = None):
-        self.reg_id, self.slot, self.data, self.device = desc.reg_id, desc.slot, data, data.device
+        self.reg_id, self.slot, self.device = desc.reg_id, desc.slot, data.device
+        self.data: torch.Tensor | None = data  # None once unmapped
         self.host = None if mapping is None else mapping.address
         self.waited: set[bytes] = set()  # events of advertisements already waited for
         self._mapping = mapping  # CPU: our mapping of the owner's shared file
@@ -74,13 +74,14 @@ class Peer:
         self.pid, self.page_handle = meta.pid, meta.page
         self._lock = threading.Lock()
         self._entries: dict[tuple, RemoteEntry] = {}
-        self._page = open_shared_file(meta.page, PAGE_MAGIC)  # PeerGoneError if it exited
-        if self._page.size != PAGE_BYTES:
-            self._page.close()
+        page = open_shared_file(meta.page, PAGE_MAGIC)  # PeerGoneError if it exited
+        if page.size != PAGE_BYTES:
+            page.close()
             raise InvalidHandleError(f"a registry page has {PAGE_BYTES} bytes, this one "
-                                     f"{self._page.size}")
-        self._words = (ctypes.c_int64 * PAGE_SLOTS).from_address(
-            self._page.address + 8 * word_index(0))
+                                     f"{page.size}")
+        self._page: MappedFile | None = page  # None once closed
+        self._words: ctypes.Array[ctypes.c_int64] | None = \
+            (ctypes.c_int64 * PAGE_SLOTS).from_address(page.address + 8 * word_index(0))
         try:  # readable once the process exits, and never another process with its pid
             self._pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
@@ -98,7 +99,7 @@ class Peer:
     def _running(self) -> bool:
         if self._pidfd >= 0:
             return not select.select([self._pidfd], [], [], 0)[0]
-        return _alive(self.pid)
+        return pid_alive(self.pid)
 
     def _live(self, reg_id: int, slot: int) -> bool:
         """Whether the owner's registration `reg_id` still lives (an aligned 8-byte load). Call
@@ -125,7 +126,8 @@ class Peer:
         """`open` of each descriptor, under one lock for those already open and live (vectors
         of many ranges of a few registrations). Every entry comes back pinned, once per
         descriptor: `unpin(entries)` when the copies using them are queued or done."""
-        entries, missing = [], []
+        entries: list = []  # of RemoteEntry, once every missing one is opened
+        missing: list[int] = []
         with self._lock:
             words, cached = self._words, self._entries
             for desc in descs:
@@ -200,21 +202,17 @@ class Peer:
                 _sharing.release_ipc_counter_device(desc.counter, index)
             raise
         data = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        data.set_(storage, 0, (desc.storage_bytes,))
+        data.set_(storage, 0, (desc.storage_bytes,))  # type: ignore[call-overload]
         return RemoteEntry(desc, data)
 
     def _take_slot(self, desc: Descriptor) -> int:
-        mapping = open_shared_file(desc.counter, COUNTER_MAGIC)
+        counter = open_counter_file(desc.counter)
         try:
-            if mapping.size != FILE_BYTES:
-                raise InvalidHandleError(f"a ref-counter file has {FILE_BYTES} bytes, this one "
-                                         f"{mapping.size}")
-            counter = CounterFile(mapping, mapping.fd)
             if desc.anchor >= counter.cursor():
                 raise InvalidHandleError(f"anchor slot {desc.anchor} was never sent")
             index = counter.take(counter.export(desc.anchor))
         finally:
-            mapping.close()
+            counter.mapping.close()
         if index is None:
             raise DevIpcError(f"the ref-counter file of process {self.pid} that this descriptor "
                               f"names is full: ask the owner to advertise the tensor again")
@@ -225,7 +223,7 @@ class Peer:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as error:
-            if not _alive(self.pid):
+            if not pid_alive(self.pid):
                 raise PeerGoneError(f"peer process {self.pid} has exited") from None
             if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
                 raise
