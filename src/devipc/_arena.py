@@ -23,11 +23,11 @@ attachments are reused, each time under a new serial, so stale attachment bytes 
 import itertools
 import os
 import secrets
-import time
 
 import torch
 
 from . import _handles, _locks, _sharing, _wire
+from ._backoff import Backoff
 from ._errors import AckTimeoutError, ConsumerDiedError, InvalidHandleError
 from ._hooks import hooks_for
 from ._memfd import SharedFile, open_shared_file
@@ -217,7 +217,7 @@ class Arena:
         `generation`, or closed. ConsumerDiedError
         names the consumers found dead, which stop counting; AckTimeoutError after `timeout`."""
         timeout = _check_timeout(timeout)
-        deadline, pause = time.monotonic() + timeout, 0.00005
+        backoff = Backoff(timeout, first=0.00005)
         while True:
             waiting = [i for i in range(MAX_CONSUMERS)
                        if self._records.state(i) == ATTACHED
@@ -227,14 +227,13 @@ class Arena:
                 raise ConsumerDiedError(dead, generation)
             if not waiting:
                 return
-            if time.monotonic() > deadline:
+            if backoff.expired():
                 raise AckTimeoutError(
                     f"after {timeout} s, consumers " + ", ".join(
                         f"{i} (pid {self._records.pid(i)}, {_STATE_NAMES[self._records.state(i)]},"
                         f" acknowledged {self._records.ack(i)})" for i in waiting)
                     + f" have not acknowledged generation {generation}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.001)
+            backoff.pause()
 
     def _died(self, index: int) -> bool:
         """An attached record whose lock is free: its consumer is gone. Marked GONE."""

@@ -14,9 +14,9 @@ cursor is taken under a lock on the header, so a consumer can take a slot in the
 to forward what it received.
 """
 import threading
-import time
 
 from . import _locks
+from ._backoff import Backoff
 from ._errors import InvalidHandleError
 from ._memfd import MappedFile, SharedFile, open_shared_file, producer_alive
 
@@ -77,12 +77,13 @@ class CounterFile:
     def _lock_slot(self, index: int) -> None:
         """Lock a slot that nobody holds; SlotError if a consumer holds it."""
         start, length = self._range(index)
-        deadline = time.monotonic() + _BUSY_SECONDS
+        # the producer or a forwarder holds it for a few instructions
+        backoff = Backoff(_BUSY_SECONDS, first=0.0001, longest=0.0001)
         while not _locks.try_lock(self.fd, start, length):
-            if self.state(index) == HELD or time.monotonic() > deadline:
+            if self.state(index) == HELD or backoff.expired():
                 raise SlotError("this send was already opened by another process: each send "
                                 "may be opened once. Send the tensor again for every consumer.")
-            time.sleep(0.0001)  # the producer or a forwarder holds it for a few instructions
+            backoff.pause()
 
     def acquire(self, index: int) -> None:
         """Consumer: SENT -> HELD, keeping the lock until `release`."""

@@ -27,12 +27,12 @@ import importlib
 import logging
 import struct
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
 from .. import _wire
+from .._backoff import Backoff
 from .._errors import (
     DevIpcError,
     InvalidHandleError,
@@ -381,10 +381,11 @@ class NixlTransport:
                         f"deregistered by its owner. Ask the owner for a new descriptor.")
 
     def _finish_now(self, handle, agent: str) -> None:
-        deadline = time.monotonic() + LIVENESS_TIMEOUT
+        backoff = Backoff(LIVENESS_TIMEOUT, first=0.0002, longest=0.0002, spins=1000)
         state = self._post(handle, agent)
         while state == "PROC":
-            if time.monotonic() > deadline:
+            backoff.pause()
+            if backoff.expired():
                 raise PeerGoneError(f"NIXL agent {agent!r} did not answer within "
                                     f"{LIVENESS_TIMEOUT} s")
             state = self._agent.check_xfer_state(handle)
@@ -505,14 +506,12 @@ class NixlTransfer:
             return self.check()
 
     def wait(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        spins = 0
+        # past the first ~ms of polls, yield the core to NIXL's progress thread
+        backoff = Backoff(timeout, first=0.0002, longest=0.0002, spins=1000)
         while not self.done():
-            if deadline is not None and time.monotonic() > deadline:
+            if backoff.expired():
                 raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
-            spins += 1
-            if spins > 1000:  # past the first ~ms: yield the core to NIXL's progress thread
-                time.sleep(0.0002)
+            backoff.pause()
 
 
 def _nixl_error(error: Exception, agent: str) -> DevIpcError:

@@ -3,9 +3,10 @@ on, host copies with a future of a small thread pool, network ones with the tran
 """
 import concurrent.futures
 import threading
-import time
 
 import torch
+
+from .._backoff import Backoff
 
 __all__ = ["Transfer", "run_on_host"]
 
@@ -51,24 +52,22 @@ class Transfer:
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout is a non-negative number of seconds or None, "
                              f"got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = Backoff(timeout)
         if self._future is not None:
             try:
                 self._future.result(timeout)
             except concurrent.futures.TimeoutError:
                 raise TimeoutError(f"the transfer did not finish within {timeout} s") from None
         if self._handle is not None:
-            self._handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        pause = 0.00002
+            self._handle.wait(backoff.remaining())
         for event in self._events:
-            if deadline is None:
+            if timeout is None:
                 event.synchronize()
                 continue
             while not event.query():
-                if time.monotonic() > deadline:
+                if backoff.expired():
                     raise TimeoutError(f"the transfer did not finish within {timeout} s")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.001)
+                backoff.pause()
         self._finish()
 
     def _finish(self) -> None:

@@ -1,0 +1,30 @@
+"""Bounded waits: one way to poll for something that another thread or process will do, sleeping
+between polls (a little at first, up to a ceiling) and giving up at a deadline."""
+import time
+
+
+class Backoff:
+    """The pauses of one wait. `expired()`: the deadline passed (`timeout` None: never); `pause()`
+    sleeps: not at all for the first `spins` polls, then `first` seconds, doubling up to
+    `longest`."""
+
+    __slots__ = ("_deadline", "_spins", "_next", "_longest")
+
+    def __init__(self, timeout: float | None, first: float = 0.00002, longest: float = 0.001,
+                 spins: int = 0):
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._spins, self._next, self._longest = spins, first, longest
+
+    def expired(self) -> bool:
+        return self._deadline is not None and time.monotonic() > self._deadline
+
+    def remaining(self) -> float | None:
+        """Seconds left (never negative), or None without a deadline."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def pause(self) -> None:
+        if self._spins > 0:
+            self._spins -= 1
+            return
+        time.sleep(self._next)
+        self._next = min(self._next * 2, self._longest)
