@@ -150,6 +150,25 @@ def test_a_storage_resized_after_its_advertisement_is_never_reached_again(owner)
 
 
 @needs_nixl
+def test_closing_the_last_connection_to_a_peer_unloads_its_agent(children, loopback):
+    proc, conn = children.start_piped(_p2p_workers.owner, "nixl")
+    _, _, metadata = recv(conn)
+    _, whole = ask(conn, "create", torch.ones(64), "openreg")
+    with p2p.Endpoint(transport="nixl") as endpoint:
+        first, second = endpoint.connect(metadata), endpoint.connect(metadata)
+        loaded = endpoint._transport._peers
+        local = torch.zeros(64)
+        first.read(local, whole)
+        (agent,) = loaded
+        first.close()
+        assert agent in loaded  # the second connection still uses it
+        second.read(local, whole)
+        del second  # dropped without close(): its finalizer lets go as close() would
+        assert agent not in loaded
+    ask(conn, "exit")
+
+
+@needs_nixl
 def test_bad_input_is_a_clear_error(owner):
     conn, connection = owner
     _, whole = ask(conn, "create", torch.ones(64), "openreg")

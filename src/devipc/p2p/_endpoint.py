@@ -177,15 +177,18 @@ class Connection:
         self._decoded: dict[bytes, Descriptor] = {}
         self._peer: Peer | None = None
         self._agent = None
-        if endpoint._transport is not None:
-            self._agent = endpoint._transport.connect(meta.extra)
+        transport = endpoint._transport
+        if transport is not None:
+            self._agent = transport.connect(meta.extra)
+            # a dropped connection unloads the peer's agent, as closing it does
+            self._release = weakref.finalize(self, transport.disconnect, self._agent)
             return
         if meta.host != host_identity() or not meta.host:
             raise UnsupportedDeviceError(
                 f"peer process {meta.pid} runs on another host or PID namespace: the device's "
                 f"IPC hooks cannot reach its memory. Use Endpoint(transport='nixl') on both sides")
         self._peer = Peer(meta)
-        weakref.finalize(self, self._peer.close)  # a dropped connection lets go of the peer
+        self._release = weakref.finalize(self, self._peer.close)  # a dropped one lets go too
     # -- the API --
     def read(self, local: torch.Tensor, remote) -> None:
         """Copy the remote range into `local` (same byte size)."""
@@ -218,9 +221,8 @@ class Connection:
         return 0 if self._peer is None else self._peer.mapped()
 
     def close(self) -> None:
-        """Release every mapping of the peer's memory. Idempotent."""
-        if self._peer is not None:
-            self._peer.close()
+        """Release every mapping of the peer's memory, or the peer's NIXL agent. Idempotent."""
+        self._release()  # runs once
         self._agent = None
 
     # -- the work --

@@ -83,7 +83,13 @@ def new_agent(name: str):
     """A NIXL agent with the UCX backend whose progress thread waits for events: NIXL's Python API
     asks for a poll delay of 0, a busy loop that keeps one core spinning for as long as the agent
     lives; any delay makes the thread sleep in poll() on UCX's event fd (waking at least every
-    millisecond), and transfers posted here progress in the calling thread anyway."""
+    millisecond), and transfers posted here progress in the calling thread anyway.
+
+    The delay cannot be set through NIXL's configuration: `nixl_agent_config` has no field for it
+    and `nixl_agent.__init__` writes `pthrDelay = 0` into the bind config it builds (nixl 1.5.1).
+    Turning the progress thread off instead (`enable_prog_thread=False`) would leave an owner,
+    which runs no code for a transfer, unable to serve UCX's TCP transport. So for the one call
+    that builds the agent, under a lock, the bind's config constructor is given the delay."""
     api = load_nixl()
     bind, config = api.nixlBind, api.nixl_agent_config(backends=["UCX"])
     real = getattr(bind, "nixlAgent", None)
@@ -224,6 +230,7 @@ class NixlTransport:
         self._bases: list[int] = []  # sorted bases of self._ranges
         self._ranges: list[_Local] = []
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
+        self._links: dict[str, int] = {}  # agent -> connections to it
         self._decoded: dict[bytes, Remote] = {}
         self._page = self._register(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
         self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
@@ -305,11 +312,16 @@ class NixlTransport:
                 raise InvalidHandleError(f"NIXL metadata of agent {agent!r} claims to be of "
                                          f"{name!r}")
             self._peers.setdefault(agent, set())
+            self._links[agent] = self._links.get(agent, 0) + 1
         return agent
 
     def disconnect(self, agent: str) -> None:
+        """One connection to `agent` closed: the agent is unloaded with the last one."""
         with self._lock:
-            if self._peers.pop(agent, None) is not None and not self._closed:
+            links = self._links.pop(agent, 0) - 1
+            if links > 0:
+                self._links[agent] = links
+            elif self._peers.pop(agent, None) is not None and not self._closed:
                 self._agent.remove_remote_agent(agent)
 
     # -- transfers --
@@ -449,6 +461,7 @@ class NixlTransport:
                 self._deregister(local)
             self._closed = True
             self._peers.clear()
+            self._links.clear()
             self._regs.clear()
             self._agent = None
 
