@@ -177,6 +177,7 @@ class Connection:
         self._decoded: dict[bytes, Descriptor] = {}
         self._peer: Peer | None = None
         self._agent = None
+        self._release: weakref.finalize
         transport = endpoint._transport
         if transport is not None:
             self._agent = transport.connect(meta.extra)
