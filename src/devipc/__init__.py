@@ -3,11 +3,17 @@
 A device implements `IpcHooks` and calls `register_ipc_hooks`; from then on its tensors cross
 `torch.multiprocessing` queues, pipes and DataLoader workers without a copy. CUDA, CPU and devices
 without hooks keep torch's own path. This package never imports a device.
+
+The public surface, by audience: `devipc` for users (below, `__all__`); `devipc.hooks` for device
+vendors; `devipc.rfc` for the RFC's plumbing that torch calls; `devipc.p2p` for point-to-point
+transfers. The vendor and RFC names are also importable from `devipc` itself, as synonyms kept
+for code written against the first release.
 """
 __version__ = "0.1.0"
 
 # The torch-free layers first: importing torch (below) may autoload a device package that
 # registers its hooks through these names while this package is still importing.
+from . import hooks
 from ._errors import (
     AckTimeoutError,
     ConsumerDiedError,
@@ -17,7 +23,7 @@ from ._errors import (
     ReshareError,
     UnsupportedDeviceError,
 )
-from ._hooks import (
+from .hooks import (  # synonyms of devipc.hooks
     IpcHooks,
     OpenedMemory,
     device_supports_ipc,
@@ -27,20 +33,20 @@ from ._hooks import (
 )
 
 # isort: split
+from . import rfc
 from ._arena import Arena, ArenaReader, Chunk, open_arena
 from ._handles import Handle, open, open_tensors, pack, share, share_tensors
-from ._reductions import install, installed, rebuild_device_tensor, uninstall
-from ._sharing import (
-    ipc_collect,
-    new_shared_device,
-    received_via_ipc,
-    release_ipc_counter_device,
-    revoke,
-    set_unopened_deadline,
-    share_device,
-    stats,
-)
+from ._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
 from ._state_dict import open_state_dict, share_state_dict
+from .rfc import (  # synonyms of devipc.rfc
+    install,
+    installed,
+    new_shared_device,
+    rebuild_device_tensor,
+    release_ipc_counter_device,
+    share_device,
+    uninstall,
+)
 
 __all__ = [
     "AckTimeoutError",
@@ -51,33 +57,22 @@ __all__ = [
     "DevIpcError",
     "Handle",
     "InvalidHandleError",
-    "IpcHooks",
-    "OpenedMemory",
     "PeerGoneError",
     "ReshareError",
     "UnsupportedDeviceError",
-    "device_supports_ipc",
-    "get_ipc_hooks",
-    "install",
-    "installed",
+    "hooks",
     "ipc_collect",
-    "new_shared_device",
     "open",
     "open_arena",
     "open_state_dict",
     "open_tensors",
     "pack",
-    "rebuild_device_tensor",
     "received_via_ipc",
-    "register_ipc_hooks",
-    "release_ipc_counter_device",
     "revoke",
+    "rfc",
     "set_unopened_deadline",
     "share",
-    "share_device",
     "share_state_dict",
     "share_tensors",
     "stats",
-    "uninstall",
-    "unregister_ipc_hooks",
 ]

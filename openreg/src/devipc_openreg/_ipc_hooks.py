@@ -10,7 +10,8 @@ import torch
 
 # devipc binds these names before it imports torch, so this works also when torch's autoload runs
 # it while `devipc` itself is still importing.
-from devipc import InvalidHandleError, IpcHooks, OpenedMemory, register_ipc_hooks
+from devipc import InvalidHandleError
+from devipc.hooks import IpcHooks, OpenedMemory, register_ipc_hooks
 
 from . import _runtime
 

@@ -1,0 +1,19 @@
+"""devipc for device vendors: the hook contract a device implements, and its registry.
+
+    from devipc.hooks import IpcHooks, OpenedMemory, register_ipc_hooks
+
+Torch-free, like the module it names (`_hooks`): a device that torch autoloads can register
+through it while devipc itself is still importing. The README's hook contract says what each
+method must guarantee.
+"""
+from ._hooks import (
+    IpcHooks,
+    OpenedMemory,
+    device_supports_ipc,
+    get_ipc_hooks,
+    register_ipc_hooks,
+    unregister_ipc_hooks,
+)
+
+__all__ = ["IpcHooks", "OpenedMemory", "device_supports_ipc", "get_ipc_hooks",
+           "register_ipc_hooks", "unregister_ipc_hooks"]
