@@ -213,6 +213,16 @@ class Report:
     def failed(self) -> int:
         return len(self.failures)
 
+    def print(self, kinds) -> None:
+        """Outcomes, outcomes by kind (in the order of `kinds`), and the first failures."""
+        for outcome, n in sorted(self.counts.items()):
+            print(f"  {outcome:32} {n}")
+        for kind in kinds:
+            row = ", ".join(f"{o} {n}" for (k, o), n in sorted(self.by_kind.items()) if k == kind)
+            print(f"    {kind:10} {row}")
+        for failure in self.failures[:50]:
+            print("  FAIL", *failure[:3], failure[3][:2000])
+
 
 def _run_batch(mutations, report, env, progress):
     """Runs mutations in worker subprocesses until each has an outcome."""
@@ -355,13 +365,7 @@ def main(argv=None) -> int:
         close()
         print(f"  {sum(report.counts.values())} run in {time.monotonic() - started:.0f} s; "
               f"sends still held by the producer afterwards: {report.still_held}")
-        for outcome, n in sorted(report.counts.items()):
-            print(f"  {outcome:32} {n}")
-        for kind in sorted({k for k, _ in report.by_kind}):
-            row = ", ".join(f"{o} {n}" for (k, o), n in sorted(report.by_kind.items()) if k == kind)
-            print(f"    {kind:8} {row}")
-        for failure in report.failures[:50]:
-            print("  FAIL", *failure[:3], failure[3][:2000])
+        report.print(sorted({k for k, _ in report.by_kind}))
         failed += report.failed
     return 1 if failed else 0
 

@@ -265,13 +265,7 @@ def main(argv=None) -> int:
         report = fuzz(mode, options.mutations, options.seed, update)
         close()
         print(f"  {sum(report.counts.values())} run in {time.monotonic() - started:.0f} s")
-        for outcome, n in sorted(report.counts.items()):
-            print(f"  {outcome:32} {n}")
-        for kind in KINDS:
-            row = ", ".join(f"{o} {n}" for (k, o), n in sorted(report.by_kind.items()) if k == kind)
-            print(f"    {kind:10} {row}")
-        for failure in report.failures[:50]:
-            print("  FAIL", *failure[:3], failure[3][:2000])
+        report.print(KINDS)
         failed += report.failed
     return 1 if failed else 0
 

@@ -34,7 +34,12 @@ class FakeTransport:
 
     def connect(self, peer_metadata):
         assert peer_metadata == b"fake agent"
+        self.connected = getattr(self, "connected", 0) + 1
         return "peer agent"
+
+    def disconnect(self, remote_agent):
+        assert remote_agent == "peer agent"
+        self.connected -= 1
 
     def descriptor_extra(self, reg, offset, nbytes):
         return struct.pack("<qq", reg.base + offset, nbytes)
@@ -84,7 +89,7 @@ def test_a_transport_object_carries_the_transfers():
     p2p.free_tensor(tensor)
     assert tensor_id not in fake.registered
     endpoint.close()
-    assert fake.closed
+    assert fake.closed and fake.connected == 0  # closing the endpoint closed its connection
     p2p.free_tensor(earlier)
     assert earlier_id in fake.registered  # the closed endpoint's transport hears no more
 

@@ -47,7 +47,7 @@ class Endpoint:
             from ._nixl import NixlTransport  # the optional extra: only imported when asked
 
             self.transport, self._transport = "nixl", NixlTransport(self.name)
-        elif all(hasattr(transport, m) for m in ("metadata", "connect", "post",
+        elif all(hasattr(transport, m) for m in ("metadata", "connect", "disconnect", "post",
                                                  "descriptor_extra")):
             self.transport, self._transport = "nixl", transport
         else:
