@@ -152,3 +152,12 @@ def test_random_mutations_raise_only_invalid_handle_errors():
         handle.revoke()
     del tensor, handles
     devipc.ipc_collect()
+
+
+def test_decoded_messages_are_kept_by_their_bytes_and_bounded():
+    reads = []
+    cache = _wire.Decoded(lambda data: reads.append(data) or len(data), limit=2)
+    assert [cache.decode(b"a"), cache.decode(b"a"), cache.decode(b"bb")] == [1, 1, 2]
+    assert reads == [b"a", b"bb"]  # the second b"a" came from the cache
+    cache.decode(b"ccc")  # full: cleared, then kept
+    assert len(cache) == 1 and cache.get(b"ccc") == 3

@@ -213,6 +213,25 @@ def decode(read, data, what: str):
         raise InvalidHandleError(f"malformed {what}: {error}") from error
 
 
+class Decoded(dict):
+    """Messages already decoded, by their bytes (a connection sees the same descriptors call after
+    call). Bounded: cleared whole when full, which is simple and safe with other threads
+    calling; `get` is the dict's, for callers that look up many at once."""
+
+    def __init__(self, read, limit: int):
+        super().__init__()
+        self._read, self._limit = read, limit
+
+    def decode(self, data: bytes):
+        value = self.get(data)
+        if value is None:
+            value = self._read(data)
+            if len(self) >= self._limit:
+                self.clear()
+            self[data] = value
+        return value
+
+
 def wrap_storage_handle(device: torch.device, handle: bytes) -> bytes:
     """reduce_tensor's args[7]: the hooks' handle, with the device the sender put in args[6]."""
     return Writer(STORAGE).device(device).bytes(handle).done()

@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from .. import _wire
 from .._errors import (
     InvalidHandleError,
     NotRegisteredError,
@@ -174,7 +175,7 @@ class Connection:
     def __init__(self, endpoint: Endpoint, meta: Metadata):
         self._endpoint, self.peer_pid = endpoint, meta.pid
         self._page_handle = meta.page
-        self._decoded: dict[bytes, Descriptor] = {}
+        self._decoded = _wire.Decoded(Descriptor.from_bytes, _DECODED_KEPT)
         self._peer: Peer | None = None
         self._agent = None
         self._release: weakref.finalize
@@ -234,14 +235,7 @@ class Connection:
             if not isinstance(remote, (bytes, bytearray, memoryview)):
                 raise InvalidHandleError(f"a remote descriptor is bytes, got "
                                          f"{type(remote).__name__}")
-            remote = bytes(remote)
-            cached = self._decoded.get(remote)
-            if cached is None:
-                cached = Descriptor.from_bytes(remote)
-                if len(self._decoded) >= _DECODED_KEPT:
-                    self._decoded.clear()  # simple, and safe with other threads calling
-                self._decoded[remote] = cached
-            desc = cached
+            desc = self._decoded.decode(bytes(remote))
         if desc.page != self._page_handle:
             raise InvalidHandleError("this descriptor was advertised by another process than "
                                      "the one this connection reaches")

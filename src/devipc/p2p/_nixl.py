@@ -231,7 +231,7 @@ class NixlTransport:
         self._ranges: list[_Local] = []
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
         self._links: dict[str, int] = {}  # agent -> connections to it
-        self._decoded: dict[bytes, Remote] = {}
+        self._decoded = _wire.Decoded(Remote.from_bytes, _DECODED_MAX)
         self._page = self._register(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
         self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
         self._scratch_reg = self._register(self._scratch.data_ptr(), 8 * _SCRATCH_WORDS, "DRAM", 0)
@@ -326,13 +326,7 @@ class NixlTransport:
 
     # -- transfers --
     def _decode(self, extra: bytes) -> Remote:
-        remote = self._decoded.get(extra)
-        if remote is None:
-            remote = Remote.from_bytes(extra)
-            if len(self._decoded) >= _DECODED_MAX:
-                self._decoded.clear()
-            self._decoded[bytes(extra)] = remote
-        return remote
+        return self._decoded.decode(bytes(extra))
 
     def post(self, op: str, remote_agent: str, local, remote_extras) -> "NixlTransfer":
         """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
