@@ -7,7 +7,7 @@ import pytest
 from _support import TIMEOUT, open_fds, run_python, zombie_child
 
 from devipc import InvalidHandleError, PeerGoneError
-from devipc._memfd import HANDLE_SIZE, SharedFile, open_shared_file
+from devipc._memfd import HANDLE_SIZE, SharedFile, WordTable, open_shared_file
 
 _FORMAT = "<4sHiiQ16s"  # docs/ipc-handles.md
 
@@ -159,5 +159,19 @@ except InvalidHandleError as error:
     print(error)
 """).stdout
         assert "permission denied" in out and "same user" in out and "dumpable" in out
+    finally:
+        shared.close()
+
+
+def test_a_word_table_lays_records_after_its_header():
+    shared = SharedFile(b"TEST", WordTable.size(3, 2))
+    try:
+        table = WordTable(shared.buffer, 2)
+        assert shared.buffer.size == 64 + 3 * 16
+        table.header().value = -1
+        table.word(2, 1).value = 7
+        assert table.address(2, 1) == shared.buffer.address + 64 + 8 * 5
+        assert shared.buffer.int64(0).value == -1 and shared.buffer.int64(8 + 5).value == 7
+        assert table.lock_range(2) == (64 + 32, 16)
     finally:
         shared.close()

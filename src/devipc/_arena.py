@@ -30,7 +30,7 @@ from . import _handles, _locks, _sharing, _wire
 from ._backoff import Backoff
 from ._errors import AckTimeoutError, ConsumerDiedError, InvalidHandleError
 from ._hooks import hooks_for
-from ._memfd import SharedFile, open_shared_file
+from ._memfd import SharedFile, WordTable, open_shared_file
 from ._table import ALIGNMENT, Table
 
 __all__ = ["Arena", "ArenaReader", "Chunk", "open_arena"]
@@ -38,57 +38,49 @@ __all__ = ["Arena", "ArenaReader", "Chunk", "open_arena"]
 _MAGIC = b"ACKS"
 MAX_CONSUMERS = 64
 MAX_BUFFERS = 16
-_HEADER = 64
-_RECORD = 32  # bytes: state, acknowledged generation, pid, attachment serial
-_CONTROL_BYTES = _HEADER + MAX_CONSUMERS * _RECORD
+_FIELDS = 4  # a record's words: state, acknowledged generation, pid, attachment serial
+_CONTROL_BYTES = WordTable.size(MAX_CONSUMERS, _FIELDS)
 FREE, PENDING, ATTACHED, CLOSED, GONE = 0, 1, 2, 3, 4
 _STATE_NAMES = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached", CLOSED: "closed",
                 GONE: "died"}
 
 
-class _Records:
+class _Records(WordTable):
     """The control file's consumer records, through one mapping of it."""
 
     def __init__(self, mapping):
-        self.mapping = mapping
-
-    def _word(self, index: int, field: int):
-        return self.mapping.int64((_HEADER + _RECORD * index) // 8 + field)
+        super().__init__(mapping, _FIELDS)
 
     def state(self, index: int) -> int:
-        return self._word(index, 0).value
+        return self.word(index, 0).value
 
     def set_state(self, index: int, state: int) -> None:
-        self._word(index, 0).value = state
+        self.word(index, 0).value = state
 
     def ack(self, index: int) -> int:
-        return self._word(index, 1).value
+        return self.word(index, 1).value
 
     def set_ack(self, index: int, generation: int) -> None:
-        self._word(index, 1).value = generation
+        self.word(index, 1).value = generation
 
     def pid(self, index: int) -> int:
-        return self._word(index, 2).value
+        return self.word(index, 2).value
 
     def set_pid(self, index: int, pid: int) -> None:
-        self._word(index, 2).value = pid
+        self.word(index, 2).value = pid
 
     def serial(self, index: int) -> int:
-        return self._word(index, 3).value
+        return self.word(index, 3).value
 
     def set_serial(self, index: int, serial: int) -> None:
-        self._word(index, 3).value = serial
+        self.word(index, 3).value = serial
 
     def filling(self) -> int:
         """The newest generation the producer started to fill (-1: none). Under the header lock."""
-        return self.mapping.int64(0).value
+        return self.header(0).value
 
     def set_filling(self, generation: int) -> None:
-        self.mapping.int64(0).value = generation
-
-    @staticmethod
-    def lock_range(index: int) -> tuple[int, int]:
-        return _HEADER + _RECORD * index, _RECORD
+        self.header(0).value = generation
 
 
 _HEADER_LOCK = (0, 8)  # the `filling` word
@@ -165,7 +157,7 @@ class Arena:
                     continue  # its consumer may still open it
             elif state not in (FREE, CLOSED, GONE):
                 continue
-            start, length = _Records.lock_range(index)
+            start, length = self._records.lock_range(index)
             if not _locks.try_lock(self._control.fd, start, length):
                 continue  # a consumer is in the middle of opening or closing it
             try:
@@ -237,7 +229,7 @@ class Arena:
 
     def _died(self, index: int) -> bool:
         """An attached record whose lock is free: its consumer is gone. Marked GONE."""
-        start, length = _Records.lock_range(index)
+        start, length = self._records.lock_range(index)
         if self._records.state(index) != ATTACHED or not _locks.try_lock(self._control.fd, start,
                                                                           length):
             return False
@@ -316,7 +308,7 @@ class ArenaReader:
                 raise InvalidHandleError(f"an arena control file has {_CONTROL_BYTES} bytes, "
                                          f"this one {self._mapping.size}")
             self._records = _Records(self._mapping)
-            if not _locks.try_lock(self._mapping.fd, *_Records.lock_range(self._index)) \
+            if not _locks.try_lock(self._mapping.fd, *self._records.lock_range(self._index)) \
                     or self._records.state(self._index) != PENDING \
                     or self._records.serial(self._index) != serial:
                 raise InvalidHandleError("this arena attachment was already opened (attach once "

@@ -146,6 +146,37 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
         raise
 
 
+class WordTable:
+    """The layout of devipc's shared word files (counter slots, arena records, the p2p registry
+    page): a 64-byte header of int64 words, then records of `fields` int64 words each. Loads and
+    stores of a word are single aligned instructions; a record's bytes are its lock range."""
+
+    HEADER = 64
+
+    __slots__ = ("mapping", "fields")
+
+    def __init__(self, mapping: MappedFile, fields: int):
+        self.mapping, self.fields = mapping, fields
+
+    @classmethod
+    def size(cls, records: int, fields: int) -> int:
+        return cls.HEADER + 8 * fields * records
+
+    def header(self, index: int = 0) -> ctypes.c_int64:
+        return self.mapping.int64(index)
+
+    def word(self, record: int, field: int = 0) -> ctypes.c_int64:
+        return self.mapping.int64(self.HEADER // 8 + self.fields * record + field)
+
+    def address(self, record: int, field: int = 0) -> int:
+        """Where a word lies in this process (the mapping's address space)."""
+        return self.mapping.address + self.HEADER + 8 * (self.fields * record + field)
+
+    def lock_range(self, record: int) -> tuple[int, int]:
+        """(start, length) of a record's bytes in the file."""
+        return self.HEADER + 8 * self.fields * record, 8 * self.fields
+
+
 def handle_pid(handle: bytes) -> int:
     """The pid a well-formed handle names (the process that owns the memfd)."""
     return struct.unpack_from(_FORMAT, handle)[2]

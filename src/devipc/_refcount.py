@@ -18,15 +18,15 @@ import threading
 from . import _locks
 from ._backoff import Backoff
 from ._errors import InvalidHandleError
-from ._memfd import MappedFile, SharedFile, open_shared_file, producer_alive
+from ._memfd import MappedFile, SharedFile, WordTable, open_shared_file, producer_alive
 
 SLOTS_PER_FILE = 10_000
-HEADER_BYTES = 64
-SLOT_BYTES = 16
-FILE_BYTES = HEADER_BYTES + SLOTS_PER_FILE * SLOT_BYTES
+SLOT_FIELDS = 2  # state, export
+FILE_BYTES = WordTable.size(SLOTS_PER_FILE, SLOT_FIELDS)
 RELEASED, SENT, HELD, REVOKED = 0, 1, 2, -1
 _MAGIC = b"RCNT"
 _BUSY_SECONDS = 1.0  # how long an open waits for a slot another party locks for an instant
+_CURSOR = (0, 8)  # the header word counting the slots handed out, and its lock range
 
 
 class SlotError(InvalidHandleError):
@@ -36,43 +36,42 @@ class SlotError(InvalidHandleError):
 class CounterFile:
     """One open of a counter file: its mapping and the descriptor its locks are taken through."""
 
-    __slots__ = ("mapping", "fd")
+    __slots__ = ("mapping", "fd", "_words")
 
     def __init__(self, mapping: MappedFile, fd: int):
         self.mapping, self.fd = mapping, fd
+        self._words = WordTable(mapping, SLOT_FIELDS)
 
     # -- layout --
     def cursor(self) -> int:
-        return self.mapping.int64(0).value
+        return self._words.header().value
 
     def state(self, index: int) -> int:
-        return self.mapping.int64((HEADER_BYTES + SLOT_BYTES * index) // 8).value
+        return self._words.word(index, 0).value
 
     def export(self, index: int) -> int:
-        return self.mapping.int64((HEADER_BYTES + SLOT_BYTES * index) // 8 + 1).value
+        return self._words.word(index, 1).value
 
     def _set(self, index: int, state: int) -> None:
-        self.mapping.int64((HEADER_BYTES + SLOT_BYTES * index) // 8).value = state
+        self._words.word(index, 0).value = state
 
-    @staticmethod
-    def _range(index: int) -> tuple[int, int]:
-        return HEADER_BYTES + SLOT_BYTES * index, SLOT_BYTES
+    def _range(self, index: int) -> tuple[int, int]:
+        return self._words.lock_range(index)
 
     # -- transitions --
     def take(self, export: int) -> int | None:
         """A new SENT slot for `export`, or None when the file is full."""
-        _locks.lock(self.fd, 0, 8)
+        _locks.lock(self.fd, *_CURSOR)
         try:
             index = self.cursor()
             if not 0 <= index < SLOTS_PER_FILE:
                 return None
-            base = (HEADER_BYTES + SLOT_BYTES * index) // 8
-            self.mapping.int64(base + 1).value = export
-            self.mapping.int64(base).value = SENT
-            self.mapping.int64(0).value = index + 1
+            self._words.word(index, 1).value = export
+            self._words.word(index, 0).value = SENT
+            self._words.header().value = index + 1
             return index
         finally:
-            _locks.unlock(self.fd, 0, 8)
+            _locks.unlock(self.fd, *_CURSOR)
 
     def _lock_slot(self, index: int) -> None:
         """Lock a slot that nobody holds; SlotError if a consumer holds it."""

@@ -42,7 +42,7 @@ from .._errors import (
     UnsupportedDeviceError,
 )
 from .._hooks import get_ipc_hooks
-from ._registry import PAGE_BYTES, PAGE_SLOTS, registry, word_index
+from ._registry import PAGE_BYTES, PAGE_SLOTS, registry, word_offset
 
 __all__ = ["NixlTransport", "load_nixl", "memory_kind", "new_agent"]
 
@@ -374,7 +374,7 @@ class NixlTransport:
             chunk = items[start:start + _SCRATCH_WORDS]
             scratch = self._scratch_reg.base
             local = [(scratch + 8 * i, 8, 0) for i in range(len(chunk))]
-            remote = [(page + 8 * word_index(slot), 8, 0) for (page, slot), _ in chunk]
+            remote = [(page + word_offset(slot), 8, 0) for (page, slot), _ in chunk]
             handle = self._request("READ", agent, local, "DRAM", remote, "DRAM")
             try:
                 self._finish_now(handle, agent)

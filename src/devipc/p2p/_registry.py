@@ -32,21 +32,21 @@ import torch
 from .. import _sharing
 from .._errors import NotRegisteredError
 from .._hooks import hooks_for
-from .._memfd import SharedFile
+from .._memfd import SharedFile, WordTable
 from .._memory import untyped
 
-__all__ = ["PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry", "registry"]
+__all__ = ["PAGE_BYTES", "PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry", "registry",
+           "word_offset"]
 
 _log = logging.getLogger("devipc")
 PAGE_MAGIC = b"P2PR"
-PAGE_HEADER = 64  # bytes before the slots (unused, keeps slots 64-byte aligned)
 PAGE_SLOTS = 1 << 16  # live registrations at most; slots are reused, ids never
-PAGE_BYTES = PAGE_HEADER + 8 * PAGE_SLOTS
+PAGE_BYTES = WordTable.size(PAGE_SLOTS, 1)  # one word a slot, after an unused header
 
 
-def word_index(slot: int) -> int:
-    """The int64 index of `slot` in the registry page."""
-    return PAGE_HEADER // 8 + slot
+def word_offset(slot: int) -> int:
+    """The byte offset of `slot`'s word in the registry page."""
+    return WordTable.HEADER + 8 * slot
 
 
 class Registration:
@@ -125,7 +125,7 @@ class Registry:
     def is_alive(self, reg: Registration) -> bool:
         page = self._page
         return page is not None and page.buffer.address != 0 \
-            and page.buffer.int64(word_index(reg.slot)).value == reg.id
+            and WordTable(page.buffer, 1).word(reg.slot).value == reg.id
 
     # -- registering --
     def register(self, tensor_or_storage) -> Registration:
@@ -158,7 +158,7 @@ class Registry:
                     finalizer.atexit = False
                     self._by_storage[id(storage)] = reg
                     self._by_id[reg.id] = reg
-                    page.buffer.int64(word_index(reg.slot)).value = reg.id
+                    WordTable(page.buffer, 1).word(reg.slot).value = reg.id
                     listeners = list(self._listeners)
         finally:
             if reg is None and held is not None:
@@ -217,7 +217,7 @@ class Registry:
                     return False
                 raise NotRegisteredError(f"tensor id {reg_id} was never registered here")
             # Peers stop first: the word goes before anything else does.
-            self.page().buffer.int64(word_index(reg.slot)).value = 0
+            WordTable(self.page().buffer, 1).word(reg.slot).value = 0
             if self._by_storage.get(reg._key) is reg:
                 del self._by_storage[reg._key]
             self._free_slots.append(reg.slot)

@@ -28,7 +28,7 @@ from .._hooks import hooks_for
 from .._memfd import MappedFile, open_shared_file, pid_alive
 from .._refcount import open_counter_file
 from ._descriptor import DEVICE, Descriptor, Metadata
-from ._registry import PAGE_BYTES, PAGE_MAGIC, PAGE_SLOTS, word_index
+from ._registry import PAGE_BYTES, PAGE_MAGIC, PAGE_SLOTS, word_offset
 
 __all__ = ["Peer", "RemoteEntry"]
 
@@ -81,7 +81,7 @@ class Peer:
                                      f"{page.size}")
         self._page: MappedFile | None = page  # None once closed
         self._words: ctypes.Array[ctypes.c_int64] | None = \
-            (ctypes.c_int64 * PAGE_SLOTS).from_address(page.address + 8 * word_index(0))
+            (ctypes.c_int64 * PAGE_SLOTS).from_address(page.address + word_offset(0))
         try:  # readable once the process exits, and never another process with its pid
             self._pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
