@@ -19,7 +19,7 @@ import torch
 from ._errors import InvalidHandleError
 
 MAGIC = b"DVIP"
-VERSION = 2  # 2: a bucket's table as columns
+VERSION = 3  # 2: a bucket's table as columns; 3: an arena attachment names its record's serial
 _HEADER = struct.Struct("<4sHH")
 _LENGTH = struct.Struct("<I")
 _INT = struct.Struct("<q")
