@@ -172,7 +172,8 @@ class Arena:
 
     def put(self, named_tensors, timeout: float = 60.0) -> bytes:
         """Copy a chunk of named tensors into the next buffer, packed as `share_tensors` packs
-        them, once every consumer acknowledged the generation that used that buffer before;
+        them, once every attached consumer acknowledged the generation that used that buffer
+        before (one that never opened its attachment is not waited for);
         returns the chunk's bytes for `ArenaReader.read`. ConsumerDiedError if a consumer died
         meanwhile (it no longer counts: put again), AckTimeoutError after `timeout` seconds."""
         self._check_open()

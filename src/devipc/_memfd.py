@@ -168,10 +168,6 @@ class WordTable:
     def word(self, record: int, field: int = 0) -> ctypes.c_int64:
         return self.mapping.int64(self.HEADER // 8 + self.fields * record + field)
 
-    def address(self, record: int, field: int = 0) -> int:
-        """Where a word lies in this process (the mapping's address space)."""
-        return self.mapping.address + self.HEADER + 8 * (self.fields * record + field)
-
     def lock_range(self, record: int) -> tuple[int, int]:
         """(start, length) of a record's bytes in the file."""
         return self.HEADER + 8 * self.fields * record, 8 * self.fields
