@@ -12,7 +12,7 @@ from _support import TIMEOUT, Children, recv, wait_until
 
 import devipc
 import devipc.p2p as p2p
-from devipc.p2p import _endpoint
+from devipc.p2p import _ipc
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
@@ -97,7 +97,7 @@ def test_the_batch_moves_what_the_per_pair_path_moves(owner, peer, batches, monk
     call, _ = owner
     batched = _transfer_both_ways(call, peer, device, torch.Generator().manual_seed(3))
     assert batches == [200, 200]  # one batch per readv and per writev
-    monkeypatch.setattr(_endpoint, "_BATCH_MIN", 1 << 30)  # the per-pair path
+    monkeypatch.setattr(_ipc, "_BATCH_MIN", 1 << 30)  # the per-pair path
     per_pair = _transfer_both_ways(call, peer, device, torch.Generator().manual_seed(3))
     assert batches == [200, 200]
     assert all(torch.equal(a, b) for a, b in zip(batched[0], per_pair[0]))
@@ -107,7 +107,7 @@ def test_the_batch_moves_what_the_per_pair_path_moves(owner, peer, batches, monk
 @pytest.mark.usefixtures("ipc_mode")
 def test_a_device_without_copy_batch_copies_pair_by_pair(owner, peer, monkeypatch):
     monkeypatch.delattr(OpenRegIpcHooks, "copy_batch")
-    assert not hasattr(devipc_hooks := p2p._endpoint.hooks_for(torch.device("openreg", 0)),
+    assert not hasattr(devipc_hooks := _ipc.hooks_for(torch.device("openreg", 0)),
                        "copy_batch"), devipc_hooks
     call, _ = owner
     _transfer_both_ways(call, peer, "openreg", torch.Generator().manual_seed(4))

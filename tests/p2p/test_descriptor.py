@@ -105,8 +105,10 @@ def test_forged_metadata_is_refused(loop):
         endpoint.connect(dataclasses.replace(meta, host=b"elsewhere").to_bytes())
     with pytest.raises(ValueError, match="transport 'nixl'"):
         endpoint.connect(dataclasses.replace(meta, transport="nixl").to_bytes())
-    bad = _wire.Writer(_wire.P2P_METADATA).text("carrier-pigeon").bytes(meta.host).int(meta.pid)
-    with pytest.raises(devipc.InvalidHandleError, match="unknown p2p transport"):
+    with pytest.raises(ValueError, match="uses transport 'carrier-pigeon'"):  # a third party's
+        endpoint.connect(dataclasses.replace(meta, transport="carrier-pigeon").to_bytes())
+    bad = _wire.Writer(_wire.P2P_METADATA).text("Carrier Pigeon!").bytes(meta.host).int(meta.pid)
+    with pytest.raises(devipc.InvalidHandleError, match="names no transport"):
         endpoint.connect(bad.bytes(meta.page).bytes(b"").done())
     token_flipped = meta.page[:-1] + bytes([meta.page[-1] ^ 1])
     with pytest.raises(devipc.InvalidHandleError):

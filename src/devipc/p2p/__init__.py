@@ -21,12 +21,13 @@ from .._errors import (
 from ._endpoint import Connection, Endpoint
 from ._registry import Registration, registry
 from ._transfer import Transfer
+from ._transport import Link, Transport
 
-__all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "NotRegisteredError",
-           "PeerGoneError", "Registration", "RemoteTensorFreedError", "Transfer",
-           "TransferSizeError", "UnsupportedDeviceError", "add_listener", "create_tensor",
-           "deregister", "free_tensor", "get_tensor_id_by_tensor", "register", "registration",
-           "remove_listener"]
+__all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "Link",
+           "NotRegisteredError", "PeerGoneError", "Registration", "RemoteTensorFreedError",
+           "Transfer", "TransferSizeError", "Transport", "UnsupportedDeviceError",
+           "add_listener", "create_tensor", "deregister", "free_tensor",
+           "get_tensor_id_by_tensor", "register", "registration", "remove_listener"]
 
 
 def create_tensor(shape, dtype, device):

@@ -17,11 +17,11 @@ from .._errors import InvalidHandleError
 from .._memfd import HANDLE_SIZE, handle_pid
 from .._refcount import SLOTS_PER_FILE
 from ._registry import PAGE_SLOTS
+from ._transport import check_name
 
 __all__ = ["CPU", "DEVICE", "NONE", "Descriptor", "Metadata", "host_identity"]
 
 NONE, DEVICE, CPU = 0, 1, 2  # how a peer on the same host reaches the memory
-TRANSPORTS = ("ipc", "nixl")
 MAX_FD = 1 << 30
 
 
@@ -52,8 +52,10 @@ class Metadata:
     def from_bytes(cls, data) -> "Metadata":
         reader = _wire.Reader(data, (_wire.P2P_METADATA,))
         transport = reader.text("transport", 16)
-        if transport not in TRANSPORTS:
-            raise InvalidHandleError(f"unknown p2p transport {transport!r}")
+        try:
+            check_name(transport)
+        except ValueError as error:
+            raise InvalidHandleError(f"p2p metadata names no transport: {error}") from None
         host = reader.bytes("host identity", 256)
         pid = reader.int("pid", 1, (1 << 31) - 1)
         page = reader.bytes("registry page handle", HANDLE_SIZE)

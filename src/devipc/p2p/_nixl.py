@@ -42,9 +42,11 @@ from .._errors import (
     UnsupportedDeviceError,
 )
 from .._hooks import get_ipc_hooks
-from ._registry import PAGE_BYTES, PAGE_SLOTS, registry, word_offset
+from ._descriptor import Descriptor, Metadata
+from ._registry import PAGE_BYTES, PAGE_SLOTS, Registration, registry, word_offset
+from ._transfer import Transfer
 
-__all__ = ["NixlTransport", "load_nixl", "memory_kind", "new_agent"]
+__all__ = ["NixlLink", "NixlTransport", "load_nixl", "memory_kind", "new_agent"]
 
 INSTALL = "pip install 'devipc[nixl]'"
 KINDS = ("DRAM", "VRAM")
@@ -218,12 +220,15 @@ class _Local:
 
 
 class NixlTransport:
-    """One NIXL agent (UCX backend) of an endpoint; thread-safe (one lock around the agent)."""
+    """One NIXL agent (UCX backend) of an endpoint; thread-safe (one lock around the agent).
+    A `_transport.Transport`, and a registry listener."""
 
-    def __init__(self, name: str):
-        self.name = name
+    name = "nixl"
+
+    def __init__(self, agent_name: str):
+        self.agent_name = agent_name
         self._lock = threading.RLock()
-        self._agent = new_agent(name)
+        self._agent = new_agent(agent_name)
         if "UCX" not in self._agent.backends:
             raise DevIpcError("NIXL's UCX backend could not be created on this machine")
         self._regs: dict[int, _Local | None] = {}  # registration id -> NIXL side (None: no kind)
@@ -284,19 +289,29 @@ class NixlTransport:
     # -- what peers need --
     def metadata(self) -> bytes:
         with self._lock:
-            return agent_metadata_to_bytes(self.name, self._agent.get_agent_metadata())
+            return agent_metadata_to_bytes(self.agent_name, self._agent.get_agent_metadata())
 
-    def descriptor_extra(self, reg, offset: int, nbytes: int) -> bytes:
+    def describe(self, reg: Registration, offset: int, nbytes: int) -> dict:
+        extra = self.descriptor_extra(reg, offset, nbytes)
+        if reg.device.type != "cpu":  # no events across hosts: the queued work ends now
+            torch.get_device_module(reg.device).synchronize(reg.device)
+        return {"extra": extra}
+
+    def descriptor_extra(self, reg: Registration, offset: int, nbytes: int) -> bytes:
         if reg.id not in self._regs:
             self.on_register(reg)  # registered before this transport listened
         local = self._regs.get(reg.id)
         if local is None:
             memory_kind(reg.device)  # raises, saying why
             raise ValueError(f"registration {reg.id} ended")
-        return Remote(self.name, local.kind, local.dev_id, reg.base + offset, nbytes, reg.id,
+        return Remote(self.agent_name, local.kind, local.dev_id, reg.base + offset, nbytes, reg.id,
                       reg.slot, self._page.base, local.partial).to_bytes()
 
-    def connect(self, peer_metadata: bytes) -> str:
+    def connect(self, meta: Metadata) -> "NixlLink":
+        return NixlLink(self, self.add_peer(meta.extra))
+
+    def add_peer(self, peer_metadata: bytes) -> str:
+        """Load a peer agent's metadata (once per connection to it); the agent's name."""
         name, blob = agent_metadata_from_bytes(peer_metadata)
         with self._lock:
             if self._closed:
@@ -328,7 +343,7 @@ class NixlTransport:
     def _decode(self, extra: bytes) -> Remote:
         return self._decoded.decode(bytes(extra))
 
-    def post(self, op: str, remote_agent: str, local, remote_extras) -> "NixlTransfer":
+    def post_ranges(self, op: str, remote_agent: str, local, remote_extras) -> "NixlTransfer":
         """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
         `local` (addr, nbytes, device) and a peer descriptor's transport part."""
         if op not in ("READ", "WRITE"):
@@ -415,7 +430,8 @@ class NixlTransport:
 
     def _start(self, op, agent, local, remotes) -> "NixlTransfer":
         groups: dict[tuple[str, str], tuple[list, list]] = {}
-        temps = []
+        temps: list[_Local] = []
+        transfer: NixlTransfer | None = None
         try:
             for (addr, nbytes, device), remote in zip(local, remotes):
                 if nbytes == 0:
@@ -439,7 +455,7 @@ class NixlTransport:
         except BaseException:
             for temp in temps:
                 self._deregister(temp)
-            if "transfer" in locals():
+            if transfer is not None:
                 transfer.release()
             raise
 
@@ -458,6 +474,35 @@ class NixlTransport:
             self._links.clear()
             self._regs.clear()
             self._agent = None
+
+
+class NixlLink:
+    """A connection's peer agent: loaded while the link is open."""
+
+    def __init__(self, transport: NixlTransport, agent: str):
+        self._transport, self.agent = transport, agent
+
+    def mapped(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._transport.disconnect(self.agent)
+
+    def post(self, op: str, locals_: list, descs: list[Descriptor], wait: bool) -> Transfer:
+        local = []
+        for tensor, desc in zip(locals_, descs):
+            if not desc.extra:
+                raise InvalidHandleError("this descriptor carries no NIXL part: advertise it "
+                                         "from an Endpoint(transport='nixl')")
+            if not tensor.is_contiguous():
+                raise ValueError("the NIXL path moves contiguous local tensors only")
+            local.append((tensor.data_ptr(), desc.nbytes, tensor.device))
+        for device in {tensor.device for tensor in locals_} - {torch.device("cpu")}:
+            # NIXL moves the bytes outside the device's streams: work queued on them first
+            torch.get_device_module(device).synchronize(device)
+        handle = self._transport.post_ranges(op, self.agent, local,
+                                             [desc.extra for desc in descs])
+        return Transfer(handle=handle, keep=(locals_,))
 
 
 class NixlTransfer:

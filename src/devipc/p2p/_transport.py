@@ -1,0 +1,79 @@
+"""The seam between an Endpoint and what carries its transfers.
+
+An Endpoint owns one Transport; each of its Connections owns the Link the transport made for that
+peer. Two ship with devipc, each in its own module: `_ipc.IpcTransport` ("ipc": the device's IPC
+hooks and devipc's core, same host) and `_nixl.NixlTransport` ("nixl": NIXL's agent, any host).
+A third party passes its own object as `Endpoint(transport=...)`; its `name` travels in the
+endpoint's metadata, and only endpoints of the same name connect.
+
+The Endpoint does what every transport needs: it validates the descriptors and local tensors of
+a call, keeps the registry (ids, liveness words, holds), and writes the wire bytes; a transport
+adds only its own part of a descriptor and moves the bytes.
+"""
+import re
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._descriptor import Descriptor, Metadata
+    from ._registry import Registration
+    from ._transfer import Transfer
+
+__all__ = ["Link", "Transport", "check_name"]
+
+_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,15}")
+
+
+class Link(Protocol):
+    """A transport's connection to one peer endpoint."""
+
+    def post(self, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]",
+             wait: bool) -> "Transfer":
+        """Start `op` ("READ": each remote range into its local tensor, "WRITE": the other way).
+        The Endpoint checked that the lists pair up, that each descriptor is this peer's and
+        that sizes match. With `wait` the caller waits on the Transfer right after, so the
+        transport may do the work in the calling thread."""
+        ...
+
+    def mapped(self) -> int:
+        """How many of the peer's registrations this link holds open (0 if it maps none)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of everything held for the peer. Called once."""
+        ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What carries an Endpoint's transfers. A transport with `on_register(reg)` and
+    `on_deregister(reg)` is made a registry listener while its endpoint is open."""
+
+    name: str  # in the endpoint's metadata: a peer's endpoint must use the same one
+
+    def metadata(self) -> bytes:
+        """This side's part of `Endpoint.metadata()`, handed to the peer's `connect`."""
+        ...
+
+    def describe(self, reg: "Registration", offset: int, nbytes: int) -> dict[str, Any]:
+        """This transport's fields of a descriptor of bytes [offset, offset + nbytes) of the
+        registration's storage (a network transport fills `extra` with its own bytes). Device
+        work queued so far on the storage's device must be visible to transfers through it."""
+        ...
+
+    def connect(self, meta: "Metadata") -> Link:
+        """A link to the peer endpoint whose decoded metadata this is."""
+        ...
+
+    def close(self) -> None:
+        """Called once, when the endpoint closes (after its connections)."""
+        ...
+
+
+def check_name(name: object) -> str:
+    """A transport's name: a short lowercase word, as the wire format carries it."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"a transport's name is 1-16 characters of [a-z0-9_.-] starting with a "
+                         f"letter, got {name!r}")
+    return name
