@@ -4,8 +4,9 @@ Each run starts a fresh interpreter that ends in one of three ways, taken in tur
 - "live": arenas (one with an unopened attachment), a reader, an endpoint connected to itself
   with device and CPU registrations mapped, a NIXL endpoint with a registration (when NIXL is
   installed), sends nobody opened, a received tensor, a module-level sent storage;
-- "idle": a module-level sent storage, the collector thread idle at the end, so the storage freed
-  at shutdown would have to start it again;
+- "idle": a module-level sent storage and nothing left to collect: the collector thread only
+  watches for storages to die (`_memory.reap_freed`) when the interpreter ends, and the storage
+  freed at shutdown must start nothing;
 - "consumer": a reader of this process's arena that reads a chunk and ends without close().
 A run passes when the script prints its last line and the process is gone within --limit seconds
 of it (its exit code 0). Reports every run's exit time.
@@ -61,13 +62,12 @@ print("END", flush=True)
 """
 
 IDLE = PRELUDE + """
-from devipc import _sharing
 SENT = torch.ones(1024, device="openreg")
 devipc.share(SENT).revoke()
 deadline = time.monotonic() + 10
-while _sharing._background._running and time.monotonic() < deadline:
-    time.sleep(0.01)  # the collector ends its rounds by itself
-print("END" if not _sharing._background._running else "BUSY", flush=True)
+while devipc.stats()["sent"] and time.monotonic() < deadline:
+    time.sleep(0.01)  # the collector's rounds end the revoked send by themselves
+print("END" if not devipc.stats()["sent"] else "BUSY", flush=True)
 """
 
 CONSUMER = PRELUDE + """

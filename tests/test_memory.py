@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import devipc
-from devipc._memory import storage_from_memory
+from devipc._memory import reap_freed, storage_from_memory, watched
 
 
 def test_storage_owns_the_memory_until_it_dies():
@@ -18,10 +18,31 @@ def test_storage_owns_the_memory_until_it_dies():
     with pytest.raises(RuntimeError):
         storage.resize_(8)  # memory we mapped cannot grow
     del storage
+    reap_freed()
     assert freed == []  # the view still holds it
     del view
     gc.collect()
-    assert freed == [True]
+    assert freed == []  # seen at the next reap, not in the deleter
+    assert reap_freed() == 1 and freed == [True]
+    assert reap_freed() == 0 and freed == [True]  # once
+
+
+def test_a_storage_dying_while_an_exception_unwinds_keeps_the_exception():
+    """The deleter runs no Python: CPython cannot call it while an exception is set (a ctypes
+    callback there turned the user's exception into a SystemError, or crashed)."""
+    backing = torch.zeros(4, dtype=torch.uint8, device="openreg")
+    freed = []
+
+    def fail():
+        for _ in (storage_from_memory(backing.data_ptr(), 4, backing.device,
+                                      lambda: freed.append(True)),):
+            raise KeyError("the user's own error")  # the storage dies on the way out
+
+    before = watched()
+    for _ in range(20):
+        with pytest.raises(KeyError, match="the user's own error"):
+            fail()
+    assert reap_freed() >= 20 and freed == [True] * 20 and watched() == before
 
 
 def test_a_failing_release_is_logged_not_raised(caplog):
@@ -32,7 +53,8 @@ def test_a_failing_release_is_logged_not_raised(caplog):
 
     storage = storage_from_memory(backing.data_ptr(), 4, backing.device, explode)
     del storage
-    assert "releasing a received storage failed" in caplog.text
+    reap_freed()
+    assert "releasing a storage's memory failed" in caplog.text
 
 
 def test_devices_dlpack_cannot_express_are_refused():

@@ -3,23 +3,25 @@ releases that wait for the device work this process queued on them.
 """
 import collections
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from ._hooks import OpenedMemory
-from ._memory import storage_key
+from ._hooks import IpcHooks, OpenedMemory
+from ._memory import reap_freed, storage_key
 
 
 class OpenedAllocations:
     """The consumer's opened base allocations (the hooks' OpenedMemory): each opened once per
     process, closed with its last storage."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_handle: dict[bytes, list] = {}  # handle -> [OpenedMemory, live storages]
 
-    def acquire(self, hooks, handle: bytes) -> OpenedMemory:
+    def acquire(self, hooks: IpcHooks, handle: bytes) -> OpenedMemory:
         with self._lock:
             entry = self._by_handle.get(handle)
             if entry is not None:
@@ -44,7 +46,7 @@ class OpenedAllocations:
             return any(m.device.type == device.type and m.ptr <= ptr < m.ptr + max(m.size, 1)
                        for m, _ in self._by_handle.values())
 
-    def __len__(self):
+    def __len__(self) -> int:
         with self._lock:
             return len(self._by_handle)
 
@@ -62,7 +64,7 @@ class Receipt:
 class ReceivedStorages:
     """Storages made of received memory, by (device, data_ptr, nbytes), while they live."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[tuple, list[Receipt]] = {}
 
@@ -94,12 +96,12 @@ class DeferredReleases:
 
     _SYNCHRONIZE = object()  # the stream could not be asked: wait for the device
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._added: collections.deque = collections.deque()  # appended by deleters
         self._waiting: list = []  # (event, device, release), work not done yet
 
-    def add(self, device: torch.device, release) -> None:
+    def add(self, device: torch.device, release: Callable[[], None]) -> None:
         event: object = None
         try:
             stream = torch.get_device_module(device).current_stream(device)
@@ -112,6 +114,7 @@ class DeferredReleases:
 
     def poll(self) -> bool:
         """Run the releases whose work is done; returns whether some are still waiting."""
+        reap_freed()  # storages that died since: their releases are added first
         with self._lock:
             while self._added:
                 self._waiting.append(self._added.popleft())
@@ -124,15 +127,15 @@ class DeferredReleases:
             release()
         return bool(waiting) or bool(self._added)
 
-    def _done(self, event, device) -> bool:
+    def _done(self, event: "torch.Event | object | None", device: torch.device) -> bool:
         if event is self._SYNCHRONIZE:
             torch.accelerator.synchronize(device)
             return True
-        return event is None or event.query()
+        return event is None or cast(torch.Event, event).query()
 
     def forget_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._added, self._waiting = collections.deque(), []
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._waiting) + len(self._added)
