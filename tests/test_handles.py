@@ -1,6 +1,10 @@
 """Typed handles and buckets: share / open / share_tensors / open_tensors / revoke, across spawned
 processes in both openreg IPC modes; device remap by identity, device=, and the args[6] pattern."""
 import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import _workers
 import pytest
@@ -302,3 +306,33 @@ def test_forged_grad_and_device_flags_are_invalid_handles_and_leave_the_send_alo
         rebuild(*args[:6], 8, *args[7:])
     del tensor
     _drain()
+
+
+def _in_another_pid_namespace(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs `code` as root's `unshare --pid --fork --mount-proc` would for a second container
+    sharing the device: its own PID namespace and /proc. Skips where that is not allowed."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code, *args]
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) on this machine")
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=TIMEOUT)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.decode().strip()}")
+    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_a_consumer_in_another_pid_namespace_is_told_so_not_that_the_producer_exited():
+    tensor = torch.arange(4.0, device="openreg")
+    handle = devipc.share(tensor)
+    result = _in_another_pid_namespace(textwrap.dedent("""
+        import sys, devipc
+        try:
+            devipc.open(bytes.fromhex(sys.argv[1]))
+        except devipc.DevIpcError as error:
+            print(type(error).__name__, error)
+    """), bytes(handle).hex())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("InvalidHandleError"), result.stdout
+    assert "another PID namespace" in result.stdout and "shareProcessNamespace" in result.stdout
+    assert "exited" not in result.stdout
+    assert handle.revoke()  # the producer is alive, and its send was never opened

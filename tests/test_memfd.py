@@ -7,7 +7,14 @@ import pytest
 from _support import TIMEOUT, open_fds, run_python, zombie_child
 
 from devipc import InvalidHandleError, PeerGoneError
-from devipc._memfd import HANDLE_SIZE, SharedFile, WordTable, open_shared_file
+from devipc._memfd import (
+    HANDLE_SIZE,
+    VERSION,
+    SharedFile,
+    WordTable,
+    open_shared_file,
+    reach_tag,
+)
 
 _FORMAT = "<4sHiiQ16s"  # docs/ipc-handles.md
 
@@ -97,7 +104,7 @@ DECOYS = [
 
 @pytest.mark.parametrize("what, name", DECOYS)
 def test_only_the_exact_memfd_name_is_opened(tmp_path, what, name):
-    token = os.urandom(16)
+    token = reach_tag() + os.urandom(8)
     name = name.format(hex=token.hex())
     if what == "memfd":
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -109,7 +116,7 @@ def test_only_the_exact_memfd_name_is_opened(tmp_path, what, name):
         if what == "deleted file":
             path.unlink()
     try:
-        forged = struct.pack(_FORMAT, b"TEST", 1, os.getpid(), fd, 4096, token)
+        forged = struct.pack(_FORMAT, b"TEST", VERSION, os.getpid(), fd, 4096, token)
         before = open_fds()
         with pytest.raises(InvalidHandleError, match="stale or forged"):
             open_shared_file(forged, b"TEST")
@@ -122,12 +129,12 @@ def test_only_the_exact_memfd_name_is_opened(tmp_path, what, name):
 
 def test_the_exact_memfd_name_is_opened():
     """The control for the decoys above: the same forging with the right name maps."""
-    token = os.urandom(16)
+    token = reach_tag() + os.urandom(8)
     fd = os.memfd_create(f"devipc-TEST-{token.hex()}", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, 4096)
-        mapping = open_shared_file(struct.pack(_FORMAT, b"TEST", 1, os.getpid(), fd, 4096, token),
-                                   b"TEST")
+        handle = struct.pack(_FORMAT, b"TEST", VERSION, os.getpid(), fd, 4096, token)
+        mapping = open_shared_file(handle, b"TEST")
         mapping.write(0, b"abc")
         assert os.pread(fd, 3, 0) == b"abc"
         mapping.close()
@@ -138,7 +145,8 @@ def test_the_exact_memfd_name_is_opened():
 def test_an_fd_that_is_no_file_is_an_invalid_handle():
     a, b = socket.socketpair()
     with a, b:
-        forged = struct.pack(_FORMAT, b"TEST", 1, os.getpid(), a.fileno(), 4096, os.urandom(16))
+        forged = struct.pack(_FORMAT, b"TEST", VERSION, os.getpid(), a.fileno(), 4096,
+                             reach_tag() + os.urandom(8))
         with pytest.raises(InvalidHandleError, match="forged or stale"):
             open_shared_file(forged, b"TEST")
 
@@ -172,5 +180,22 @@ def test_a_word_table_lays_records_after_its_header():
         table.word(2, 1).value = 7
         assert shared.buffer.int64(0).value == -1 and shared.buffer.int64(8 + 5).value == 7
         assert table.lock_range(2) == (64 + 32, 16)
+    finally:
+        shared.close()
+
+
+@pytest.mark.parametrize("flip, where", [(0, "another host"), (4, "another PID namespace")])
+def test_a_handle_made_out_of_reach_says_where_and_how_to_fix_it(flip, where):
+    shared = SharedFile(b"TEST", 4096)
+    try:
+        magic, version, pid, fd, size, token = struct.unpack(_FORMAT, shared.handle)
+        assert token[:8] == reach_tag() and any(token[:8])
+        moved = bytearray(token)
+        moved[flip] ^= 0xFF
+        handle = struct.pack(_FORMAT, magic, version, pid, fd, size, bytes(moved))
+        before = open_fds()
+        with pytest.raises(InvalidHandleError, match=f"{where}.*Endpoint\\(transport='nixl'\\)"):
+            open_shared_file(handle, b"TEST")
+        assert open_fds() == before
     finally:
         shared.close()

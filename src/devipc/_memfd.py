@@ -8,6 +8,8 @@ docs/ipc-handles.md specifies the protocol; the openreg runtime (ipc.cpp) follow
 import builtins
 import ctypes
 import errno
+import functools
+import hashlib
 import mmap
 import os
 import secrets
@@ -17,7 +19,7 @@ from ._errors import InvalidHandleError, PeerGoneError
 
 _FORMAT = "<4sHiiQ16s"  # magic, version, pid, fd, size, token
 HANDLE_SIZE = struct.calcsize(_FORMAT)
-_VERSION = 1
+VERSION = 2  # 2: the token's first 8 bytes are the maker's reach
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -71,7 +73,7 @@ class SharedFile:
     __slots__ = ("fd", "size", "buffer", "handle", "_token")
 
     def __init__(self, magic: bytes, size: int):
-        self._token = secrets.token_bytes(16)
+        self._token = reach_tag() + secrets.token_bytes(8)
         self.fd = os.memfd_create(_memfd_name(magic, self._token), os.MFD_CLOEXEC)
         self.size = size
         try:
@@ -80,7 +82,7 @@ class SharedFile:
         except BaseException:
             os.close(self.fd)
             raise
-        self.handle = struct.pack(_FORMAT, magic, _VERSION, os.getpid(), self.fd, size,
+        self.handle = struct.pack(_FORMAT, magic, VERSION, os.getpid(), self.fd, size,
                                   self._token)
 
     def close(self) -> None:
@@ -90,7 +92,7 @@ class SharedFile:
             os.close(self.fd)
             self.fd = -1
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self.fd < 0 else f"fd={self.fd}"
         return f"<SharedFile {self.size} bytes {state}>"
 
@@ -99,6 +101,7 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
     """Map the file a peer's handle names, by the open procedure of docs/ipc-handles.md, and keep
     this open of it (`MappedFile.fd`) for byte-range locks.
 
+    InvalidHandleError saying so if the producer is on another host or in another PID namespace;
     PeerGoneError if the producer has exited (a zombie too: its fds are closed already),
     InvalidHandleError for a malformed, forged or stale handle and for a denied open, OSError when
     this process is out of fds or memory.
@@ -108,9 +111,10 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
         raise InvalidHandleError(f"a devipc {kind} handle has {HANDLE_SIZE} bytes, "
                                  f"got {len(handle) if isinstance(handle, bytes) else handle!r}")
     got_magic, version, pid, fd, size, token = struct.unpack(_FORMAT, handle)
-    if got_magic != magic or version != _VERSION or pid <= 0 or fd < 0 or size <= 0:
+    if got_magic != magic or version != VERSION or pid <= 0 or fd < 0 or size <= 0:
         raise InvalidHandleError(f"not a devipc {kind} handle (magic {got_magic!r}, "
                                  f"version {version})")
+    check_reach(token[:8], pid, kind)
     if not pid_alive(pid):
         raise _peer_gone(pid, kind)
     path = f"/proc/{pid}/fd/{fd}"
@@ -144,6 +148,47 @@ def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
     except BaseException:
         os.close(peer_fd)
         raise
+
+
+def host_identity() -> bytes:
+    """Same bytes in two processes iff they can open each other's fds through /proc: one boot
+    of one kernel, one PID namespace; b"" where /proc does not say."""
+    try:
+        with builtins.open("/proc/sys/kernel/random/boot_id", "rb") as boot:
+            boot_id = boot.read().strip()
+        return boot_id + b"/" + str(os.stat("/proc/self/ns/pid").st_ino).encode()
+    except OSError:
+        return b""
+
+
+@functools.cache
+def reach_tag() -> bytes:
+    """8 bytes: 4 of a digest of this boot (the host), 4 of this PID namespace; zeros where
+    /proc does not say (then nothing is checked)."""
+    identity = host_identity()
+    if not identity:
+        return bytes(8)
+    boot, _, namespace = identity.partition(b"/")
+    return hashlib.blake2b(boot, digest_size=4).digest() + \
+        hashlib.blake2b(namespace, digest_size=4).digest()
+
+
+def check_reach(tag: bytes, pid: int, kind: str) -> None:
+    """InvalidHandleError naming the fixes when the handle's maker is on another host or in
+    another PID namespace: its /proc/<pid>/fd cannot be reached from here."""
+    mine = reach_tag()
+    if tag == mine or not any(tag) or not any(mine):
+        return
+    if tag[:4] != mine[:4]:
+        where = "on another host (or another boot of this one)"
+        fix = "move tensors between hosts with devipc.p2p's Endpoint(transport='nixl')"
+    else:
+        where = "in another PID namespace (another container, or `unshare --pid`)"
+        fix = ("run both processes in one PID namespace (`docker run --pid=host` or "
+               "`--pid=container:<producer>`; Kubernetes: both containers in one pod with "
+               "`shareProcessNamespace: true`), or use devipc.p2p's Endpoint(transport='nixl')")
+    raise InvalidHandleError(f"this {kind} handle was made by process {pid} {where}: its memory "
+                             f"cannot be opened from here through /proc/{pid}/fd. To share, {fix}")
 
 
 class WordTable:

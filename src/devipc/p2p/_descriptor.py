@@ -7,14 +7,13 @@ field by field: they come from other processes, and anything malformed is Invali
                      memory handle | offset in allocation | ref-counter handle | anchor slot or
                      inode | fd | event | transport extra
 """
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .. import _wire
 from .._errors import InvalidHandleError
-from .._memfd import HANDLE_SIZE, handle_pid
+from .._memfd import HANDLE_SIZE, handle_pid, host_identity
 from .._refcount import SLOTS_PER_FILE
 from ._registry import PAGE_SLOTS
 from ._transport import check_name
@@ -23,17 +22,6 @@ __all__ = ["CPU", "DEVICE", "NONE", "Descriptor", "Metadata", "host_identity"]
 
 NONE, DEVICE, CPU = 0, 1, 2  # how a peer on the same host reaches the memory
 MAX_FD = 1 << 30
-
-
-def host_identity() -> bytes:
-    """Same bytes in two processes iff they can open each other's fds through /proc: one boot
-    of one kernel, one PID namespace."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as boot:
-            boot_id = boot.read().strip()
-        return boot_id + b"/" + str(os.stat("/proc/self/ns/pid").st_ino).encode()
-    except OSError:
-        return b""
 
 
 @dataclass(frozen=True)
@@ -49,7 +37,7 @@ class Metadata:
         return writer.int(self.pid).bytes(self.page).bytes(self.extra).done()
 
     @classmethod
-    def from_bytes(cls, data) -> "Metadata":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Metadata":
         reader = _wire.Reader(data, (_wire.P2P_METADATA,))
         transport = reader.text("transport", 16)
         try:
@@ -97,11 +85,11 @@ class Descriptor:
         return writer.bytes(self.event).bytes(self.extra).done()
 
     @classmethod
-    def from_bytes(cls, data) -> "Descriptor":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Descriptor":
         return _wire.decode(cls._decode, data, "p2p descriptor")
 
     @classmethod
-    def _decode(cls, data) -> "Descriptor":
+    def _decode(cls, data: bytes | bytearray | memoryview) -> "Descriptor":
         reader = _wire.Reader(data, (_wire.P2P_DESCRIPTOR,))
         page = reader.bytes("registry page handle", HANDLE_SIZE)
         reg_id = reader.int("registration id", 1)
