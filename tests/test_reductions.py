@@ -1,13 +1,15 @@
 """torch.multiprocessing integration: what crosses a Queue, and what stays torch's."""
 import pickle
 import socket
+import textwrap
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import _workers
 import pytest
 import torch
 import torch.multiprocessing.reductions as torch_reductions
-from _support import TIMEOUT, wait_until
+from _support import TIMEOUT, run_python, wait_until
 
 import devipc
 from devipc import _sharing, _wire
@@ -378,3 +380,48 @@ def test_a_non_leaf_that_requires_grad_is_refused_in_torchs_words():
     with pytest.raises(RuntimeError, match="Cowardly refusing to serialize non-leaf tensor which "
                                            "requires_grad"):
         torch_reductions.reduce_tensor(leaf * 2)
+
+
+def _nested(layout=torch.strided):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "prototype stage" note on strided nesting
+        return torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)], layout=layout,
+                                          device="openreg")
+
+
+def test_tensors_devipc_cannot_send_fail_with_one_line_saying_what_to_do():
+    nested = _nested()
+    for put in (ForkingPickler.dumps, torch.multiprocessing.get_context("spawn").SimpleQueue().put):
+        with pytest.raises(devipc.UnsupportedTensorError, match="nested tensor.*jagged") as info:
+            put(nested)
+        assert "\n" not in str(info.value) and info.value.__cause__ is None
+    csr = torch.ones(3, 3).to_sparse_csr().to("openreg")
+    with pytest.raises(devipc.UnsupportedTensorError, match=r"sparse tensor \(torch.sparse_csr\)"):
+        ForkingPickler.dumps(csr)
+    with pytest.raises(devipc.UnsupportedTensorError, match=r"share\(\): .*nested"):
+        devipc.share(nested)
+    with pytest.raises(TypeError):  # still a TypeError, as before, for code that caught that
+        devipc.share_tensors({"n": nested})
+
+
+def test_a_jagged_nested_tensor_crosses_through_its_components():
+    jagged = _nested(torch.jagged)
+    received = pickle.loads(ForkingPickler.dumps(jagged))
+    assert received.is_nested and received.layout == torch.jagged
+    assert received.values().cpu().tolist() == [1.0, 1.0, 0.0, 1.0, 2.0]
+    assert devipc.received_via_ipc(received.values())  # zero-copy: devipc shared the values
+
+
+def test_a_queue_feeder_prints_devipc_s_line_not_a_dispatcher_dump():
+    result = run_python(textwrap.dedent("""
+        import warnings, torch, torch.multiprocessing as mp
+        import devipc
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.ones(2)], device="openreg")
+        queue = mp.get_context("spawn").Queue()
+        queue.put(nested)  # pickled by the feeder thread, which prints what failed
+        queue.close()
+        queue.join_thread()
+    """))
+    assert "UnsupportedTensorError" in result.stderr and "jagged" in result.stderr
+    assert "Could not run" not in result.stderr and "aten::" not in result.stderr, result.stderr

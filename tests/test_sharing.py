@@ -1,11 +1,12 @@
 """share_device / new_shared_device / release_ipc_counter_device and the sent-data collector,
 in one process and across processes, in both openreg IPC modes."""
+import textwrap
 from multiprocessing.reduction import ForkingPickler
 
 import _workers
 import pytest
 import torch
-from _support import TIMEOUT, wait_until
+from _support import TIMEOUT, run_python, wait_until
 
 import devipc
 from devipc import _sharing
@@ -153,18 +154,38 @@ def test_unsupported_device_is_an_error_not_a_copy():
         devipc.register_ipc_hooks("openreg", hooks)
 
 
-def test_many_held_storages_warn_and_are_freed_once_released():
+def test_many_unopened_sends_warn_once_naming_revoke_and_are_freed_once_released():
     tensor = torch.ones(4, device="openreg")
     before = _sharing.stats()["sent"]
-    with pytest.warns(ResourceWarning, match="still held by consumers"):
+    with pytest.warns(UserWarning, match=r"never opened.*revoke\(storage\).*set_unopened_deadline"):
         sends = [devipc.share_device(tensor.untyped_storage())
                  for _ in range(_sharing.LIMBO_WARN_BLOCKS + 1)]
         devipc.ipc_collect()
+    assert _sharing.stats()["unopened"] == len(sends)
+    assert _sharing.stats()["oldest_unopened_s"] >= 0
     for shared in sends:
         devipc.release_ipc_counter_device(shared[4], shared[5])
     # With IPC events a release completes on the stream's worker: collect until all have.
     wait_until(lambda: _sharing.stats()["sent"] <= before,
                "every released send collected", collect=True)
+    assert _sharing.stats()["unopened"] == 0
+
+
+def test_unopened_sends_print_one_visible_warning_apart_from_held_ones():
+    # a plain script, default warning filters: the warning must show without -W flags
+    result = run_python(textwrap.dedent("""
+        import torch, devipc
+        tensor = torch.ones(4, device="openreg")
+        sends = [devipc.share_device(tensor.untyped_storage()) for _ in range(3000)]
+        for _ in range(3):
+            devipc.ipc_collect()
+        print(devipc.stats()["unopened"], devipc.stats()["sent"])
+    """))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3000", "3000"]
+    lines = [line for line in result.stderr.splitlines() if "devipc:" in line]
+    assert len(lines) == 1 and "sends were never opened" in lines[0], result.stderr  # once
+    assert "held by consumers" not in result.stderr
 
 
 def test_dropping_received_memory_waits_for_copies_queued_on_it():

@@ -9,6 +9,11 @@ class UnsupportedDeviceError(DevIpcError):
     """The tensor's device has no IPC hooks (or says it cannot share): nothing was sent."""
 
 
+class UnsupportedTensorError(UnsupportedDeviceError, TypeError):
+    """The tensor's kind cannot be shared (a strided-layout nested tensor, sparse, another
+    layout): nothing was sent. The message says what to send instead."""
+
+
 class InvalidHandleError(DevIpcError, ValueError):
     """A handle is forged, truncated, stale, or names something that is not what it claims to be;
     also a handle this process may not open (other user, PID namespace, non-dumpable producer)."""

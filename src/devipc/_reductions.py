@@ -7,12 +7,14 @@ torch re-register its reducers with ForkingPickler. What a reducer returns is pl
 ints, torch types): it survives `pickle` and a socket, no file descriptor is smuggled.
 """
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
-from ._errors import InvalidHandleError
+from ._errors import DevIpcError, InvalidHandleError
 from ._hooks import device_supports_ipc, on_register, torch_shares, unsupported_device
 from ._sharing import (
     check_grad,
@@ -21,16 +23,18 @@ from ._sharing import (
     release_ipc_counter_device,
     requested_device,
     share_device,
+    unsendable,
     wait_for_producer,
 )
 from ._wire import wrap_storage_handle
 
 _lock = threading.Lock()
-_saved: dict[str, object] = {}  # torch's own functions while installed
+_saved: dict[str, Any] = {}  # torch's own functions while installed (or _MISSING)
 
 
-def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handle,
-                     ref_counter_offset, event_handle, event_sync_required):
+def _receive_storage(device: torch.device | str | int, handle: bytes | None, size_bytes: int,
+                     offset_bytes: int, ref_counter_handle: bytes | None, ref_counter_offset: int,
+                     event_handle: bytes, event_sync_required: bool) -> torch.UntypedStorage:
     """The shared-cache lookup of rebuild_cuda_tensor, keyed by (the hooks' handle, offset in
     bytes), wrapped or not; plus the device asked for, when the caller overwrote args[6]."""
     handle, origin, target = requested_device(device, handle)
@@ -57,10 +61,13 @@ def _receive_storage(device, handle, size_bytes, offset_bytes, ref_counter_handl
     return storage
 
 
-def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls,
-                          dtype, storage_device, storage_handle, storage_size_bytes,
-                          storage_offset_bytes, requires_grad, ref_counter_handle,
-                          ref_counter_offset, event_handle, event_sync_required):
+def rebuild_device_tensor(tensor_cls: type[torch.Tensor], tensor_size: tuple[int, ...],
+                          tensor_stride: tuple[int, ...], tensor_offset: int,
+                          storage_cls: type[torch.UntypedStorage], dtype: torch.dtype,
+                          storage_device: torch.device | str | int, storage_handle: bytes,
+                          storage_size_bytes: int, storage_offset_bytes: int, requires_grad: bool,
+                          ref_counter_handle: bytes | None, ref_counter_offset: int,
+                          event_handle: bytes, event_sync_required: bool) -> torch.Tensor:
     """Same 15 positional arguments as torch's rebuild_cuda_tensor. The device at index 6, left
     as the producer wrote it, means the local device that owns the memory (found by identity);
     overwritten (an index, as for CUDA), it means that device, where the hooks can map it."""
@@ -78,7 +85,8 @@ def rebuild_device_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset,
     return tensor
 
 
-def _check_view(storage, dtype, offset, size, stride) -> None:
+def _check_view(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
+                size: tuple[int, ...], stride: tuple[int, ...]) -> None:
     """A view must fit its storage: torch would try to grow the storage, which shared memory
     refuses with a RuntimeError that says nothing about a bad handle."""
     if 0 in size:
@@ -90,15 +98,24 @@ def _check_view(storage, dtype, offset, size, stride) -> None:
                                  f"{storage.nbytes()} bytes")
 
 
-def rebuild_device_storage(storage_cls, *shared):
+def rebuild_device_storage(storage_cls: type[torch.UntypedStorage],
+                           *shared: Any) -> torch.UntypedStorage:
     """Rebuilds an UntypedStorage sent on its own; `shared` is share_device's 8-tuple."""
     return _receive_storage(*shared)
 
 
-def reduce_tensor(tensor):
-    if not device_supports_ipc(tensor.device.type) or tensor.layout != torch.strided \
-            or tensor.is_nested:
+def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+    if not device_supports_ipc(tensor.device.type):
         return _saved["reduce_tensor"](tensor)
+    if tensor.layout != torch.strided or tensor.is_nested:
+        # torch's path sends the components of the kinds it can (through devipc); for the
+        # others it ends in a dispatcher error of an internal backend: say what to do instead
+        try:
+            return _saved["reduce_tensor"](tensor)
+        except (NotImplementedError, RuntimeError) as error:
+            if isinstance(error, DevIpcError):
+                raise
+            raise unsendable(tensor, "pickling a tensor") from None
     if tensor.requires_grad and not tensor.is_leaf:
         # torch's own words: tests and users match them
         raise RuntimeError("Cowardly refusing to serialize non-leaf tensor which requires_grad, "
@@ -117,7 +134,8 @@ def reduce_tensor(tensor):
         ref_counter_handle, ref_counter_offset, event_handle, event_sync_required))
 
 
-def reduce_storage(storage):
+def reduce_storage(storage: torch.UntypedStorage,
+                   ) -> tuple[Callable[..., torch.UntypedStorage], tuple[Any, ...]]:
     device = storage.device
     if device_supports_ipc(device.type):
         return (rebuild_device_storage, (type(storage), *share_device(storage)))
@@ -131,11 +149,13 @@ def reduce_storage(storage):
         raise unsupported_device(device) from error
 
 
-def _new_shared_device(cls, *shared):
+def _new_shared_device(cls: type[torch.UntypedStorage], *shared: Any) -> torch.UntypedStorage:
     return new_shared_device(*shared)
 
 
-def _release_ipc_counter_device(cls, ref_counter_handle, ref_counter_offset, device=None):
+def _release_ipc_counter_device(cls: type[torch.UntypedStorage], ref_counter_handle: bytes | None,
+                                ref_counter_offset: int,
+                                device: torch.device | str | int | None = None) -> None:
     release_ipc_counter_device(ref_counter_handle, ref_counter_offset, device)
 
 
@@ -179,7 +199,7 @@ def installed() -> bool:
     return bool(_saved)
 
 
-def _restore(owner, name, value) -> None:
+def _restore(owner: object, name: str, value: object) -> None:
     if value is _MISSING:
         delattr(owner, name)
     else:

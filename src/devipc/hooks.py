@@ -3,8 +3,8 @@
     from devipc.hooks import IpcHooks, OpenedMemory, register_ipc_hooks
 
 Torch-free, like the module it names (`_hooks`): a device that torch autoloads can register
-through it while devipc itself is still importing. The README's hook contract says what each
-method must guarantee.
+through it while devipc itself is still importing. docs/vendor-guide.md says what each method
+must guarantee, and how to prove it with the conformance kit.
 """
 from ._hooks import (
     IpcHooks,

@@ -7,6 +7,7 @@ devipc alone first (importing it must register no device), then devipc-openreg b
 torch` loads openreg, and a tensor crosses processes without LD_LIBRARY_PATH). `make check-install`.
 """
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,7 +107,11 @@ def main():
                     if w.startswith("devipc_openreg-"))
         names = check_wheel(core, ["devipc/__init__.py", "licenses/LICENSE"], (".so", ".cpp", ".h"))
         assert not any("openreg" in name for name in names), "the core wheel holds the device"
-        assert "entry_points.txt" not in " ".join(names), "the core wheel has an entry point"
+        declared = [zipfile.ZipFile(core).read(n).decode() for n in names
+                    if n.endswith("entry_points.txt")]
+        sections = re.findall(r"^\[(.+)\]$", "".join(declared), re.M)
+        assert sections in ([], ["console_scripts"]), \
+            f"the core wheel has an entry point other than the `devipc` command: {sections}"
         check_wheel(openreg, ["devipc_openreg/libopenreg.so", "devipc_openreg/_C",
                               "_devipc_openreg_autoload.py", "entry_points.txt"], (".cpp", ".h"))
         check_stripped(openreg, tmp)
@@ -124,6 +129,7 @@ def main():
         with open(script, "w") as f:
             f.write(WITH_OPENREG)
         run(python, script, env=env, cwd=tmp)
+        run(os.path.join(venv, "bin", "devipc"), "doctor", env=env, cwd=tmp)  # the console script
     print(f"check-install passed in {time.monotonic() - start:.0f} s")
 
 

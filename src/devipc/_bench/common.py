@@ -1,0 +1,120 @@
+"""What the benchmarks share: progress on stderr, Markdown tables, the PNG."""
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._tools import optional
+
+__all__ = ["Panel", "Progress", "human", "markdown", "plot", "require_plotting"]
+
+
+class Progress:
+    """A tqdm bar on stderr when tqdm is installed (and `lines` is False), else one line per
+    step: long runs show where they are."""
+
+    def __init__(self, what: str, lines: bool = False) -> None:
+        self.what, self.done, self.total = what, 0, 0
+        self._bar: Any = None
+        if not lines:
+            try:
+                self._tqdm = optional("tqdm", "bench")
+            except ImportError:
+                lines = True
+        self.lines = lines
+
+    def start(self, total: int) -> None:
+        self.total, self.done = total, 0
+        if not self.lines:
+            self._bar = self._tqdm.tqdm(total=total, desc=self.what, file=sys.stderr,
+                                        dynamic_ncols=True, leave=True)
+
+    def step(self, text: str) -> None:
+        """One step done; `text` says what it measured."""
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"[{self.done}/{self.total}] {self.what}: {text}", file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def human(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def markdown(headers: list[str], rows: list[list], right: int = 1) -> str:
+    """A Markdown table; the columns from `right` on are right-aligned (numbers)."""
+    align = ["---" if i < right else "---:" for i in range(len(headers))]
+    lines = [headers, align, *([str(cell) for cell in row] for row in rows)]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+@dataclass
+class Panel:
+    """One plot: `series` {name: values along `x`}; bars when `x` are labels, not sizes."""
+
+    title: str
+    ylabel: str
+    x: list
+    series: dict = field(default_factory=dict)
+    bars: bool = False
+    logy: bool = True
+
+
+def require_plotting() -> None:
+    """Fail before a long run, not after it, when matplotlib is missing."""
+    optional("matplotlib", "plot")
+
+
+def plot(panels: list[Panel], path: str) -> None:
+    """The panels side by side in one PNG at `path`."""
+    matplotlib = optional("matplotlib", "plot")
+    matplotlib.use("Agg")  # files only, no display
+    pyplot = optional("matplotlib.pyplot", "plot")
+    ticker = optional("matplotlib.ticker", "plot")
+    columns = min(2, len(panels))
+    rows = -(-len(panels) // columns)
+    figure, axes = pyplot.subplots(rows, columns, figsize=(7 * columns, 4.8 * rows),
+                                   squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
+        if panel.bars:
+            width = 0.8 / max(1, len(panel.series))
+            for i, (name, values) in enumerate(panel.series.items()):
+                ax.bar([j + i * width for j in range(len(panel.x))], values, width, label=name)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(panel.x))], panel.x,
+                          rotation=30, ha="right")
+        else:
+            for name, values in panel.series.items():
+                ax.plot(panel.x, values, marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(panel.x, [human(x) for x in panel.x], rotation=30, ha="right")
+            ax.set_xlabel("size")
+        if panel.logy:
+            ax.set_yscale("log")
+            plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
+            low, high = ax.get_ylim()
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain if high < 30 * low else ticker.NullFormatter())
+        ax.set_title(panel.title)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)

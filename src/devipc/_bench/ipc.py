@@ -1,0 +1,115 @@
+"""Per-tensor round trip through a torch.multiprocessing Queue: the producer puts a tensor, the
+consumer reads one element of it and replies. Three ways, measured in one run:
+
+  devipc     a tensor of a device with IPC hooks, shared zero-copy by devipc
+  cpu-shm    torch's own CPU tensor already in shared memory (fd passing)
+  via-cpu    copy through the host: .cpu(), the queue, .to(device) in the consumer
+"""
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from .._tools import hook_modules, load_modules
+from .common import Panel, Progress, human, markdown
+
+__all__ = ["METHODS", "SIZES", "measure", "panel", "table"]
+
+TIMEOUT = 120
+WARM_UP = 10  # untimed round trips per mode and size
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+METHODS = ("devipc", "cpu-shm", "via-cpu")
+
+
+def consumer(inbox: Any, outbox: Any, device: str, modules: list[str]) -> None:
+    load_modules(modules)
+    while (item := inbox.get(timeout=TIMEOUT)) is not None:
+        mode, tensor = item
+        if mode == "flush":
+            outbox.put(None)
+            continue
+        if mode == "via-cpu":
+            tensor = tensor.to(device)
+        value = int(tensor[-1].item())
+        del tensor, item  # releasing what was received is part of the round trip
+        outbox.put(value)
+
+
+def iterations(nbytes: int, quick: bool) -> int:
+    n = 200 if nbytes <= (1 << 20) else 40
+    return max(3, n // 4) if quick else n
+
+
+def _round_trip(inbox: Any, outbox: Any, mode: str, make: Callable[[], torch.Tensor]) -> float:
+    start = time.perf_counter()
+    inbox.put((mode, make()))
+    value = outbox.get(timeout=TIMEOUT)
+    elapsed = time.perf_counter() - start
+    assert value == 7, f"{mode}: consumer read {value}"
+    # The queue's feeder thread holds the last item it sent until it sends the next one: flush it
+    # with a small untimed message, so that freeing this item is not charged to the next mode.
+    inbox.put(("flush", None))
+    outbox.get(timeout=TIMEOUT)
+    return elapsed
+
+
+def _median_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], torch.Tensor],
+               count: int) -> float:
+    """Median microseconds of one mode. Modes run one after the other, not interleaved: a
+    256 MiB copy of via-cpu leaves the caches cold and would slow whatever comes right after."""
+    times = [_round_trip(inbox, outbox, mode, make) for _ in range(count + WARM_UP)]
+    return statistics.median(times[WARM_UP:]) * 1e6
+
+
+def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
+            progress: Progress | None = None) -> list[dict]:
+    """[{"size": bytes, "devipc": us, "cpu-shm": us, "via-cpu": us}], medians per size."""
+    progress = progress or Progress("ipc", lines=True)
+    progress.start(len(sizes) * len(METHODS))
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    modules = hook_modules([torch.device(device).type])
+    proc = ctx.Process(target=consumer, args=(inbox, outbox, device, modules), daemon=True)
+    proc.start()
+    rows = []
+    try:
+        for nbytes in sizes:
+            n = nbytes // 4
+            on_device = torch.full((n,), 7, dtype=torch.int32, device=device)
+            host = torch.full((n,), 7, dtype=torch.int32).share_memory_()
+            count = iterations(nbytes, quick)
+            row: dict = {"size": nbytes}
+            for mode, make in (("devipc", lambda t=on_device: t),
+                               ("cpu-shm", lambda t=host: t),
+                               ("via-cpu", lambda t=on_device: t.cpu())):
+                row[mode] = _median_us(inbox, outbox, mode, make, count)
+                progress.step(f"{human(nbytes)} {mode} {row[mode]:.0f} us")
+            rows.append(row)
+            del on_device, host
+        inbox.put(None)
+        proc.join(TIMEOUT)
+    finally:
+        progress.close()
+        if proc.is_alive():
+            proc.kill()
+            proc.join(TIMEOUT)
+    return rows
+
+
+def table(rows: list[dict], device: str) -> str:
+    return markdown(
+        ["size", f"devipc {device} (us)", "torch CPU shared (us)", "copy via CPU (us)",
+         "cpu-shm / devipc", "via-cpu / devipc"],
+        [[human(r["size"]), f"{r['devipc']:.0f}", f"{r['cpu-shm']:.0f}", f"{r['via-cpu']:.0f}",
+          f"{r['cpu-shm'] / r['devipc']:.2f}x", f"{r['via-cpu'] / r['devipc']:.1f}x"]
+         for r in rows])
+
+
+def panel(rows: list[dict], device: str) -> Panel:
+    names = {"devipc": f"devipc ({device})", "cpu-shm": "torch CPU shared",
+             "via-cpu": "copy through CPU"}
+    return Panel("IPC round trip (Queue)", "latency (us)", [r["size"] for r in rows],
+                 {names[m]: [r[m] for r in rows] for m in METHODS})

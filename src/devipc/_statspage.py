@@ -1,0 +1,158 @@
+"""Each devipc process's stats page: a 4 KiB memfd named "devipc-STAT-<token>" holding the JSON
+of `devipc.stats()`, so that `devipc info --pid P` shows what P holds without attaching a
+debugger to it: a process of the same user reads the page through /proc/P/fd.
+
+The collector thread rewrites it (`publish`) at most once a second while it has work, and on the
+round that finds none left; a send or an open never touches it. The page dies with the process
+(a memfd has no name in /dev/shm); a forked child makes its own.
+"""
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from ._memfd import SharedFile
+
+__all__ = ["LINK_PREFIX", "StatsPageError", "find_pages", "publish", "read_page", "start"]
+
+MAGIC = b"STAT"
+LINK_PREFIX = "/memfd:devipc-STAT-"  # how the page reads in /proc/<pid>/fd
+PAGE_BYTES = 4096
+HEADER = 16  # int64 sequence number (odd while a write is under way), int64 length of the JSON
+INTERVAL = 1.0  # seconds between rewrites while the collector has work
+
+_lock = threading.Lock()
+_page: SharedFile | None = None
+_numbers: Callable[[], dict] = dict
+_started = _written = 0.0
+
+
+class StatsPageError(LookupError):
+    """A process's stats page cannot be read; the message says why and what to do."""
+
+
+def start(numbers: Callable[[], dict]) -> None:
+    """Make this process's page and write `numbers()` into it (once, at import)."""
+    global _numbers
+    _numbers = numbers
+    _renew()
+    publish(settled=True)
+    os.register_at_fork(after_in_child=_renew)
+
+
+def _renew() -> None:
+    """A new page for this process: a forked child must not write over its parent's. It shows
+    no numbers until the child's collector runs (another thread may have held a lock of theirs
+    at the fork)."""
+    global _page, _started, _lock
+    _lock = threading.Lock()
+    if _page is not None:
+        _page.close()
+    try:
+        _page = SharedFile(MAGIC, PAGE_BYTES)
+    except OSError:  # no memfd here: devipc cannot share either, `devipc doctor` says so
+        _page = None
+    _started = time.time()
+    _write(None)
+
+
+def publish(settled: bool = False) -> None:
+    """Rewrite the page with the current numbers: when `settled` (nothing pending any more), or
+    when the last write is INTERVAL old."""
+    global _written
+    now = time.monotonic()
+    if _page is not None and (settled or now - _written >= INTERVAL):
+        _written = now
+        _write(_numbers())
+
+
+def _write(numbers: dict | None) -> None:
+    if _page is None:
+        return
+    with _lock:
+        page = {"pid": os.getpid(), "started": _started, "updated": time.time(),
+                "stats": numbers}
+        body = json.dumps(page).encode()
+        if len(body) > PAGE_BYTES - HEADER:
+            page["stats"] = {"error": f"{len(body)} bytes do not fit"}
+            body = json.dumps(page).encode()
+        sequence, length = _page.buffer.int64(0), _page.buffer.int64(1)
+        sequence.value += 1  # odd: a reader retries
+        length.value = len(body)
+        _page.buffer.write(HEADER, body)
+        sequence.value += 1
+
+
+def read_page(pid: int) -> dict:
+    """The page of process `pid` (its `stats`, `updated`, `started`), read through /proc;
+    StatsPageError saying why not."""
+    fds = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fds)
+    except FileNotFoundError:
+        raise StatsPageError(
+            f"no process {pid} here: it exited, or it runs in another PID namespace (another "
+            f"container: this /proc shows only this namespace's processes); run `devipc info` "
+            f"in its container, or share the namespace (docker run --pid=host)") from None
+    except PermissionError:
+        raise StatsPageError(_denied(pid, fds)) from None
+    for name in names:
+        try:
+            if not os.readlink(f"{fds}/{name}").startswith(LINK_PREFIX):
+                continue
+            fd = os.open(f"{fds}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        except PermissionError:
+            raise StatsPageError(_denied(pid, fds)) from None
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            return _parse(fd, pid)
+        finally:
+            os.close(fd)
+    raise StatsPageError(f"process {pid} has no devipc stats page: it has not imported devipc "
+                         f"(or a devipc older than its stats pages)")
+
+
+def _parse(fd: int, pid: int) -> dict:
+    for _ in range(1000):  # a write takes microseconds: retry while one is under way
+        data = os.pread(fd, PAGE_BYTES, 0)
+        sequence = int.from_bytes(data[:8], "little")
+        length = int.from_bytes(data[8:16], "little")
+        if sequence % 2 == 0 and int.from_bytes(os.pread(fd, 8, 0), "little") == sequence \
+                and 0 < length <= PAGE_BYTES - HEADER:
+            return json.loads(data[HEADER:HEADER + length])
+        time.sleep(0.001)
+    raise StatsPageError(f"the stats page of process {pid} kept changing while read; try again")
+
+
+def _denied(pid: int, path: str) -> str:
+    owner = _uid_of(pid)
+    who = f"it runs as uid {owner}, you as uid {os.getuid()}" if owner not in (None, os.getuid()) \
+        else "it is not dumpable (it changed user, or called prctl(PR_SET_DUMPABLE, 0))"
+    return (f"permission denied opening {path}: {who}. Run this as the user of process {pid} or "
+            f"with CAP_SYS_PTRACE (sudo; in a container: --cap-add SYS_PTRACE). Yama's "
+            f"ptrace_scope is not the cause: it limits attaching, not reading /proc/<pid>/fd")
+
+
+def _uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def find_pages() -> dict[int, dict]:
+    """{pid: page} of every other process with a stats page that this one can read."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                found[int(entry)] = read_page(int(entry))
+            except (StatsPageError, OSError, ValueError):
+                pass  # not ours to read, gone, or no devipc in it
+    return found

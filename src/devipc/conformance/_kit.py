@@ -1,0 +1,70 @@
+"""What every check gets: the device under test, its hooks, the peers, and bounded waits."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import devipc
+
+from . import _device
+from ._check import CheckFailed, Skip
+from ._peers import Peer, Peers
+
+WAIT = 15.0  # seconds for a background effect (a release, a reclaim) to show
+
+
+@dataclass
+class Kit:
+    device: torch.device
+    modules: list[str]
+    peers: Peers
+    hung: bool = field(default=False)
+
+    @property
+    def target(self) -> str:
+        """The device as text, as tasks take it."""
+        return str(self.device)
+
+    @property
+    def hooks(self) -> devipc.IpcHooks:
+        hooks = devipc.get_ipc_hooks(self.device.type)
+        if hooks is None:
+            raise CheckFailed(f"no IPC hooks are registered for {self.device.type!r}")
+        return hooks
+
+    def peer(self) -> Peer:
+        return self.peers.main()
+
+    def events(self) -> int:
+        """The event handle size the hooks report: 0, the producer synchronizes."""
+        return int(self.hooks.ipc_event_handle_size())
+
+    def synchronize(self) -> None:
+        _device.synchronize(self.device)
+
+    def settle(self) -> None:
+        _device.settle(self.device, WAIT)
+
+    def wait_for(self, condition: Callable[[], object], what: str,
+                 timeout: float = WAIT) -> None:
+        try:
+            _device.wait_for(condition, what, timeout)
+        except TimeoutError as error:
+            raise CheckFailed(str(error)) from None
+
+    def memory_allocated(self) -> int | None:
+        return _device.memory_allocated(self.device)
+
+    def require(self, hook: str) -> Callable[..., Any]:
+        """The optional hook `hook` of the device, or Skip saying it has none."""
+        method = getattr(self.hooks, hook, None)
+        if method is None:
+            raise Skip(f"the device's hooks have no {hook} hook")
+        return method
+
+    def overrides(self, hook: str) -> bool:
+        """Whether the device's hooks define `hook` themselves instead of the default."""
+        return getattr(type(self.hooks), hook) is not getattr(devipc.IpcHooks, hook)

@@ -1,0 +1,96 @@
+"""The conformance kit (`python -m devipc.conformance`): openreg passes it in both IPC modes, and
+deliberately broken hooks (`_broken_hooks.py`, installed in every process of the kit through
+--hooks-module) fail it, the failing check named."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from _support import fresh_env
+
+KIT_TIMEOUT = 150  # seconds for one whole run of the kit (it takes about 10 here)
+TESTS = pathlib.Path(__file__).parent
+
+
+def kit(*args, **env) -> subprocess.CompletedProcess:
+    """Runs the kit against openreg in a fresh interpreter; `_broken_hooks` importable."""
+    path = ":".join(filter(None, [str(TESTS), fresh_env().get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "devipc.conformance", "--device", "openreg", *args],
+        env=fresh_env(PYTHONPATH=path, **env), capture_output=True, text=True,
+        timeout=KIT_TIMEOUT)
+
+
+def table(out: str) -> dict[str, str]:
+    """{check: result} from the kit's table."""
+    rows = [line.split() for line in out.splitlines()]
+    return {row[1]: row[0] for row in rows
+            if len(row) > 1 and row[0] in ("passed", "failed", "skipped")}
+
+
+def listed() -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "devipc.conformance", "--list"],
+                         env=fresh_env(), capture_output=True, text=True, timeout=KIT_TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    return [line.split()[0] for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("events", ["0", "1"])
+def test_openreg_passes_in_both_ipc_modes(events):
+    run = kit(OPENREG_IPC_EVENTS=events)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = table(run.stdout)
+    assert sorted(results) == sorted(listed())
+    mode, other = ("sync.events", "sync.producer_synchronizes")[::1 if events == "1" else -1]
+    assert results[mode] == "passed" and results[other] == "skipped"
+    assert [name for name, result in results.items() if result != "passed"] == [other]
+    assert "0 failed" in run.stdout
+
+
+def test_an_offset_off_by_one_fails_the_round_trips_in_every_process():
+    run = kit("--hooks-module", "_broken_hooks", DEVIPC_BROKEN_HOOKS="offset")
+    assert run.returncode == 1, run.stdout + run.stderr
+    results = table(run.stdout)
+    assert results["contract.registered"] == "passed"  # the broken hooks are the ones tested
+    assert "_broken_hooks.OffsetOffByOne" in run.stdout
+    for name in ("roundtrip.views", "writes.both_ways", "handles.share_open",
+                 "mp.dataloader"):  # produced in a DataLoader worker: broken there too
+        assert results[name] == "failed", name
+    assert "from the peer" in run.stdout or "values differ" in run.stdout
+
+
+def test_a_consumer_that_does_not_wait_for_the_event_fails_sync_events():
+    run = kit("--hooks-module", "_broken_hooks", "-k", "sync.", "--json",
+              OPENREG_IPC_EVENTS="1", DEVIPC_BROKEN_HOOKS="no_event_wait")
+    assert run.returncode == 1, run.stdout + run.stderr
+    results = {result["name"]: result for result in json.loads(run.stdout)}
+    assert results["sync.events"]["status"] == "failed"
+    assert "not all 1: it read before the" in results["sync.events"]["detail"]
+
+
+def test_a_check_that_hangs_fails_by_timeout_and_the_kit_ends():
+    run = kit("--hooks-module", "_broken_hooks", "-k", "contract.mem_handle", "-k",
+              "contract.registered", "--timeout", "5", DEVIPC_BROKEN_HOOKS="open_hangs")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert table(run.stdout) == {"contract.registered": "passed",
+                                 "contract.mem_handle": "failed"}
+    assert "did not finish within 5 s" in run.stdout
+
+
+def test_as_pytest_each_check_is_a_test_and_a_failure_names_it():
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "devipc.conformance.pytest_plugin", "--pyargs",
+         "devipc.conformance", "--device", "openreg", "--hooks-module", "_broken_hooks", "-k",
+         "contract.registered or roundtrip.views", "-q", "-p", "no:cacheprovider"],
+        env=fresh_env(PYTHONPATH=str(TESTS), DEVIPC_BROKEN_HOOKS="offset"), cwd=TESTS.parent,
+        capture_output=True, text=True, timeout=KIT_TIMEOUT)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "FAILED" in run.stdout and "test_check[roundtrip.views]" in run.stdout
+    assert "1 failed, 1 passed" in run.stdout
+
+
+def test_a_device_torch_does_not_know_is_refused_before_any_check():
+    run = subprocess.run([sys.executable, "-m", "devipc.conformance", "--device", "nodevice"],
+                         env=fresh_env(), capture_output=True, text=True, timeout=KIT_TIMEOUT)
+    assert run.returncode == 2 and "cannot test nodevice:0" in run.stderr
