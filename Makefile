@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.devipc-installed
 SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/* openreg/csrc/*/*/*)
 
-.PHONY: demo test lint check-install bench bench-all fuzz stress setup
+.PHONY: demo test lint check-install bench bench-all fuzz stress conformance setup
 
 demo: $(STAMP)
 	$(PY) examples/ipc_demo.py
@@ -32,6 +32,7 @@ bench: $(STAMP)
 # Every benchmark behind docs/benchmarks.md, one after the other (several minutes).
 bench-all: bench
 	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/weight_publisher.py
 	$(PY) benchmarks/device_ops.py
 	$(PY) benchmarks/p2p_bandwidth.py
 
@@ -45,6 +46,11 @@ stress: $(STAMP)
 	OPENREG_IPC_EVENTS=1 $(PY) benchmarks/stress.py
 	$(PY) benchmarks/p2p_stress.py --threads 8 --transfers 10000
 	$(PY) benchmarks/exit_soak.py --runs 100 --limit 5
+
+# The conformance kit (python -m devipc.conformance) against openreg, in both IPC modes.
+conformance: $(STAMP)
+	OPENREG_IPC_EVENTS=0 $(PY) -m devipc.conformance --device openreg
+	OPENREG_IPC_EVENTS=1 $(PY) -m devipc.conformance --device openreg
 
 setup: $(STAMP)
 

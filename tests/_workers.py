@@ -364,3 +364,61 @@ def arena_consumer(attachment, inbox, outbox, acknowledge):
         del chunk
     reader.close()
     settle()
+
+
+# -- weight publisher ------------------------------------------------------------------------------
+class TinyGPT(torch.nn.Module):
+    """Tied embedding and head, a persistent buffer (a causal mask), a non-persistent one."""
+
+    def __init__(self, device="openreg"):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8, device=device)
+        self.block = torch.nn.Linear(8, 8, device=device)
+        self.head = torch.nn.Linear(8, 16, bias=False, device=device)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4, device=device)))
+        self.register_buffer("scratch", torch.zeros(2, device=device), persistent=False)
+
+    def forward(self, tokens):
+        hidden = self.block(self.embed(tokens))
+        return self.head(hidden * self.mask[: tokens.shape[-1], : tokens.shape[-1]].sum())
+
+
+def weight_subscriber(conn, token, generations, into):
+    """Subscribes, then for each generation: waits, reports what it sees (its own model's state
+    after copy_into, or the zero-copy views) and acknowledges."""
+    subscriber = devipc.WeightSubscriber(token)
+    engine = TinyGPT() if into else None
+    conn.send(("subscribed", str(subscriber.device)))
+    for _ in range(generations):
+        generation = subscriber.wait(timeout=TIMEOUT)
+        if engine is not None:
+            subscriber.copy_into(engine)
+            seen = engine.state_dict()
+        else:
+            seen = subscriber.tensors()
+        # plain lists: a CPU tensor on a pipe would be shared memory that dies with us
+        conn.send((generation, {name: t.cpu().tolist() for name, t in seen.items()}))
+        subscriber.ack()
+    subscriber.close()
+    conn.send("closed")
+
+
+def weight_subscriber_that_hangs(conn, token):
+    """Subscribes and waits for one generation without acknowledging it, until killed."""
+    subscriber = devipc.WeightSubscriber(token)
+    conn.send("subscribed")
+    conn.send(("got", subscriber.wait(timeout=TIMEOUT)))
+    threading.Event().wait(TIMEOUT)
+
+
+def weight_publisher_child(conn):
+    """Publishes one generation of a packed TinyGPT to the token it sends, then lives until
+    killed."""
+    model = TinyGPT()
+    devipc.pack_module(model)
+    publisher = devipc.WeightPublisher(model)
+    conn.send(publisher.token())
+    assert conn.recv() == "publish"
+    conn.send(publisher.publish(wait=False))
+    threading.Event().wait(TIMEOUT)

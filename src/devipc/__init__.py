@@ -22,6 +22,7 @@ from ._errors import (
     PeerGoneError,
     ReshareError,
     UnsupportedDeviceError,
+    UnsupportedTensorError,
 )
 from .hooks import (  # synonyms of devipc.hooks
     IpcHooks,
@@ -36,6 +37,7 @@ from .hooks import (  # synonyms of devipc.hooks
 from . import rfc
 from ._arena import Arena, ArenaReader, Chunk, open_arena
 from ._handles import Handle, open, open_tensors, pack, share, share_tensors
+from ._publisher import WeightPublisher, WeightSubscriber, pack_module
 from ._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
 from ._state_dict import open_state_dict, share_state_dict
 from .rfc import (  # synonyms of devipc.rfc
@@ -60,6 +62,9 @@ __all__ = [
     "PeerGoneError",
     "ReshareError",
     "UnsupportedDeviceError",
+    "UnsupportedTensorError",
+    "WeightPublisher",
+    "WeightSubscriber",
     "hooks",
     "ipc_collect",
     "open",
@@ -67,6 +72,7 @@ __all__ = [
     "open_state_dict",
     "open_tensors",
     "pack",
+    "pack_module",
     "received_via_ipc",
     "revoke",
     "rfc",

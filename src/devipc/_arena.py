@@ -19,18 +19,23 @@ bytes were lost, the send was revoked) cannot hold the producer. A consumer that
 after the chunks whose buffers may already be refilled (the header word tells which); the header
 lock orders its "attached" against the producer's next fill. Records of closed, dead and revoked
 attachments are reused, each time under a new serial, so stale attachment bytes never open one.
+
+Two more header words are futexes (`_futex`) that processes sleep on instead of polling: the
+newest generation published (`ArenaReader.wait` sleeps on it) and a count of acknowledgements
+(`Arena.wait_for` sleeps on it, waking every few milliseconds to look for dead consumers).
 """
 import itertools
 import os
 import secrets
+import time
+from collections.abc import Callable, Iterable
 
 import torch
 
-from . import _handles, _locks, _sharing, _wire
-from ._backoff import Backoff
-from ._errors import AckTimeoutError, ConsumerDiedError, InvalidHandleError
+from . import _futex, _handles, _locks, _sharing, _wire
+from ._errors import AckTimeoutError, ConsumerDiedError, InvalidHandleError, PeerGoneError
 from ._hooks import hooks_for
-from ._memfd import SharedFile, WordTable, open_shared_file
+from ._memfd import MappedFile, SharedFile, WordTable, handle_pid, open_shared_file, pid_alive
 from ._table import ALIGNMENT, Table
 
 __all__ = ["Arena", "ArenaReader", "Chunk", "open_arena"]
@@ -43,12 +48,14 @@ _CONTROL_BYTES = WordTable.size(MAX_CONSUMERS, _FIELDS)
 FREE, PENDING, ATTACHED, CLOSED, GONE = 0, 1, 2, 3, 4
 _STATE_NAMES = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached", CLOSED: "closed",
                 GONE: "died"}
+_FILLING, _PUBLISHED, _ACKS, _CLOSED = 0, 1, 2, 3  # header words
+_DEATH_CHECK = 0.02  # seconds between looks for dead peers while a wait sleeps
 
 
 class _Records(WordTable):
     """The control file's consumer records, through one mapping of it."""
 
-    def __init__(self, mapping):
+    def __init__(self, mapping: MappedFile):
         super().__init__(mapping, _FIELDS)
 
     def state(self, index: int) -> int:
@@ -82,17 +89,45 @@ class _Records(WordTable):
     def set_filling(self, generation: int) -> None:
         self.header(0).value = generation
 
+    def published(self) -> int:
+        """The newest generation complete and visible (-1: none)."""
+        return self.header(_PUBLISHED).value
+
+    def set_published(self, generation: int) -> None:
+        self.header(_PUBLISHED).value = generation
+        _futex.wake(self.address(_PUBLISHED))
+
+    def acks(self) -> int:
+        """A count of acknowledgements (and closes): it changes whenever one lands."""
+        return self.header(_ACKS).value
+
+    def bump_acks(self) -> None:
+        """After an acknowledgement: wake a producer waiting for it. Racing bumps may count
+        one: the word changes all the same, which is all a waiter looks at."""
+        self.header(_ACKS).value += 1
+        _futex.wake(self.address(_ACKS))
+
+    def closed(self) -> bool:
+        return self.header(_CLOSED).value != 0
+
+    def set_closed(self) -> None:
+        self.header(_CLOSED).value = 1
+        _futex.wake(self.address(_PUBLISHED))
+
+    def address(self, header_word: int) -> int:
+        return self.mapping.address + 8 * header_word
+
 
 _HEADER_LOCK = (0, 8)  # the `filling` word
 
 
-def _positive(value, what: str) -> int:
+def _positive(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
     return value
 
 
-def _check_timeout(timeout) -> float:
+def _check_timeout(timeout: object) -> float:
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
@@ -103,31 +138,43 @@ class Arena:
     starts aligned for any dtype) on `device`, one allocation. `attach()` once per consumer, then
     `put()` chunk after chunk. Not thread-safe: one producer thread."""
 
-    def __init__(self, nbytes: int, device, buffers: int = 2):
-        self.nbytes = -(-_positive(nbytes, "nbytes") // ALIGNMENT) * ALIGNMENT
+    def __init__(self, nbytes: int, device: torch.device | str | int, buffers: int = 2, *,
+                 storage: torch.UntypedStorage | None = None):
+        """With `storage`, the arena is that memory as it is (one buffer of exactly its bytes):
+        what its consumers see is what its owner writes, e.g. packed weights."""
         self.buffers = _positive(buffers, "buffers")
         if buffers > MAX_BUFFERS:
             raise ValueError(f"an arena has at most {MAX_BUFFERS} buffers, not {buffers}")
         device = torch.device(device)
         hooks_for(device)  # UnsupportedDeviceError before anything is allocated
         self.device = _sharing.local_device(device, device.type)
-        self._storage = torch.empty(self.nbytes * buffers, dtype=torch.uint8,
-                                    device=self.device).untyped_storage()
+        if storage is None:
+            self.nbytes = -(-_positive(nbytes, "nbytes") // ALIGNMENT) * ALIGNMENT
+            self._storage = torch.empty(self.nbytes * buffers, dtype=torch.uint8,
+                                        device=self.device).untyped_storage()
+        else:
+            if buffers != 1 or storage.device != self.device or storage.nbytes() != nbytes:
+                raise ValueError("an arena over a storage has one buffer: the storage's bytes")
+            self.nbytes, self._storage = _positive(nbytes, "nbytes"), storage
         self._control = SharedFile(_MAGIC, _CONTROL_BYTES)
         self._records = _Records(self._control.buffer)
         self._records.set_filling(-1)
+        self._records.set_published(-1)
         self._token = secrets.token_bytes(16)
         self._sends: dict[int, _handles.Handle] = {}  # record index -> its attachment's send
         self._serials = itertools.count(1)
         self.generation = -1  # the last one put
 
-    def attach(self) -> bytes:
+    def attach(self, *, from_newest: bool = False) -> bytes:
         """One consumer's way in, for `open_arena`: a send of the arena (opened once) and a
-        record in the control file. Chunks put before it are not for that consumer."""
+        record in the control file. Chunks put before it are not for that consumer; with
+        `from_newest` (and two buffers or more) the newest one is, which is then kept for it
+        until it acknowledges."""
         self._check_open()
         index = self._take_record()
         serial = next(self._serials)
-        self._records.set_ack(index, self.generation)
+        newest = from_newest and self.buffers > 1 and self.generation >= 0
+        self._records.set_ack(index, self.generation - 1 if newest else self.generation)
         self._records.set_pid(index, 0)
         self._records.set_serial(index, serial)
         shared = _sharing.share_device(self._storage)
@@ -170,7 +217,8 @@ class Arena:
         raise ValueError(f"an arena has at most {MAX_CONSUMERS} consumers attached at a time: "
                          f"close a reader (or revoke an attachment nobody will open) first")
 
-    def put(self, named_tensors, timeout: float = 60.0) -> bytes:
+    def put(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+            timeout: float = 60.0) -> bytes:
         """Copy a chunk of named tensors into the next buffer, packed as `share_tensors` packs
         them, once every attached consumer acknowledged the generation that used that buffer
         before (one that never opened its attachment is not waited for);
@@ -184,16 +232,29 @@ class Arena:
         if end > self.nbytes:
             raise ValueError(f"the chunk needs {end} bytes, an arena buffer holds {self.nbytes}: "
                              f"split it into smaller chunks")
+        generation = self.publish(
+            lambda storage, base: _handles.fill(storage, base, table, items), timeout)
+        writer = _wire.Writer(_wire.CHUNK).bytes(self._token).int(generation)
+        writer.int(generation % self.buffers)
+        table.write(writer)
+        return writer.done()
+
+    def publish(self, fill: Callable[[torch.UntypedStorage, int], object] | None = None,
+                timeout: float = 60.0) -> int:
+        """The next generation: announced, then (once every attached consumer acknowledged the
+        generation that used its buffer before) `fill(storage, byte offset of its buffer)`,
+        the device's work waited for, and the generation published: consumers sleeping in
+        `ArenaReader.wait` wake. Returns it. Errors as `put`."""
+        self._check_open()
         generation = self.generation + 1
         self._announce(generation)
         self.wait_for(generation - self.buffers, timeout)
-        buffer = generation % self.buffers
-        _handles.fill(self._storage, buffer * self.nbytes, table, items)
+        if fill is not None:
+            fill(self._storage, (generation % self.buffers) * self.nbytes)
         torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
         self.generation = generation
-        writer = _wire.Writer(_wire.CHUNK).bytes(self._token).int(generation).int(buffer)
-        table.write(writer)
-        return writer.done()
+        self._records.set_published(generation)
+        return generation
 
     def _announce(self, generation: int) -> None:
         """Say which generation is about to be filled, before looking at who to wait for: a
@@ -205,13 +266,13 @@ class Arena:
         finally:
             _locks.unlock(fd, *_HEADER_LOCK)
 
-    def wait_for(self, generation: int, timeout: float = 60.0) -> None:
+    def wait_for(self, generation: int, timeout: float | None = 60.0) -> None:
         """Return once every attached consumer (one that opened its attachment) acknowledged
-        `generation`, or closed. ConsumerDiedError
-        names the consumers found dead, which stop counting; AckTimeoutError after `timeout`."""
-        timeout = _check_timeout(timeout)
-        backoff = Backoff(timeout, first=0.00005)
+        `generation`, or closed. ConsumerDiedError names the consumers found dead, which stop
+        counting; AckTimeoutError after `timeout` (None: no bound but the consumers' lives)."""
+        deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
         while True:
+            seen = self._records.acks()  # before the records: an ack after it changes it
             waiting = [i for i in range(MAX_CONSUMERS)
                        if self._records.state(i) == ATTACHED
                        and self._records.ack(i) < generation]
@@ -220,13 +281,29 @@ class Arena:
                 raise ConsumerDiedError(dead, generation)
             if not waiting:
                 return
-            if backoff.expired():
+            left = _DEATH_CHECK if deadline is None else deadline - time.monotonic()
+            if left <= 0:
                 raise AckTimeoutError(
                     f"after {timeout} s, consumers " + ", ".join(
                         f"{i} (pid {self._records.pid(i)}, {_STATE_NAMES[self._records.state(i)]},"
                         f" acknowledged {self._records.ack(i)})" for i in waiting)
                     + f" have not acknowledged generation {generation}")
-            backoff.pause()
+            _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
+
+    def wait_attached(self, count: int, timeout: float = 60.0) -> None:
+        """Return once `count` consumers opened their attachments and are still attached;
+        TimeoutError after `timeout` seconds, saying how many did."""
+        deadline = time.monotonic() + _check_timeout(timeout)
+        while True:
+            seen = self._records.acks()  # an attach changes it too
+            attached = sum(self._records.state(i) == ATTACHED and not self._died(i)
+                           for i in range(MAX_CONSUMERS))
+            if attached >= count:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{attached} of {count} consumers attached within {timeout} s")
+            _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
     def _died(self, index: int) -> bool:
         """An attached record whose lock is free: its consumer is gone. Marked GONE."""
@@ -261,12 +338,13 @@ class Arena:
             send.revoke()
         self._sends.clear()
         self._storage = None  # type: ignore[assignment]
+        self._records.set_closed()  # consumers waiting for a generation are told
         self._control.close()
 
     def __enter__(self) -> "Arena":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -290,7 +368,8 @@ class Chunk:
 class ArenaReader:
     """Consumer: an arena opened once; `read` each chunk's bytes, then `ack` it."""
 
-    def __init__(self, data, device=None):
+    def __init__(self, data: bytes | bytearray | memoryview,
+                 device: torch.device | str | int | None = None):
         reader = _wire.Reader(data, (_wire.ARENA,))
         self._token = reader.bytes("arena token", 64)
         send = _handles.Handle.from_bytes(reader.bytes("arena handle"))
@@ -304,6 +383,7 @@ class ArenaReader:
             raise InvalidHandleError(f"the arena's allocation has {send.nbytes} bytes, not "
                                      f"{self.buffers} x {self.nbytes}")
         self._mapping = open_shared_file(control, _MAGIC)
+        self._producer = handle_pid(control)  # a valid handle: it opened
         try:
             if self._mapping.size != _CONTROL_BYTES:
                 raise InvalidHandleError(f"an arena control file has {_CONTROL_BYTES} bytes, "
@@ -314,7 +394,7 @@ class ArenaReader:
                     or self._records.serial(self._index) != serial:
                 raise InvalidHandleError("this arena attachment was already opened (attach once "
                                          "per consumer), revoked, or the arena is closed")
-            self._storage = _handles.open_storage(send, device)  # the one send: opened once
+            self._storage: torch.UntypedStorage | None = _handles.open_storage(send, device)
         except BaseException:
             self._mapping.close()  # the lock goes with it
             raise
@@ -330,11 +410,43 @@ class ArenaReader:
         self.acknowledged = max(records.ack(index), filling - self.buffers)
         records.set_ack(index, self.acknowledged)
         self._read = self.acknowledged
+        records.bump_acks()  # a producer waiting for consumers to attach looks again
 
-    def read(self, data) -> Chunk:
+    def wait(self, timeout: float | None = None) -> int:
+        """Sleep until a generation newer than any this reader read or waited for is published
+        (`Arena.publish`, `put`); returns the newest, to read until acknowledged. PeerGoneError
+        if the arena was closed or its producer exited; TimeoutError after `timeout` seconds."""
+        records = self._records
+        deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
+        while True:
+            self._check_open()
+            published = records.published()
+            if published > self._read:
+                self._read = published
+                return published
+            if records.closed():
+                raise PeerGoneError("the arena's producer closed it: nothing more will be "
+                                    "published")
+            if not pid_alive(self._producer):
+                raise PeerGoneError(f"the arena's producer (pid {self._producer}) exited")
+            left = _DEATH_CHECK * 5 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no new generation within {timeout} s (the newest is "
+                                   f"{published})")
+            _futex.wait(records.address(_PUBLISHED), published, min(left, _DEATH_CHECK * 5))
+
+    def views(self, generation: int, table: Table) -> dict[str, torch.Tensor]:
+        """`table`'s tensors in the buffer of `generation`, read and not yet acknowledged."""
+        storage = self._check_open()
+        if not self.acknowledged < generation <= self._read:
+            raise ValueError(f"generation {generation} is not held: read or waited for up to "
+                             f"{self._read}, acknowledged up to {self.acknowledged}")
+        return table.views(storage, shift=(generation % self.buffers) * self.nbytes)
+
+    def read(self, data: bytes | bytearray | memoryview) -> Chunk:
         """The tensors of a chunk's bytes from `Arena.put`, as views of the arena (clone what
         must outlive the acknowledgement)."""
-        self._check_open()
+        storage = self._check_open()
         reader = _wire.Reader(data, (_wire.CHUNK,))
         if reader.bytes("arena token", 64) != self._token:
             raise InvalidHandleError("this chunk belongs to another arena")
@@ -352,9 +464,9 @@ class ArenaReader:
                                      f"{generation % self.buffers}")
         self._read = max(self._read, generation)
         base = buffer * self.nbytes
-        return Chunk(generation, table.views(self._storage, shift=base))
+        return Chunk(generation, table.views(storage, shift=base))
 
-    def ack(self, generation) -> None:
+    def ack(self, generation: int | Chunk) -> None:
         """Done with every chunk up to `generation` (or a Chunk): the producer may reuse their
         buffers. Waits for the device work queued on them first."""
         self._check_open()
@@ -370,10 +482,12 @@ class ArenaReader:
         torch.get_device_module(self.device).synchronize(self.device)
         self._records.set_ack(self._index, generation)
         self.acknowledged = generation
+        self._records.bump_acks()
 
-    def _check_open(self) -> None:
+    def _check_open(self) -> torch.UntypedStorage:
         if self._storage is None:
             raise ValueError("this arena reader is closed")
+        return self._storage
 
     def close(self) -> None:
         """Detach: the producer stops waiting for this consumer. Views still held keep the
@@ -382,13 +496,14 @@ class ArenaReader:
             return
         torch.get_device_module(self.device).synchronize(self.device)
         self._records.set_state(self._index, CLOSED)
+        self._records.bump_acks()  # a producer waiting for this consumer stops
         self._mapping.close()  # the lock goes with it
         self._storage = None
 
     def __enter__(self) -> "ArenaReader":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -396,6 +511,7 @@ class ArenaReader:
                 f"acknowledged {self.acknowledged}>")
 
 
-def open_arena(data, device=None) -> ArenaReader:
+def open_arena(data: bytes | bytearray | memoryview,
+               device: torch.device | str | int | None = None) -> ArenaReader:
     """Consumer: open an arena from `Arena.attach()`'s bytes, once. `device` as in `open`."""
     return ArenaReader(data, device)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ._hooks import hooks_for
-from ._memory import storage_from_memory, storage_key
+from ._memory import reap_freed, storage_from_memory, storage_key
 from ._refcount import (
     HELD,
     RELEASED,
@@ -65,7 +65,7 @@ class Hold:
 
     __slots__ = ("export", "on_moved")
 
-    def __init__(self, export: Export, on_moved: Callable[[], None]):
+    def __init__(self, export: Export, on_moved: Callable[[], object]):
         self.export, self.on_moved = export, on_moved
 
 
@@ -83,7 +83,8 @@ class Exports:
         self._dropped: collections.deque[Export] = collections.deque()  # from deleters
         self._moved: list[Hold] = []  # holds whose storage moved, to tell outside the lock
         self._collect_at = 64  # amortizes collection over sends; grows with what is held
-        self._warned = False
+        self._unopened = (0, 0.0)  # at the last collection: sends never opened, the oldest's time
+        self._warned = {"unopened": False, "held": False}  # warned once until back under
         self.deadline: float | None = None  # seconds an unopened send may wait
         os.register_at_fork(after_in_child=self._forget_after_fork)
 
@@ -101,7 +102,7 @@ class Exports:
             self.collect()
         return file, index
 
-    def hold(self, storage: torch.UntypedStorage, on_moved: Callable[[], None]) -> Hold:
+    def hold(self, storage: torch.UntypedStorage, on_moved: Callable[[], object]) -> Hold:
         """Keep `storage`'s allocation alive until `release(hold)`, whatever becomes of the
         storage; `on_moved` as in `Hold`."""
         key = storage_key(storage)
@@ -139,6 +140,7 @@ class Exports:
 
         alias = storage_from_memory(storage.data_ptr(), storage.nbytes(), storage.device,
                                     dropped)
+        self._wake()  # the collector's rounds see the alias die (`_memory.reap_freed`)
         # The alias now owns the allocation, `storage` aliases it.
         storage._swap_data_ptr_(alias)  # type: ignore[attr-defined]
         export.owner = alias
@@ -199,12 +201,20 @@ class Exports:
 
     def collect(self) -> int:
         """Let go of what consumers released or cannot use any more; returns how many sends."""
+        reap_freed()  # storages that died since: their exports are queued first
         now = time.monotonic()
         ended, finished = 0, []
+        unopened, oldest = 0, now
         with self._lock:
             finished = self._apply_dropped()
             for export in list(self._active.values()):
-                live = [slot for slot in export.slots if self._still_needed(*slot, now)]
+                live = []
+                for slot in export.slots:
+                    state = self._live_state(*slot, now)
+                    if state is not None:
+                        live.append(slot)
+                        if state == SENT:
+                            unopened, oldest = unopened + 1, min(oldest, slot[2])
                 for file, _, _ in export.slots:
                     file.listed -= 1
                 for file, _, _ in live:
@@ -222,26 +232,44 @@ class Exports:
                     del self._by_id[export.id]
                     finished.append(export)
             self._counters.close_finished()
-            held = self._held
-            self._collect_at = max(64, 2 * held)
-            warn = held > LIMBO_WARN_BLOCKS and not self._warned
-            self._warned = held > LIMBO_WARN_BLOCKS
+            self._collect_at = max(64, 2 * self._held)
+            self._unopened = (unopened, oldest)
+            opened = self._held - unopened
+            warn_unopened = self._crossed("unopened", unopened)
+            warn_held = self._crossed("held", opened)
         self._let_go(finished)
-        if warn:
-            warnings.warn(f"devipc: {held} sends are still held by consumers; their memory stays "
-                          f"allocated until the consumers drop the tensors they received",
-                          ResourceWarning, stacklevel=3)
+        if warn_unopened:
+            # visible by default: the usual cause is a producer whose consumer never came
+            warnings.warn(f"devipc: {unopened} sends were never opened by a consumer (the oldest "
+                          f"{now - oldest:.0f} s ago); their memory stays allocated until a "
+                          f"consumer opens and drops them. Take them back with "
+                          f"devipc.revoke(storage), or have devipc do it after a while with "
+                          f"devipc.set_unopened_deadline(seconds)", UserWarning, stacklevel=3)
+        if warn_held:
+            warnings.warn(f"devipc: {opened} sends are held by consumers that opened them; their "
+                          f"memory stays allocated until the consumers drop the tensors they "
+                          f"received", ResourceWarning, stacklevel=3)
         return ended
 
-    def _still_needed(self, file: ProducerFile, index: int, sent_at: float, now: float) -> bool:
+    def _crossed(self, what: str, count: int) -> bool:
+        """Whether `count` just went past the warning threshold (once until it falls back)."""
+        over = count > LIMBO_WARN_BLOCKS
+        crossed = over and not self._warned[what]
+        self._warned[what] = over
+        return crossed
+
+    def _live_state(self, file: ProducerFile, index: int, sent_at: float,
+                    now: float) -> int | None:
+        """The slot's state while a consumer may still use it; None once it ended (released,
+        revoked, its holder died, or unopened past the deadline)."""
         counter = file.counter
         state = counter.state(index)
         if state == HELD:
-            return not counter.reclaim_if_holder_died(index)
+            return None if counter.reclaim_if_holder_died(index) else state
         if state == SENT:
             expired = self.deadline is not None and now - sent_at > self.deadline
-            return not (expired and counter.revoke(index))
-        return state not in (RELEASED, REVOKED)
+            return None if expired and counter.revoke(index) else state
+        return None if state in (RELEASED, REVOKED) else state
 
     def revoke(self, storage: torch.UntypedStorage) -> int:
         """Take back every unopened send of `storage`'s memory; returns how many."""
@@ -281,8 +309,12 @@ class Exports:
         return bool(self._active) or bool(self._dropped) or bool(self._moved)
 
     def stats(self) -> dict:
+        """`sent`: slots not ended; `unopened`, `oldest_unopened_s`: of those, the ones no
+        consumer opened, as of the last collection round."""
         with self._lock:
-            return {"exports": len(self._by_id), "sent": self._held,
+            unopened, oldest = self._unopened
+            return {"exports": len(self._by_id), "sent": self._held, "unopened": unopened,
+                    "oldest_unopened_s": round(time.monotonic() - oldest, 3) if unopened else 0.0,
                     "counter_files": self._counters.open_files()}
 
     def _forget_after_fork(self) -> None:
@@ -290,5 +322,5 @@ class Exports:
         self._lock = threading.RLock()
         self._counters.forget_after_fork()
         self._by_id, self._by_key, self._active = {}, {}, {}
-        self._held = 0
+        self._held, self._unopened = 0, (0, 0.0)
         self._dropped, self._moved = collections.deque(), []

@@ -6,9 +6,12 @@ unopened (`Handle.revoke`). A bucket is one device allocation, one memory handle
 any number of tensors: a trainer can publish its weights in one message and the consumer maps
 them once, as zero-copy views.
 """
+from collections.abc import Callable, Iterable, Sequence
+
 import torch
 
 from . import _sharing, _wire
+from ._copies import copy_pairs
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
 from ._refcount import SLOTS_PER_FILE
@@ -25,7 +28,8 @@ class Handle:
     __slots__ = ("_bucket", "_shared", "_identity", "_requires_grad", "_table", "local")
 
     def __init__(self, *, bucket: bool, shared: _sharing.SharedStorage, identity: bytes,
-                 table: Table, requires_grad: bool = False, local=None):
+                 table: Table, requires_grad: bool = False,
+                 local: dict[str, torch.Tensor] | None = None):
         self._bucket, self._shared, self._identity = bucket, shared, identity
         self._requires_grad, self._table, self.local = requires_grad, table, local
 
@@ -59,12 +63,12 @@ class Handle:
         return writer.done()
 
     @classmethod
-    def from_bytes(cls, data) -> "Handle":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Handle":
         """Any handle's bytes, validated; anything else raises InvalidHandleError."""
         return _wire.decode(cls._decode, data, "devipc handle")
 
     @classmethod
-    def _decode(cls, data) -> "Handle":
+    def _decode(cls, data: bytes | bytearray | memoryview) -> "Handle":
         reader = _wire.Reader(data, (_wire.TENSOR, _wire.BUCKET))
         device = reader.device()
         identity = reader.bytes("device identity", 256)
@@ -92,7 +96,7 @@ class Handle:
         return cls(bucket=reader.kind == _wire.BUCKET, shared=shared, identity=identity,
                    table=table, requires_grad=requires_grad)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[bytes], "Handle"], tuple[bytes]]:
         return Handle.from_bytes, (bytes(self),)
 
     def revoke(self) -> bool:
@@ -119,7 +123,7 @@ def identity_of(device: torch.device) -> bytes:
         return b""
 
 
-def _check(tensor, what: str) -> torch.Tensor:
+def _check(tensor: object, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} is not a tensor but {type(tensor).__name__}")
     hooks_for(tensor.device)  # UnsupportedDeviceError for devices that cannot share
@@ -129,7 +133,7 @@ def _check(tensor, what: str) -> torch.Tensor:
 
 def _check_kind(tensor: torch.Tensor, what: str) -> None:
     if tensor.layout != torch.strided or tensor.is_nested:
-        raise TypeError(f"{what}: only strided tensors can be shared, not {tensor.layout}")
+        raise _sharing.unsendable(tensor, what)
     _wire.dtype_code(tensor.dtype)
 
 
@@ -141,7 +145,8 @@ def share(tensor: torch.Tensor) -> Handle:
                   table=Table.where_they_lie([("", tensor)]), requires_grad=tensor.requires_grad)
 
 
-def share_tensors(named_tensors, copy: bool = True) -> Handle:
+def share_tensors(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                  copy: bool = True) -> Handle:
     """One send of many tensors, one memory handle and one slot. With `copy` (a snapshot), they
     are copied into one new allocation on their device, each at an offset aligned to 256 bytes.
     With `copy=False`, they must all be views of one storage (`devipc.pack` makes such weights),
@@ -149,7 +154,8 @@ def share_tensors(named_tensors, copy: bool = True) -> Handle:
     return pack_and_share(named_tensors, aliases=False, copy=copy)
 
 
-def pack(named_tensors) -> dict[str, torch.Tensor]:
+def pack(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+         ) -> dict[str, torch.Tensor]:
     """The tensors copied into one new allocation on their device, laid out as a bucket: weights
     kept there (`param.data = packed[name]`) are sent with `share_tensors(packed, copy=False)`,
     one handle and no copy per sync. Names of one same view stay tied."""
@@ -159,7 +165,8 @@ def pack(named_tensors) -> dict[str, torch.Tensor]:
     return fill(storage.untyped_storage(), 0, table, items)
 
 
-def pack_and_share(named_tensors, aliases: bool, copy: bool = True) -> Handle:
+def pack_and_share(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                   aliases: bool, copy: bool = True) -> Handle:
     """`share_tensors`; with `aliases`, names of one same view share its bytes (tied weights)."""
     items = named_items(named_tensors, "share_tensors()")
     device = items[0][1].device
@@ -177,17 +184,19 @@ def pack_and_share(named_tensors, aliases: bool, copy: bool = True) -> Handle:
                   local=local)
 
 
-def in_place(items) -> tuple[torch.UntypedStorage, Table]:
+def in_place(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.UntypedStorage, Table]:
     """The one storage `items` are views of, and their table where they already lie."""
     storages = {tensor.untyped_storage().data_ptr() for _, tensor in items}
     if len(storages) != 1:
-        raise ValueError(f"share_tensors(copy=False) needs views of one storage (devipc.pack "
-                         f"makes them), got tensors of {len(storages)} storages: pass copy=True "
-                         f"to pack a copy")
+        raise ValueError(f"sending without a copy needs views of one storage, got tensors of "
+                         f"{len(storages)} storages: keep a model's weights in one allocation "
+                         f"with devipc.pack_module(model) (or devipc.pack for a dict), or pass "
+                         f"copy=True to send a copy")
     return items[0][1].untyped_storage(), Table.where_they_lie(items)
 
 
-def named_items(named_tensors, what: str) -> list[tuple[str, torch.Tensor]]:
+def named_items(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                what: str) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a dict or an iterable of pairs: unique names, one device. One
     pass over the tensors collects their kinds; a bad kind is looked up again to be named."""
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
@@ -217,30 +226,30 @@ def named_items(named_tensors, what: str) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def fill(storage, base: int, table: Table, items) -> dict[str, torch.Tensor]:
+def fill(storage: torch.UntypedStorage, base: int, table: Table,
+         items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Copy `items` into `storage` at `base` + their table's offsets; the views, by name."""
     views = table.views(storage, shift=base)
-    with torch.no_grad():
-        for (_, tensor), view in zip(items, views.values()):
-            if tensor.numel():
-                view.copy_(tensor)
+    copy_pairs([(view, tensor) for (_, tensor), view in zip(items, views.values())])
     return views
 
 
-def _as_handle(handle) -> Handle:
+def _as_handle(handle: Handle | bytes | bytearray | memoryview) -> Handle:
     return handle if isinstance(handle, Handle) else Handle.from_bytes(handle)
 
 
-def open_storage(handle: Handle, device) -> torch.UntypedStorage:
+def open_storage(handle: Handle,
+                 device: torch.device | str | int | None) -> torch.UntypedStorage:
     """The storage a handle sends (its one slot taken), on `device` if given."""
     target = None if device is None else _sharing.local_device(device, handle.device.type)
     shared = handle._shared
     if shared.handle is None:
         return _sharing.empty_storage(target or shared.device)
-    return _sharing.new_shared_device(*shared, target=target)  # type: ignore[arg-type]
+    return _sharing.new_shared_device(*shared, target=target)
 
 
-def open(handle, device=None) -> torch.Tensor:
+def open(handle: Handle | bytes | bytearray | memoryview,
+         device: torch.device | str | int | None = None) -> torch.Tensor:
     """The tensor of a `share` handle (or its bytes), zero-copy. On the local device that owns
     the memory (found by identity), or on `device` when its hooks can map the memory there
     (else UnsupportedDeviceError)."""
@@ -252,7 +261,8 @@ def open(handle, device=None) -> torch.Tensor:
     return views[""]
 
 
-def open_tensors(handle, device=None) -> dict[str, torch.Tensor]:
+def open_tensors(handle: Handle | bytes | bytearray | memoryview,
+                 device: torch.device | str | int | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a `share_tensors` handle (or its bytes), by name: zero-copy views of one
     mapping. `device` as in `open`."""
     handle = _as_handle(handle)

@@ -144,7 +144,7 @@ class ProducerFile:
 
     __slots__ = ("shared", "counter", "seen", "own", "listed")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.shared = SharedFile(_MAGIC, FILE_BYTES)
         self.counter = CounterFile(self.shared.buffer, self.shared.fd)
         self.seen = 0  # slots below this index have been looked at by `new_slots`
@@ -159,7 +159,7 @@ class ProducerFile:
 class ProducerCounters:
     """The producer's counter files. Thread-safe: Queue feeder threads share tensors too."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._current: ProducerFile | None = None
         self._files: dict[bytes, ProducerFile] = {}
@@ -228,7 +228,7 @@ class ConsumerCounters:
 
     IDLE_KEPT = 8
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[bytes, list] = {}  # handle -> [CounterFile, slots held]
         self._idle: dict[bytes, CounterFile] = {}  # oldest first
@@ -301,7 +301,7 @@ class ConsumerCounters:
         file.release(index)
         self._put(handle)
 
-    def release_unopened(self, handle: bytes, index: int) -> None:
+    def release_unopened(self, handle: bytes | None, index: int) -> None:
         """Give back a send whose memory this process already holds through an earlier one
         (nothing to give back when it is that very send, rebuilt twice here)."""
         handle, index = check_slot(handle, index)
@@ -346,14 +346,14 @@ def open_counter_file(handle: bytes) -> CounterFile:
     return CounterFile(mapping, mapping.fd)
 
 
-def check_slot(handle, index) -> tuple[bytes, int]:
+def check_slot(handle: object, index: object) -> tuple[bytes, int]:
     """A counter handle and slot index from the wire, checked before anything is mapped."""
     if not isinstance(handle, (bytes, bytearray)):
         raise InvalidHandleError(f"a ref-counter handle is bytes, got {type(handle).__name__}")
     return bytes(handle), check_index(index)
 
 
-def check_index(index) -> int:
+def check_index(index: object) -> int:
     """Slot indices come from the wire: refuse anything that would reach outside the file."""
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < SLOTS_PER_FILE:
         raise InvalidHandleError(f"ref-counter offset {index!r} is outside 0..{SLOTS_PER_FILE - 1}")

@@ -11,23 +11,31 @@ original producer's file, so the memory outlives the forwarder.
 """
 import collections
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from . import _wire
+from . import _statspage, _wire
 from ._background import Background
-from ._errors import DevIpcError, InvalidHandleError, ReshareError, UnsupportedDeviceError
+from ._errors import (
+    DevIpcError,
+    InvalidHandleError,
+    ReshareError,
+    UnsupportedDeviceError,
+    UnsupportedTensorError,
+)
 from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
-from ._hooks import hooks_for
-from ._memory import storage_from_memory, untyped
+from ._hooks import IpcHooks, OpenedMemory, hooks_for
+from ._memory import TensorOrStorage, reap_freed, storage_from_memory, untyped, watched
 from ._received import DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
 __all__ = ["Hold", "LIMBO_WARN_BLOCKS", "SharedStorage", "check_grad", "empty_storage", "hold",
            "ipc_collect", "local_device", "new_shared_device", "received_via_ipc", "release_hold",
            "release_ipc_counter_device", "requested_device", "revoke", "revoke_send",
-           "send_unopened", "set_unopened_deadline", "share_device", "stats", "takes_slots"]
+           "send_unopened", "set_unopened_deadline", "share_device", "stats", "takes_slots",
+           "unsendable"]
 
 def _wake_collector() -> None:
     _background.wake()
@@ -44,7 +52,10 @@ counts: collections.Counter = collections.Counter()  # what other layers shared,
 def _background_round() -> bool:
     more = _deferred.poll()
     _exports.collect()
-    return more or _exports.pending()
+    # storages devipc made that still live: their deaths are seen by these rounds
+    more = more or _exports.pending() or watched() > 0
+    _statspage.publish(settled=not more)  # what `devipc info --pid` reads
+    return more
 
 
 _background = Background("devipc-collector", _background_round)
@@ -59,7 +70,7 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def received_via_ipc(storage) -> bool:
+def received_via_ipc(storage: TensorOrStorage) -> bool:
     """Whether `storage` (or a tensor's storage) lives in memory this process received by IPC."""
     storage = untyped(storage)
     return storage.nbytes() > 0 and _opened.contains(storage.device, storage.data_ptr())
@@ -120,9 +131,10 @@ def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> SharedStorage:
                          receipt.counter_handle, index, b"", False)
 
 
-def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
-                      ref_counter_handle: bytes, ref_counter_offset: int, event_handle: bytes,
-                      event_sync_required: bool, *, target=None) -> torch.UntypedStorage:
+def new_shared_device(device: torch.device | str | int, handle: bytes | None, size_bytes: int,
+                      offset_bytes: int, ref_counter_handle: bytes | None,
+                      ref_counter_offset: int, event_handle: bytes, event_sync_required: bool, *,
+                      target: torch.device | str | int | None = None) -> torch.UntypedStorage:
     """Consumer: a storage over the producer's memory, zero-copy. Its device is the local device
     that owns the memory, whatever index the producer used for it; or `target` (or the device a
     caller wrote over a wrapped handle's, see `requested_device`) when the hooks can map it there.
@@ -148,17 +160,18 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
             receipt = Receipt(handle, offset_bytes, counter_handle, index)
             key = (str(placed), memory.ptr + offset_bytes, size_bytes)
 
-            def release():
+            def release() -> None:
                 _received.forget(key, receipt)
                 _counters.release(counter_handle, index)
                 _opened.release(handle)
 
-            def on_free():  # a deleter: no lock here (see DeferredReleases)
+            def on_free() -> None:  # a deleter: no lock here (see DeferredReleases)
                 _deferred.add(placed, release)
                 _background.wake()
 
             storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free)
             _received.add(key, receipt)
+            _background.wake()  # its rounds see the storage die
             # Pending releases run after the acquire: an allocation sent again (weights synced
             # every step) stays mapped, rather than unmapped and mapped again, pages re-faulted.
             _deferred.poll()
@@ -171,7 +184,7 @@ def new_shared_device(device, handle: bytes, size_bytes: int, offset_bytes: int,
         raise
 
 
-def _placement(hooks, memory, target: torch.device) -> torch.device:
+def _placement(hooks: IpcHooks, memory: OpenedMemory, target: torch.device) -> torch.device:
     if target == memory.device or hooks.can_map_on(memory, target):
         return target
     raise UnsupportedDeviceError(f"memory of {memory.device} cannot be mapped on {target}: "
@@ -179,7 +192,8 @@ def _placement(hooks, memory, target: torch.device) -> torch.device:
                                  f"it on its own device and copy")
 
 
-def requested_device(device, handle) -> tuple:
+def requested_device(device: torch.device | str | int, handle: bytes | None,
+                     ) -> tuple[bytes | None, torch.device, torch.device | None]:
     """(the hooks' handle, the sender's device, the device the caller asked for or None) from
     args[6] and args[7] of reduce_tensor. The sender wraps args[7] with the device it wrote into
     args[6] (`_wire.wrap_storage_handle`): args[6] still equal to it means "the local device that
@@ -200,7 +214,7 @@ def requested_device(device, handle) -> tuple:
             from None
 
 
-def local_device(device, device_type: str) -> torch.device:
+def local_device(device: torch.device | str | int, device_type: str) -> torch.device:
     """A local device of `device_type` from an index, a name or a torch.device; no index: the
     current one."""
     if isinstance(device, int) and not isinstance(device, bool):
@@ -230,7 +244,7 @@ def empty_storage(device: torch.device) -> torch.UntypedStorage:
                              f"not see ({count} {device.type} devices visible)")
 
 
-def check_grad(dtype, requires_grad) -> None:
+def check_grad(dtype: object, requires_grad: object) -> None:
     """A handle's requires_grad flag: a bool, and True only for dtypes autograd supports."""
     if not isinstance(dtype, torch.dtype) or not isinstance(requires_grad, bool):
         raise InvalidHandleError(f"malformed tensor: dtype {dtype!r}, requires_grad "
@@ -247,8 +261,8 @@ def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
     hooks_for(device).wait_ipc_event(event_handle, stream)
 
 
-def release_ipc_counter_device(ref_counter_handle: bytes, ref_counter_offset: int,
-                               device=None) -> None:
+def release_ipc_counter_device(ref_counter_handle: bytes | None, ref_counter_offset: int,
+                               device: torch.device | str | int | None = None) -> None:
     """Consumer: give a send back without opening its memory (the shared-cache hit path)."""
     _counters.release_unopened(ref_counter_handle, ref_counter_offset)
 
@@ -262,7 +276,7 @@ def ipc_collect() -> int:
     return _exports.collect()
 
 
-def revoke(storage) -> int:
+def revoke(storage: TensorOrStorage) -> int:
     """Producer: take back every send of this storage's memory that no consumer opened yet
     (opening one later raises); returns how many. Sends already opened are not affected."""
     return _exports.revoke(untyped(storage))
@@ -273,7 +287,7 @@ def revoke_send(counter_handle: bytes, slot: int) -> bool:
     return _exports.revoke_slot(counter_handle, slot)
 
 
-def hold(storage, on_moved) -> Hold:
+def hold(storage: TensorOrStorage, on_moved: Callable[[], object]) -> Hold:
     """Keep `storage`'s memory allocated until `release_hold`, whatever becomes of the storage
     (see `_exports`); `on_moved()` runs once if the storage stops pointing at that memory."""
     return _exports.hold(untyped(storage), on_moved)
@@ -302,9 +316,33 @@ def set_unopened_deadline(seconds: float | None) -> None:
     _background.wake()
 
 
+def unsendable(tensor: torch.Tensor, what: str) -> UnsupportedTensorError:
+    """The one-line error for a tensor devipc cannot send as it is, saying what to send instead
+    (torch's own attempt would end in a dispatcher error naming an internal backend)."""
+    if tensor.is_nested:
+        kind, instead = (f"a nested tensor of layout {tensor.layout}",
+                         "use the jagged layout (torch.nested.nested_tensor(..., "
+                         "layout=torch.jagged)), or send its components (tensor.unbind())")
+    elif tensor.is_sparse or tensor.layout in _SPARSE_COMPRESSED:
+        kind, instead = (f"a sparse tensor ({tensor.layout})",
+                         "send its component tensors (indices() and values(), or the "
+                         "compressed indices and values()) and rebuild it on the other side")
+    else:
+        kind, instead = f"a tensor of layout {tensor.layout}", "send tensor.to_dense()"
+    return UnsupportedTensorError(f"{what}: devipc cannot share {kind} on {tensor.device}: "
+                                  f"{instead}")
+
+
+_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def stats() -> dict:
     """What this process holds for IPC right now."""
+    reap_freed()  # storages that died count as released, pending their device work
     return {**_exports.stats(), "mapped": len(_opened),
             "mapped_counter_files": _counters.mapped_files(),
             "pending_releases": len(_deferred), "buckets_shared": counts["buckets_shared"],
             "bucket_tensors_shared": counts["bucket_tensors_shared"]}
+
+
+_statspage.start(stats)

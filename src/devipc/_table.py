@@ -5,8 +5,10 @@ Columns, because a weight sync moves thousands of tensors: one wire field per co
 same for one entry or for 19,500, where fields per entry cost microseconds each to write, read
 and check. A tensor handle is a table of one entry.
 """
+from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, repeat
 from operator import floordiv, mod
+from typing import cast
 
 import torch
 
@@ -25,7 +27,9 @@ class Table:
 
     __slots__ = ("names", "dtypes", "shapes", "strides", "offsets")
 
-    def __init__(self, names, dtypes, shapes, strides, offsets):
+    def __init__(self, names: Iterable[str], dtypes: Iterable[torch.dtype],
+                 shapes: Iterable[tuple[int, ...]], strides: Iterable[tuple[int, ...]],
+                 offsets: Iterable[int]):
         self.names, self.dtypes, self.shapes = list(names), list(dtypes), list(shapes)
         self.strides, self.offsets = list(strides), list(offsets)
 
@@ -33,16 +37,17 @@ class Table:
         return len(self.names)
 
     @classmethod
-    def where_they_lie(cls, items) -> "Table":
+    def where_they_lie(cls, items: Sequence[tuple[str, torch.Tensor]]) -> "Table":
         """The rows of (name, tensor) pairs as they lie in their storage (the caller checks
         that it is one storage)."""
         tensors = [tensor for _, tensor in items]
         return cls([name for name, _ in items], [t.dtype for t in tensors],
                    [tuple(t.shape) for t in tensors], [t.stride() for t in tensors],
-                   [t.storage_offset() * t.element_size() for t in tensors])
+                   cast("list[int]", [t.storage_offset() * t.element_size() for t in tensors]))
 
     @classmethod
-    def packed(cls, items, aliases: bool = False) -> tuple["Table", int]:
+    def packed(cls, items: Iterable[tuple[str, torch.Tensor]],
+               aliases: bool = False) -> tuple["Table", int]:
         """Where (name, tensor) pairs go when packed: contiguous, at offsets aligned to
         ALIGNMENT; with `aliases`, names of one same view share its bytes. And the end."""
         table, end = cls([], [], [], [], []), 0
@@ -58,7 +63,8 @@ class Table:
             table.append(name, tensor.dtype, shape, _contiguous(shape), offset)
         return table, end
 
-    def append(self, name, dtype, shape, stride, offset) -> None:
+    def append(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+               stride: tuple[int, ...], offset: int) -> None:
         self.names.append(name)
         self.dtypes.append(dtype)
         self.shapes.append(shape)
@@ -126,7 +132,7 @@ class Table:
         return views
 
 
-def _cut(blob: bytes, lengths) -> list[str]:
+def _cut(blob: bytes, lengths: Sequence[int]) -> list[str]:
     """`blob` cut into names of `lengths` bytes."""
     cuts = list(map(slice, accumulate(lengths, initial=0), accumulate(lengths)))
     try:
@@ -144,7 +150,8 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(accumulate(reversed(shape[1:]), lambda a, b: a * max(b, 1), initial=1))[::-1]
 
 
-def _check_row(name, itemsize, shape, stride, offset, storage_bytes) -> None:
+def _check_row(name: str, itemsize: int, shape: Sequence[int], stride: Sequence[int],
+               offset: int, storage_bytes: int) -> None:
     """A forged row must not reach outside the storage it is a view of."""
     if offset % itemsize:
         raise InvalidHandleError(f"{name!r}: byte offset {offset} is not a multiple of "

@@ -13,6 +13,8 @@ takes a new number, a changed layout a new version.
 import builtins
 import re
 import struct
+from collections.abc import Callable, Sequence
+from typing import TypeGuard, TypeVar
 
 import torch
 
@@ -34,10 +36,12 @@ P2P_METADATA = 6  # devipc.p2p.Endpoint.metadata: how a peer reaches an endpoint
 P2P_DESCRIPTOR = 7  # devipc.p2p.Endpoint.advertise: a registered tensor's byte range
 P2P_NIXL = 8  # devipc.p2p over NIXL: the transport part of a P2P_DESCRIPTOR
 P2P_NIXL_AGENT = 9  # devipc.p2p over NIXL: the transport part of a P2P_METADATA
+WEIGHTS = 10  # devipc.WeightPublisher.token: an arena attachment and the published table
 KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucket handle",
               ARENA: "arena attachment", CHUNK: "arena chunk",
               P2P_METADATA: "p2p endpoint metadata", P2P_DESCRIPTOR: "p2p remote descriptor",
-              P2P_NIXL: "p2p NIXL descriptor part", P2P_NIXL_AGENT: "p2p NIXL agent metadata"}
+              P2P_NIXL: "p2p NIXL descriptor part", P2P_NIXL_AGENT: "p2p NIXL agent metadata",
+              WEIGHTS: "weight subscription token"}
 
 MAX_NDIM = 64
 MAX_BYTES = 1 << 16  # a bytes or text field, unless its writer and reader name another limit
@@ -94,7 +98,7 @@ class Writer:
     def text(self, value: str) -> "Writer":
         return self.bytes(value.encode("utf-8"))
 
-    def ints(self, values) -> "Writer":
+    def ints(self, values: Sequence[builtins.int]) -> "Writer":
         return self._field(struct.pack(f"<{len(values)}q", *values))
 
     def device(self, device: torch.device) -> "Writer":
@@ -107,7 +111,8 @@ class Writer:
 class Reader:
     """Reads one message of an expected kind; every failure is an InvalidHandleError."""
 
-    def __init__(self, data, kinds: tuple[builtins.int, ...]):
+    def __init__(self, data: builtins.bytes | bytearray | memoryview,
+                 kinds: tuple[builtins.int, ...]):
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidHandleError(f"a devipc handle is bytes, got {type(data).__name__}")
         self._data = bytes(data)
@@ -202,7 +207,11 @@ class Reader:
                                      f"last field of a devipc handle")
 
 
-def decode(read, data, what: str):
+_D = TypeVar("_D")
+_T = TypeVar("_T")
+
+
+def decode(read: Callable[[_D], _T], data: _D, what: str) -> _T:
     """`read(data)`, where any failure reads as InvalidHandleError: a gap in a reader's checks
     must still name bad bytes, never leak a TypeError or struct.error."""
     try:
@@ -213,16 +222,16 @@ def decode(read, data, what: str):
         raise InvalidHandleError(f"malformed {what}: {error}") from error
 
 
-class Decoded(dict):
+class Decoded(dict[bytes, _T]):
     """Messages already decoded, by their bytes (a connection sees the same descriptors call after
     call). Bounded: cleared whole when full, which is simple and safe with other threads
     calling; `get` is the dict's, for callers that look up many at once."""
 
-    def __init__(self, read, limit: int):
+    def __init__(self, read: Callable[[bytes], _T], limit: int):
         super().__init__()
         self._read, self._limit = read, limit
 
-    def decode(self, data: bytes):
+    def decode(self, data: bytes) -> _T:
         value = self.get(data)
         if value is None:
             value = self._read(data)
@@ -237,11 +246,11 @@ def wrap_storage_handle(device: torch.device, handle: bytes) -> bytes:
     return Writer(STORAGE).device(device).bytes(handle).done()
 
 
-def is_wrapped(handle) -> bool:
+def is_wrapped(handle: object) -> TypeGuard[bytes]:
     return isinstance(handle, bytes) and handle[:4] == MAGIC
 
 
-def unwrap_storage_handle(data) -> tuple[torch.device, bytes]:
+def unwrap_storage_handle(data: bytes | bytearray | memoryview) -> tuple[torch.device, bytes]:
     """(the sender's device, the hooks' handle) of `wrap_storage_handle`'s bytes."""
     reader = Reader(data, (STORAGE,))
     device = reader.device()

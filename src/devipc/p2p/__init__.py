@@ -9,6 +9,9 @@ and writes between processes through it.
 The core never imports this package; `import devipc.p2p` to use it. Its errors are devipc's
 (`devipc._errors`), named here too.
 """
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
+
 from .._errors import (
     DevIpcError,
     InvalidHandleError,
@@ -23,6 +26,11 @@ from ._registry import Registration, registry
 from ._transfer import Transfer
 from ._transport import Link, Transport
 
+if TYPE_CHECKING:
+    import torch
+
+    from .._memory import TensorOrStorage
+
 __all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "Link",
            "NotRegisteredError", "PeerGoneError", "Registration", "RemoteTensorFreedError",
            "Transfer", "TransferSizeError", "Transport", "UnsupportedDeviceError",
@@ -30,7 +38,8 @@ __all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "Link"
            "get_tensor_id_by_tensor", "register", "registration", "remove_listener"]
 
 
-def create_tensor(shape, dtype, device):
+def create_tensor(shape: int | Iterable[int], dtype: "torch.dtype",
+                  device: "torch.device | str | int") -> "tuple[torch.Tensor, int]":
     """(tensor, tensor_id): a new uninitialized tensor, registered. CPU tensors are made in
     fd-backed shared memory, so peers map them without a copy."""
     import torch
@@ -40,33 +49,31 @@ def create_tensor(shape, dtype, device):
     device = torch.device(device)
     shape = tuple(shape) if not isinstance(shape, int) else (shape,)
     if device.type == "cpu":
-        numel = 1
-        for size in shape:
-            numel *= size
-        storage = torch.UntypedStorage._new_using_fd_cpu(max(numel, 0) * dtype.itemsize)
-        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        layout = torch.empty(shape, dtype=dtype, device="meta")  # sizes and strides, no memory
+        storage = torch.UntypedStorage._new_using_fd_cpu(layout.nbytes)
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, layout.shape, layout.stride())
     else:
         tensor = torch.empty(shape, dtype=dtype, device=device)
     return tensor, registry.register(untyped(tensor)).id
 
 
-def register(tensor) -> int:
+def register(tensor: "TensorOrStorage") -> int:
     """Register `tensor`'s storage (any device with IPC hooks, or a CPU tensor in fd-backed
     shared memory: `share_memory_()` it first); its id. The same storage twice: the same id."""
     return registry.register(tensor).id
 
 
-def get_tensor_id_by_tensor(tensor) -> int:
+def get_tensor_id_by_tensor(tensor: "TensorOrStorage") -> int:
     """The id of the registration of `tensor`'s storage (views and slices included);
     NotRegisteredError if it has none."""
     return registry.lookup(tensor).id
 
 
-def registration(tensor_or_id) -> Registration:
+def registration(tensor_or_id: "TensorOrStorage | int") -> Registration:
     """The Registration of a tensor's storage or of an id (its nbytes, device, base, liveness)."""
     if isinstance(tensor_or_id, int) and not isinstance(tensor_or_id, bool):
         return registry.get(tensor_or_id)
-    return registry.lookup(tensor_or_id)
+    return registry.lookup(cast("TensorOrStorage", tensor_or_id))  # a bool: TypeError there
 
 
 def deregister(tensor_id: int) -> bool:
@@ -75,16 +82,16 @@ def deregister(tensor_id: int) -> bool:
     return registry.deregister(tensor_id)
 
 
-def free_tensor(tensor) -> None:
+def free_tensor(tensor: "TensorOrStorage") -> None:
     """Deregister `tensor`'s storage now (the tensor itself stays usable here; its memory goes
     when the last reference to it does, never while a peer still maps it)."""
     registry.deregister(registry.lookup(tensor).id)
 
 
-def add_listener(listener) -> None:
+def add_listener(listener: Any) -> None:
     """`listener.on_register(reg)` / `on_deregister(reg)` for every registration (transports)."""
     registry.add_listener(listener)
 
 
-def remove_listener(listener) -> None:
+def remove_listener(listener: object) -> None:
     registry.remove_listener(listener)

@@ -11,6 +11,8 @@ import os
 import secrets
 import threading
 import weakref
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -29,7 +31,7 @@ READ, WRITE = "READ", "WRITE"
 _DECODED_KEPT = 4096  # decoded descriptors a connection remembers, by their bytes
 
 
-def _make_transport(transport, agent_name: str) -> Transport:
+def _make_transport(transport: str | Transport, agent_name: str) -> Transport:
     if transport in ("auto", "ipc"):
         return IpcTransport()
     if transport == "nixl":
@@ -46,7 +48,7 @@ def _make_transport(transport, agent_name: str) -> Transport:
 class Endpoint:
     """This process's side of point-to-point transfers; any number of peers `connect` to it."""
 
-    def __init__(self, transport="auto"):
+    def __init__(self, transport: str | Transport = "auto"):
         self._token = secrets.token_hex(8)
         self.name = f"devipc-{os.getpid()}-{self._token}"
         self._transport = _make_transport(transport, self.name)
@@ -65,19 +67,21 @@ class Endpoint:
         return Metadata(self.transport, host_identity(), os.getpid(), registry.page().handle,
                         extra).to_bytes()
 
-    def connect(self, peer_metadata) -> "Connection":
+    def connect(self, peer_metadata: bytes | bytearray | memoryview) -> "Connection":
         """A connection to the endpoint whose `metadata()` this is."""
         self._check_open()
         meta = Metadata.from_bytes(peer_metadata)
         if meta.transport != self.transport:
-            raise ValueError(f"the peer's endpoint uses transport {meta.transport!r}, this one "
-                             f"{self.transport!r}: make both with the same transport")
+            raise InvalidHandleError(f"the peer's endpoint uses transport {meta.transport!r}, "
+                                     f"this one {self.transport!r}: make both with the same "
+                                     f"transport")
         connection = Connection(self, meta)
         with self._lock:
             self._connections.add(connection)
         return connection
 
-    def advertise(self, tensor_or_id, offset: int = 0, nbytes: int | None = None) -> bytes:
+    def advertise(self, tensor_or_id: torch.Tensor | int, offset: int = 0,
+                  nbytes: int | None = None) -> bytes:
         """A remote descriptor of a registered tensor's bytes [offset, offset + nbytes) (from the
         tensor's first byte; for an id, from its storage's). Work queued so far on the tensor's
         device is visible to the peers' transfers through it (an event, or a synchronization)."""
@@ -116,20 +120,21 @@ class Endpoint:
     def __enter__(self) -> "Endpoint":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         return f"<devipc.p2p.Endpoint {self.name} over {self.transport}>"
 
 
-def _int(value, what: str) -> int:
+def _int(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{what} must be a non-negative int, got {value!r}")
     return value
 
 
-def _resolve(tensor_or_id, offset, nbytes) -> tuple[Registration, int, int]:
+def _resolve(tensor_or_id: torch.Tensor | int, offset: int,
+             nbytes: int | None) -> tuple[Registration, int, int]:
     """(registration, byte offset in its storage, byte count) of what `advertise` was given."""
     offset = _int(offset, "offset")
     if isinstance(tensor_or_id, torch.Tensor):
@@ -138,7 +143,7 @@ def _resolve(tensor_or_id, offset, nbytes) -> tuple[Registration, int, int]:
         if not tensor.is_contiguous():
             raise ValueError("advertise a contiguous tensor (or its registration id with a byte "
                              "range): a strided view is not one byte range")
-        start = tensor.storage_offset() * tensor.element_size()
+        start = cast(int, tensor.storage_offset()) * tensor.element_size()
         size = tensor.numel() * tensor.element_size()
     else:
         reg = registry.get(tensor_or_id)
@@ -167,30 +172,38 @@ class Connection:
         self._release = weakref.finalize(self, self._link.close)
 
     # -- the API --
-    def read(self, local: torch.Tensor, remote) -> None:
+    def read(self, local: torch.Tensor,
+             remote: Descriptor | bytes | bytearray | memoryview) -> None:
         """Copy the remote range into `local` (same byte size)."""
         self._post(READ, [local], [remote], wait=True)
 
-    def write(self, local: torch.Tensor, remote) -> None:
+    def write(self, local: torch.Tensor,
+              remote: Descriptor | bytes | bytearray | memoryview) -> None:
         """Copy `local` into the remote range (same byte size)."""
         self._post(WRITE, [local], [remote], wait=True)
 
-    def readv(self, locals_, remotes) -> None:
+    def readv(self, locals_: Iterable[torch.Tensor],
+              remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> None:
         self._post(READ, list(locals_), list(remotes), wait=True)
 
-    def writev(self, locals_, remotes) -> None:
+    def writev(self, locals_: Iterable[torch.Tensor],
+               remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> None:
         self._post(WRITE, list(locals_), list(remotes), wait=True)
 
-    def read_async(self, local: torch.Tensor, remote) -> Transfer:
+    def read_async(self, local: torch.Tensor,
+                   remote: Descriptor | bytes | bytearray | memoryview) -> Transfer:
         return self._post(READ, [local], [remote])
 
-    def write_async(self, local: torch.Tensor, remote) -> Transfer:
+    def write_async(self, local: torch.Tensor,
+                    remote: Descriptor | bytes | bytearray | memoryview) -> Transfer:
         return self._post(WRITE, [local], [remote])
 
-    def readv_async(self, locals_, remotes) -> Transfer:
+    def readv_async(self, locals_: Iterable[torch.Tensor],
+                    remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> Transfer:
         return self._post(READ, list(locals_), list(remotes))
 
-    def writev_async(self, locals_, remotes) -> Transfer:
+    def writev_async(self, locals_: Iterable[torch.Tensor],
+                     remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> Transfer:
         return self._post(WRITE, list(locals_), list(remotes))
 
     def mapped(self) -> int:
@@ -204,7 +217,7 @@ class Connection:
         self._release()  # runs once
 
     # -- the work --
-    def _descriptor(self, remote) -> Descriptor:
+    def _descriptor(self, remote: Descriptor | bytes | bytearray | memoryview) -> Descriptor:
         if isinstance(remote, Descriptor):
             desc = remote
         else:
@@ -241,7 +254,7 @@ class Connection:
         return f"<devipc.p2p.Connection to process {self.peer_pid}>"
 
 
-def _check_local(local, desc: Descriptor) -> None:
+def _check_local(local: object, desc: Descriptor) -> None:
     if type(local) is not torch.Tensor and not isinstance(local, torch.Tensor):
         raise TypeError(f"a local tensor is a torch.Tensor, not {type(local).__name__}")
     nbytes = local.nbytes

@@ -17,6 +17,7 @@ import torch
 from .. import _sharing
 from .._errors import ReshareError
 from .._hooks import hooks_for
+from ._registry import Registration
 
 __all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]
 
@@ -58,7 +59,7 @@ class CpuExport:
         pass  # the fd belongs to the storage; peers' mappings keep their pages
 
 
-def export_of(reg):
+def export_of(reg: Registration) -> CpuExport | DeviceExport | None:
     """The registration's export, made on first use (again when the anchor's counter file
     filled up); None once the storage died."""
     with _lock:

@@ -4,6 +4,7 @@ storage; a peer (`_remote`) maps it once per registration and copies with the de
 path (one `copy_batch` call where the hooks have it), host memory by memmove.
 """
 import ctypes
+from collections.abc import Iterable
 
 import torch
 
@@ -11,7 +12,7 @@ from .._errors import NotRegisteredError, TransferSizeError, UnsupportedDeviceEr
 from .._hooks import hooks_for
 from .._sharing import wait_for_producer
 from ._descriptor import CPU, DEVICE, Descriptor, Metadata, host_identity
-from ._export import export_of, order_for_peers
+from ._export import CpuExport, DeviceExport, export_of, order_for_peers
 from ._registry import Registration
 from ._remote import Peer, RemoteEntry
 from ._transfer import Transfer, record_events, run_on_host
@@ -35,8 +36,10 @@ class IpcTransport:
         if export is None or not reg.alive:
             raise NotRegisteredError(f"tensor id {reg.id} is not registered any more")
         if reg.device.type == "cpu":
+            assert isinstance(export, CpuExport)  # export_of: a CPU storage's export
             where: dict = dict(kind=CPU, fd=export.fd, anchor=export.inode)
         else:
+            assert isinstance(export, DeviceExport)
             where = dict(kind=DEVICE, mem=export.mem, mem_offset=export.mem_offset,
                          counter=export.counter, anchor=export.anchor)
         where["event"] = order_for_peers(reg.device)
@@ -99,12 +102,13 @@ class IpcLink:
             peer.unpin(entries)
         return transfer
 
-    def _on_host(self, pairs, entries, locals_) -> Transfer:
+    def _on_host(self, pairs: Iterable[tuple], entries: list[RemoteEntry],
+                 locals_: list[torch.Tensor]) -> Transfer:
         """Host copies off the calling thread (the async calls). The job holds the local tensors:
         the pairs may be bare addresses."""
         peer = self._peer
 
-        def copy():
+        def copy() -> None:
             try:
                 _copy(pairs)
             finally:
@@ -118,7 +122,8 @@ class IpcLink:
             raise
 
 
-def _wait_for_owner(entries: list[RemoteEntry], descs: list[Descriptor], devices) -> None:
+def _wait_for_owner(entries: list[RemoteEntry], descs: list[Descriptor],
+                    devices: set[torch.device]) -> None:
     """Make the current streams wait for the events recorded when the ranges were advertised
     (once per entry and event)."""
     for entry, desc in zip(entries, descs):
@@ -157,7 +162,7 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
     return copy_batch, device.index, torch.tensor(rows, dtype=torch.int64).view(-1, 3)
 
 
-def _copy(pairs) -> None:
+def _copy(pairs: Iterable[tuple]) -> None:
     """Each (destination, source, bytes): host addresses by memmove (one thread, no dispatch),
     tensors by `copy_`, the device's own copy path on the current stream."""
     with torch.no_grad():

@@ -27,7 +27,10 @@ import importlib
 import logging
 import struct
 import threading
+import types
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,11 +57,11 @@ LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
 _SCRATCH_WORDS = 4096  # liveness words read per NIXL request
 _DECODED_MAX = 1 << 16
 PROGRESS_DELAY_US = 100
-_api = None
+_api: types.ModuleType | None = None
 _agent_lock = threading.Lock()
 
 
-def load_nixl():
+def load_nixl() -> types.ModuleType:
     """NIXL's agent API module (`nixl._api`), from whichever NIXL distribution is installed;
     ImportError saying how to install it when none is."""
     global _api
@@ -81,7 +84,7 @@ def load_nixl():
                       f"{INSTALL}") from None
 
 
-def new_agent(name: str):
+def new_agent(name: str) -> Any:
     """A NIXL agent with the UCX backend whose progress thread waits for events: NIXL's Python API
     asks for a poll delay of 0, a busy loop that keeps one core spinning for as long as the agent
     lives; any delay makes the thread sleep in poll() on UCX's event fd (waking at least every
@@ -98,7 +101,7 @@ def new_agent(name: str):
     if real is None:  # another NIXL layout: its defaults
         return api.nixl_agent(name, config)
 
-    def make(agent_name, agent_config):
+    def make(agent_name: str, agent_config: Any) -> Any:
         agent_config.pthrDelay = PROGRESS_DELAY_US
         return real(agent_name, agent_config)
 
@@ -148,7 +151,7 @@ class Remote:
         return sealed(writer.int(self.page).bytes(self.partial))
 
     @classmethod
-    def from_bytes(cls, data) -> "Remote":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Remote":
         reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL,))
         agent = reader.text("NIXL agent name", 256)
         kind = reader.text("memory kind", 8)
@@ -183,7 +186,7 @@ def sealed(writer: "_wire.Writer") -> bytes:
     return body + _seal_of(body)
 
 
-def unsealed(data) -> bytes:
+def unsealed(data: bytes | bytearray | memoryview) -> bytes:
     """The message `sealed` made, its digest checked and removed; InvalidHandleError if damaged."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidHandleError(f"a NIXL part is bytes, got {type(data).__name__}")
@@ -199,7 +202,7 @@ def agent_metadata_to_bytes(agent: str, blob: bytes) -> bytes:
     return sealed(_wire.Writer(_wire.P2P_NIXL_AGENT).text(agent).bytes(blob))
 
 
-def agent_metadata_from_bytes(data) -> tuple[str, bytes]:
+def agent_metadata_from_bytes(data: bytes | bytearray | memoryview) -> tuple[str, bytes]:
     reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL_AGENT,))
     agent = reader.text("NIXL agent name", 256)
     blob = reader.bytes("NIXL agent metadata")
@@ -214,7 +217,8 @@ class _Local:
 
     __slots__ = ("base", "end", "kind", "dev_id", "dlist", "partial")
 
-    def __init__(self, base, nbytes, kind, dev_id, dlist, partial):
+    def __init__(self, base: int, nbytes: int, kind: str, dev_id: int, dlist: object,
+                 partial: bytes):
         self.base, self.end, self.kind, self.dev_id = base, base + nbytes, kind, dev_id
         self.dlist, self.partial = dlist, partial
 
@@ -257,7 +261,7 @@ class NixlTransport:
         del self._bases[at], self._ranges[at]
         self._agent.deregister_memory(local.dlist)
 
-    def on_register(self, reg) -> None:
+    def on_register(self, reg: Registration) -> None:
         """Registry listener: register the storage's memory with the agent too."""
         try:
             kind = memory_kind(reg.device)
@@ -269,7 +273,7 @@ class NixlTransport:
             self._regs[reg.id] = None if kind is None else \
                 self._register(reg.base, reg.nbytes, kind, _dev_id(reg.device, kind))
 
-    def on_deregister(self, reg) -> None:
+    def on_deregister(self, reg: Registration) -> None:
         with self._lock:
             local = self._regs.pop(reg.id, None)
             if local is not None and not self._closed:
@@ -343,7 +347,9 @@ class NixlTransport:
     def _decode(self, extra: bytes) -> Remote:
         return self._decoded.decode(bytes(extra))
 
-    def post_ranges(self, op: str, remote_agent: str, local, remote_extras) -> "NixlTransfer":
+    def post_ranges(self, op: str, remote_agent: str,
+                    local: Sequence[tuple[int, int, torch.device]],
+                    remote_extras: Sequence[bytes]) -> "NixlTransfer":
         """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
         `local` (addr, nbytes, device) and a peer descriptor's transport part."""
         if op not in ("READ", "WRITE"):
@@ -367,7 +373,7 @@ class NixlTransport:
             self._check_alive(remote_agent, remotes)
             return self._start(op, remote_agent, local, remotes)
 
-    def _load(self, agent: str, remotes) -> None:
+    def _load(self, agent: str, remotes: Iterable[Remote]) -> None:
         """Load each registration's partial metadata the first time it is used."""
         loaded = self._peers[agent]
         for remote in remotes:
@@ -381,7 +387,7 @@ class NixlTransport:
                     raise InvalidHandleError("a descriptor's metadata names another agent")
                 loaded.add(remote.reg_id)
 
-    def _check_alive(self, agent: str, remotes) -> None:
+    def _check_alive(self, agent: str, remotes: Iterable[Remote]) -> None:
         """Read the registry words of the registrations `remotes` name; raise for ended ones."""
         words = {(r.page, r.slot): r.reg_id for r in remotes}
         items = list(words.items())
@@ -401,7 +407,7 @@ class NixlTransport:
                         f"remote tensor {reg_id} of NIXL agent {agent!r} was freed or "
                         f"deregistered by its owner. Ask the owner for a new descriptor.")
 
-    def _finish_now(self, handle, agent: str) -> None:
+    def _finish_now(self, handle: object, agent: str) -> None:
         backoff = Backoff(LIVENESS_TIMEOUT, first=0.0002, longest=0.0002, spins=1000)
         state = self._post(handle, agent)
         while state == "PROC":
@@ -414,13 +420,14 @@ class NixlTransport:
             raise PeerGoneError(f"NIXL could not read NIXL agent {agent!r}'s registry: the "
                                 f"peer closed its endpoint or exited")
 
-    def _post(self, handle, agent: str) -> str:
+    def _post(self, handle: object, agent: str) -> str:
         try:
             return self._agent.transfer(handle)
         except Exception as error:
             raise _nixl_error(error, agent) from None
 
-    def _request(self, op, agent, local, local_kind, remote, remote_kind):
+    def _request(self, op: str, agent: str, local: list[tuple[int, int, int]], local_kind: str,
+                 remote: list[tuple[int, int, int]], remote_kind: str) -> object:
         try:
             return self._agent.initialize_xfer(
                 op, self._agent.get_xfer_descs(local, local_kind),
@@ -428,7 +435,8 @@ class NixlTransport:
         except Exception as error:
             raise _nixl_error(error, agent) from None
 
-    def _start(self, op, agent, local, remotes) -> "NixlTransfer":
+    def _start(self, op: str, agent: str, local: Iterable[tuple[int, int, torch.device]],
+               remotes: Iterable[Remote]) -> "NixlTransfer":
         groups: dict[tuple[str, str], tuple[list, list]] = {}
         temps: list[_Local] = []
         transfer: NixlTransfer | None = None

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,7 +34,10 @@ from .. import _sharing
 from .._errors import NotRegisteredError
 from .._hooks import hooks_for
 from .._memfd import SharedFile, WordTable
-from .._memory import untyped
+from .._memory import TensorOrStorage, untyped
+
+if TYPE_CHECKING:
+    from ._export import CpuExport, DeviceExport
 
 __all__ = ["PAGE_BYTES", "PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry", "registry",
            "word_offset"]
@@ -61,7 +65,7 @@ class Registration:
         self.nbytes, self.device, self.base = storage.nbytes(), storage.device, storage.data_ptr()
         self._ref, self._key = weakref.ref(storage), id(storage)
         self._finalizer: weakref.finalize | None = None
-        self.export = None
+        self.export: CpuExport | DeviceExport | None = None
         self._hold: _sharing.Hold | None = None  # device memory kept while it lives
 
     def moved(self, storage: torch.UntypedStorage) -> bool:
@@ -103,7 +107,7 @@ class Registry:
     """The process's registrations. Thread-safe; a finalizer may run inside any call (the
     garbage collector), hence the re-entrant lock and no iteration over live tables."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._next_id = 1
@@ -128,7 +132,7 @@ class Registry:
             and WordTable(page.buffer, 1).word(reg.slot).value == reg.id
 
     # -- registering --
-    def register(self, tensor_or_storage) -> Registration:
+    def register(self, tensor_or_storage: TensorOrStorage) -> Registration:
         storage = untyped(tensor_or_storage)
         with self._lock:
             found = self._find(storage)
@@ -185,7 +189,7 @@ class Registry:
         reg = self._by_storage.get(id(storage))
         return reg if reg is not None and reg.storage() is storage else None
 
-    def lookup(self, tensor_or_storage) -> Registration:
+    def lookup(self, tensor_or_storage: TensorOrStorage) -> Registration:
         storage = untyped(tensor_or_storage)
         with self._lock:
             reg = self._find(storage)
@@ -256,7 +260,7 @@ class Registry:
         self.deregister(reg_id)
 
     # -- listeners (transports that register memory with a network agent) --
-    def add_listener(self, listener) -> None:
+    def add_listener(self, listener: Any) -> None:
         """`listener.on_register(reg)` for every live registration now and every new one, and
         `listener.on_deregister(reg)` when one ends."""
         with self._lock:
@@ -265,7 +269,7 @@ class Registry:
         for reg in live:
             listener.on_register(reg)
 
-    def remove_listener(self, listener) -> None:
+    def remove_listener(self, listener: object) -> None:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)

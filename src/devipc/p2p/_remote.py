@@ -14,6 +14,7 @@ import errno
 import os
 import select
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -250,7 +251,7 @@ class Peer:
         return RemoteEntry(desc, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
 
     # -- copies pin the entries they use: a pinned entry is unmapped only once unpinned --
-    def unpin(self, entries) -> None:
+    def unpin(self, entries: Iterable[RemoteEntry]) -> None:
         closing = []
         with self._lock:
             for entry in entries:

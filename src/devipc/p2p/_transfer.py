@@ -3,6 +3,8 @@ on, host copies with a future of a small thread pool, network ones with the tran
 """
 import concurrent.futures
 import threading
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 
@@ -14,7 +16,7 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def run_on_host(function) -> concurrent.futures.Future:
+def run_on_host(function: Callable[[], object]) -> concurrent.futures.Future:
     """Run host copies off the caller's thread (a pool of two, made on first use)."""
     global _pool
     with _pool_lock:
@@ -23,13 +25,23 @@ def run_on_host(function) -> concurrent.futures.Future:
         return _pool.submit(function)
 
 
+class _Waitable(Protocol):
+    """A transport's handle of its requests in flight (`Transfer(handle=...)`)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float | None) -> None: ...
+
+
 class Transfer:
     """One read or write (or a vector of them) in flight. `done()` says whether it finished;
     `wait(timeout)` returns when it did, raises what it failed with, or TimeoutError."""
 
     __slots__ = ("_events", "_future", "_handle", "_keep", "_finished")
 
-    def __init__(self, events=(), future=None, handle=None, keep=()):
+    def __init__(self, events: Iterable[torch.Event] = (),
+                 future: concurrent.futures.Future | None = None,
+                 handle: _Waitable | None = None, keep: tuple[object, ...] = ()):
         self._events = list(events)  # torch.Event per device stream the copies were queued on
         self._future = future  # host copies
         self._handle = handle  # a transport's object with done() / wait(timeout)
@@ -80,7 +92,7 @@ class Transfer:
         return f"<devipc.p2p.Transfer {'done' if self.done() else 'in flight'}>"
 
 
-def record_events(devices) -> list:
+def record_events(devices: Iterable[torch.device]) -> list:
     """An event on the current stream of each (non-CPU) device."""
     events = []
     for device in devices:

@@ -1,0 +1,226 @@
+"""The weight publisher: pack_module, fan-out to subscribers in spawned processes, acknowledged
+generations, copy and in-place modes, late and dead subscribers, a killed publisher, bad tokens,
+and nothing left behind; in both openreg IPC modes."""
+import os
+import signal
+
+import _workers
+import pytest
+import torch
+from _support import TIMEOUT, open_fds, recv, wait_until
+
+import devipc
+
+pytestmark = pytest.mark.usefixtures("ipc_mode")
+
+
+def _drain():
+    torch.accelerator.synchronize()
+    wait_until(lambda: devipc.stats()["sent"] == 0, "every send ended", collect=True)
+
+
+def _step(model, value):
+    """What a training step does to the weights: writes every one of them in place."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+        model.mask.add_(1)
+
+
+def _snapshot(model):
+    return {name: t.detach().cpu().tolist() for name, t in model.state_dict().items()}
+
+
+def _subscribe(children, publisher, generations, into=False):
+    proc, conn = children.start_piped(_workers.weight_subscriber, publisher.token(), generations,
+                                      into)
+    assert recv(conn) == ("subscribed", "openreg:0")
+    return proc, conn
+
+
+def test_pack_module_keeps_identity_ties_and_buffers_and_the_optimizer_works():
+    model = _workers.TinyGPT()
+    early = torch.optim.SGD(model.parameters(), lr=0.5)  # made before packing
+    parameters = list(model.parameters())
+    scratch = model.scratch
+    before = _snapshot(model)
+    packed = devipc.pack_module(model)
+    assert list(model.parameters()) == parameters  # the same objects
+    assert set(packed) == set(model.state_dict())
+    storages = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    assert len(storages) == 1  # parameters and the persistent buffer, one allocation
+    assert model.head.weight is model.embed.weight  # still tied
+    assert packed["head.weight"].data_ptr() == packed["embed.weight"].data_ptr()
+    assert model.scratch is scratch and scratch.untyped_storage().data_ptr() not in storages
+    assert _snapshot(model) == before
+    model(torch.tensor([[1, 2, 3]], device="openreg")).square().mean().backward()
+    early.step()
+    assert {t.untyped_storage().data_ptr() for t in model.state_dict().values()} == storages
+    assert model.block.weight.cpu().tolist() != before["block.weight"]  # trained in place
+    handle = devipc.share_state_dict(model.state_dict(), copy=False)  # the recipe now works
+    opened = devipc.open_state_dict(handle)
+    assert torch.equal(opened["block.weight"].cpu(), model.block.weight.cpu())
+    del opened
+    _drain()
+
+
+def test_views_of_many_storages_name_pack_module():
+    model = _workers.TinyGPT()
+    with pytest.raises(ValueError, match="pack_module"):
+        devipc.share_state_dict(model.state_dict(), copy=False)
+    with pytest.raises(ValueError, match="pack_module"):
+        devipc.WeightPublisher(model)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        devipc.pack_module(model.state_dict())
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_two_subscribers_see_every_generation_exactly(children, copy):
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    exports = devipc.stats()["exports"]
+    with devipc.WeightPublisher(model, copy=copy) as publisher:
+        views = _subscribe(children, publisher, 3, into=False)
+        engine = _subscribe(children, publisher, 3, into=True)
+        fds = open_fds()  # the pipes to the subscribers, its control and counter files included
+        publisher.wait_subscribers(2, timeout=TIMEOUT)  # both opened their tokens
+        with pytest.raises(TimeoutError, match="2 of 3"):
+            publisher.wait_subscribers(3, timeout=0.1)
+        for step in range(3):
+            _step(model, float(step + 1))
+            expected = _snapshot(model)
+            assert publisher.publish(timeout=TIMEOUT) == step  # both acknowledged
+            for _, conn in (views, engine):
+                generation, seen = recv(conn)
+                assert generation == step
+                assert seen.keys() == expected.keys()
+                assert seen == expected, (copy, step)
+        for _, conn in (views, engine):
+            assert recv(conn) == "closed"
+        children.join_ok()
+        assert all(s["state"] == "closed" for s in publisher.subscribers().values())
+    children.reap()  # our ends of the pipes
+    del model, publisher
+    _drain()
+    wait_until(lambda: devipc.stats()["exports"] <= exports, "the packed memory let go",
+               collect=True)
+    assert open_fds() < fds
+
+
+def test_with_copy_the_trainer_writes_at_once_and_subscribers_never_see_it(children):
+    model = _workers.TinyGPT()
+    with devipc.WeightPublisher(model, copy=True) as publisher:  # no packing needed: a copy
+        _, conn = _subscribe(children, publisher, 4)
+        for step in range(4):
+            _step(model, float(step + 1))
+            expected = _snapshot(model)
+            generation = publisher.publish(wait=False)
+            _step(model, -1.0)  # the next step's writes, while the engine may still read
+            seen_generation, seen = recv(conn)
+            assert seen_generation == generation == step
+            assert seen == expected, step
+        publisher.wait_acks(3, timeout=TIMEOUT)
+        assert recv(conn) == "closed"
+    _drain()
+
+
+def test_a_late_subscriber_gets_the_newest_generation(children):
+    model = _workers.TinyGPT()
+    with devipc.WeightPublisher(model, copy=True) as publisher:
+        for step in range(3):
+            _step(model, float(step + 1))
+            publisher.publish(timeout=TIMEOUT)  # nobody subscribed: nothing to wait for
+        expected = _snapshot(model)
+        _, conn = _subscribe(children, publisher, 1)
+        generation, seen = recv(conn)
+        assert generation == 2 and seen == expected
+        assert recv(conn) == "closed"
+    _drain()
+
+
+def test_a_dead_subscriber_is_named_once_and_never_waited_for_again(children):
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model) as publisher:
+        hanging, conn = children.start_piped(_workers.weight_subscriber_that_hangs,
+                                             publisher.token())
+        _, live = _subscribe(children, publisher, 2)
+        assert recv(conn) == "subscribed"
+        with pytest.raises(devipc.AckTimeoutError, match="not acknowledged generation 0"):
+            publisher.publish(timeout=0.5)  # alive, not acknowledging: a timeout
+        assert recv(conn) == ("got", 0)
+        assert recv(live)[0] == 0
+        os.kill(hanging.pid, signal.SIGKILL)
+        hanging.join(TIMEOUT)
+        with pytest.raises(devipc.ConsumerDiedError, match=f"pid {hanging.pid}"):
+            publisher.wait_acks(0, timeout=TIMEOUT)
+        assert publisher.publish(timeout=TIMEOUT) == 1  # without it, no hang
+        assert recv(live)[0] == 1
+        assert recv(live) == "closed"
+    _drain()
+
+
+def test_a_killed_publisher_ends_the_subscribers_wait(children):
+    publisher, conn = children.start_piped(_workers.weight_publisher_child)
+    subscriber = devipc.WeightSubscriber(recv(conn))
+    conn.send("publish")
+    assert recv(conn) == 0
+    assert subscriber.wait(timeout=TIMEOUT) == 0
+    assert torch.equal(subscriber.tensors()["mask"].cpu(), torch.tril(torch.ones(4, 4)))
+    subscriber.ack()
+    os.kill(publisher.pid, signal.SIGKILL)
+    publisher.join(TIMEOUT)
+    with pytest.raises(devipc.PeerGoneError, match=f"pid {publisher.pid}"):
+        subscriber.wait(timeout=TIMEOUT)
+    subscriber.close()
+
+
+def test_bad_tokens_and_closed_publishers_are_clear_errors():
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    publisher = devipc.WeightPublisher(model)
+    token = publisher.token()
+    with pytest.raises(devipc.InvalidHandleError):
+        devipc.WeightSubscriber(token[:-3])
+    other = devipc.share(torch.ones(2, device="openreg"))
+    with pytest.raises(devipc.InvalidHandleError):
+        devipc.WeightSubscriber(bytes(other))  # another kind of handle
+    assert other.revoke()
+    subscriber = devipc.WeightSubscriber(token)
+    with pytest.raises(devipc.InvalidHandleError, match="already opened"):
+        devipc.WeightSubscriber(token)
+    with pytest.raises(ValueError, match="wait"):
+        subscriber.tensors()
+    with pytest.raises(TimeoutError):
+        subscriber.wait(timeout=0.05)
+    unopened = publisher.token()
+    publisher.close()
+    with pytest.raises(devipc.PeerGoneError, match="closed"):
+        subscriber.wait(timeout=TIMEOUT)
+    with pytest.raises(devipc.InvalidHandleError):
+        devipc.WeightSubscriber(unopened)  # revoked with the publisher
+    subscriber.close()
+    with pytest.raises(ValueError, match="transport"):
+        devipc.WeightPublisher(model, transport="nixl")
+    _drain()
+
+
+def test_copy_into_names_what_does_not_match():
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model) as publisher:
+        subscriber = devipc.WeightSubscriber(publisher.token())
+        publisher.publish(wait=False)
+        subscriber.wait(timeout=TIMEOUT)
+        wrong = {**_workers.TinyGPT().state_dict(),
+                 "block.weight": torch.zeros(3, device="openreg")}
+        with pytest.raises(ValueError, match="'block.weight'.*\\(3,\\).*\\(8, 8\\)"):
+            subscriber.copy_into(wrong)
+        with pytest.raises(KeyError, match="mask"):
+            subscriber.copy_into({"block.weight": torch.zeros(8, 8, device="openreg")})
+        engine = _workers.TinyGPT()
+        subscriber.copy_into(engine)
+        assert torch.equal(engine.block.weight.cpu(), model.block.weight.cpu())
+        subscriber.ack()
+        subscriber.close()
+    _drain()
