@@ -39,7 +39,7 @@ bench-all: bench
 # The long runs behind docs/reliability.md (the suite runs bounded versions of both).
 fuzz: $(STAMP)
 	$(PY) benchmarks/fuzz_handles.py --mutations 5000 --seed 7
-	$(PY) benchmarks/fuzz_wire.py --mutations 6000 --seed 7
+	$(PY) benchmarks/fuzz_wire.py --mutations 7000 --seed 7
 
 stress: $(STAMP)
 	OPENREG_IPC_EVENTS=0 $(PY) benchmarks/stress.py

@@ -24,7 +24,7 @@ import time
 
 from fuzz_handles import LINE_TIMEOUT, Report, _follow, _progress_bar
 
-KINDS = ("tensor", "bucket", "arena", "chunk", "descriptor", "metadata")
+KINDS = ("tensor", "bucket", "arena", "chunk", "weights", "descriptor", "metadata")
 BATCH = 500
 _LENGTH = struct.Struct("<I")
 _HEADER = 8  # magic, version, kind
@@ -128,6 +128,7 @@ class _Subjects:
         self.packed = devipc.pack(self.named)  # views of one allocation, for copy=False
         self.arena = devipc.Arena(4096, device)
         self.reader = devipc.open_arena(self.arena.attach())
+        self.publisher = devipc.WeightPublisher(self.packed)  # tokens: an attachment and a table
         self.endpoint = p2p.Endpoint()
         self.connection = self.endpoint.connect(self.endpoint.metadata())
         self.remote = [p2p.create_tensor((256,), torch.float32, place)[0]
@@ -144,6 +145,8 @@ class _Subjects:
             data = self.arena.attach()
         elif kind == "chunk":
             data = self.arena.put(self.named)
+        elif kind == "weights":
+            data = self.publisher.token()
         elif kind == "descriptor":
             data = self.endpoint.advertise(rng.choice(self.remote)[rng.randrange(64):])
         else:
@@ -161,6 +164,11 @@ class _Subjects:
                 pass  # the mutated bytes opened it: already closed
         elif kind == "chunk":
             self.reader.ack(self.reader.read(self.last))
+        elif kind == "weights":
+            try:
+                self.devipc.WeightSubscriber(self.last).close()
+            except self.devipc.InvalidHandleError:
+                pass  # the mutated bytes opened it: already closed
 
     def open(self, kind: str, data: bytes) -> None:
         """Open `data` as its reader would and read what it names."""
@@ -175,6 +183,13 @@ class _Subjects:
         elif kind == "chunk":
             for tensor in self.reader.read(data).tensors.values():
                 float(tensor.float().sum())
+        elif kind == "weights":
+            with devipc.WeightSubscriber(data) as subscriber:
+                self.publisher.publish(wait=False)
+                subscriber.wait(timeout=LINE_TIMEOUT / 2)
+                for tensor in subscriber.tensors().values():
+                    float(tensor.float().sum())
+                subscriber.ack()
         elif kind == "descriptor":
             from devipc.p2p._descriptor import Descriptor
 

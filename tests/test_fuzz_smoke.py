@@ -23,10 +23,10 @@ def test_fuzzed_handles_are_refused_cleanly(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["sync", "events"])
 def test_fuzzed_wire_messages_of_every_kind_are_refused_cleanly(mode):
     """benchmarks/fuzz_wire.py, bounded: typed handles, buckets, arena attachments and chunks,
-    p2p descriptors and metadata."""
+    weight subscription tokens, p2p descriptors and metadata."""
     import fuzz_wire
 
-    report = fuzz_wire.fuzz(mode, 600, seed=5)
-    assert sum(report.counts.values()) == 600
+    report = fuzz_wire.fuzz(mode, 700, seed=5)
+    assert sum(report.counts.values()) == 700
     assert {kind for kind, _ in report.by_kind} == set(fuzz_wire.KINDS)
     assert not report.failures, report.failures  # no wrong error type, no crash, no hang
