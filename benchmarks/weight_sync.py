@@ -1,18 +1,6 @@
-"""A whole state_dict synced producer -> consumer, until the consumer has every tensor on its
-device, five ways, one run:
-
-  torch-cpu     torch's reduce_tensor path: CPU tensors already share_memory_()'d, one per message
-  per-tensor    devipc: openreg tensors through the queue, one handle each
-  bucket        devipc.share_state_dict: the weights copied into one bucket, one handle
-  packed        the trainer keeps its weights in devipc.pack()'s one allocation:
-                share_state_dict(copy=False), one handle, no copy
-  arena         devipc.Arena of 2 buffers, each 1/8 of the total: chunks, each copied out by the
-                consumer and acknowledged; the producer fills one buffer while the other is read
-  arena-1       the same with one buffer: no overlap, the measure of what double-buffering buys
-  via-cpu       copy through the host: .cpu() per tensor, the queue, .to("openreg")
-
-Then the arena's device memory across >= 50 chunks. The measuring is devipc's own (`devipc bench
-weight-sync`, any device); this script runs it on openreg and prints the comparisons of
+"""A whole state_dict synced producer -> consumer on openreg, seven ways in one run (the modes
+are described in `devipc._bench.weight_sync`, which measures them for `devipc bench weight-sync`
+on any device), then the arena's device memory across >= 50 chunks; prints the comparisons of
 docs/benchmarks.md.
 Usage: python benchmarks/weight_sync.py [--mib N] [--steps N] [--tight-loop]
 """

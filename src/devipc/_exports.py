@@ -293,11 +293,11 @@ class Exports:
             self.collect()
         return revoked
 
-    def takes_slots(self, counter_handle: bytes) -> bool:
-        """Whether peers can still take slots in our counter file `counter_handle` (it is ours,
-        open, and not full)."""
+    def takes_slots(self, counter_handle: bytes, room: int = 1) -> bool:
+        """Whether peers can still take `room` slots in our counter file `counter_handle` (it is
+        ours, open, and has that many left)."""
         file = self._counters.file(counter_handle)
-        return file is not None and file.counter.cursor() < SLOTS_PER_FILE
+        return file is not None and file.counter.cursor() + room <= SLOTS_PER_FILE
 
     def unopened(self, counter_handle: bytes, index: int) -> bool:
         """Whether the send named by (counter handle, slot) is ours and may still be opened."""

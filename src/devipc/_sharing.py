@@ -297,9 +297,9 @@ def release_hold(held: Hold) -> None:
     _exports.release(held)
 
 
-def takes_slots(counter_handle: bytes) -> bool:
-    """Producer: whether peers can still take slots in this process's counter file (p2p)."""
-    return _exports.takes_slots(counter_handle)
+def takes_slots(counter_handle: bytes, room: int = 1) -> bool:
+    """Producer: whether peers can still take `room` slots in this process's counter file."""
+    return _exports.takes_slots(counter_handle, room)
 
 
 def send_unopened(counter_handle: bytes, slot: int) -> bool:

@@ -217,6 +217,26 @@ def produce_then_exit(device: str) -> tuple[torch.Tensor, bytes]:
 
 
 # -- p2p -------------------------------------------------------------------------------------------
+def subscribe(key: str, token: bytes) -> str:
+    held[key] = devipc.WeightSubscriber(token)
+    return "subscribed"
+
+
+def take_generation(key: str) -> dict:
+    """Wait for the next generation, copy it into tensors of our own, acknowledge it."""
+    subscriber = held[key]
+    generation = subscriber.wait(timeout=TIMEOUT)
+    own = {name: torch.empty_like(t) for name, t in subscriber.tensors().items()}
+    subscriber.copy_into(own)
+    subscriber.ack()
+    return {"generation": generation, "values": {name: t.cpu() for name, t in own.items()}}
+
+
+def unsubscribe(key: str, device: str) -> dict:
+    held.pop(key).close()
+    return drop(key, device)
+
+
 def p2p_connect(metadata: bytes) -> str:
     import devipc.p2p as p2p
 

@@ -7,7 +7,7 @@ import torch
 import devipc
 
 from ._check import check, expect
-from ._kit import Kit
+from ._kit import WAIT, Kit
 from ._roundtrip import compare, same_values
 from ._tasks import raised
 
@@ -86,3 +86,31 @@ def buckets(kit: Kit) -> str:
         peer.call("drop", "copied", kit.target)
         peer.call("drop", "in place", kit.target)
     return "4 tensors of 3 dtypes, both ways of packing"
+
+
+@check("weights.publish",
+       "devipc.WeightPublisher/WeightSubscriber: a peer gets every published generation of "
+       "packed weights (copy_into, batched where the hooks have copy_batch), acknowledges it, "
+       "and the publisher's wait ends")
+def publish(kit: Kit) -> str:
+    peer = kit.peer()
+    weights = devipc.pack({"w": torch.arange(64.0, device=kit.device).view(8, 8),
+                           "b": torch.zeros(3, dtype=torch.int64, device=kit.device)})
+    publisher = devipc.WeightPublisher(weights)
+    try:
+        peer.call("subscribe", "weights", publisher.token())
+        for step in range(1, 3):
+            weights["w"].mul_(step)
+            weights["b"].fill_(step)
+            generation = publisher.publish(wait=False)
+            got = peer.call("take_generation", "weights")
+            expect(got["generation"] == generation,
+                   f"the peer got generation {got['generation']}, not {generation}")
+            for name, tensor in weights.items():
+                expect(torch.equal(got["values"][name], tensor.cpu()),
+                       f"generation {generation}: the peer's {name!r} differs")
+            publisher.wait_acks(generation, timeout=WAIT)
+    finally:
+        peer.call("unsubscribe", "weights", kit.target)
+        publisher.close()
+    return "2 generations of 2 packed tensors, acknowledged"

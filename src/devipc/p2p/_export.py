@@ -22,6 +22,7 @@ from ._registry import Registration
 __all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]
 
 _lock = threading.Lock()
+PEER_ROOM = 64  # slots an advertisement leaves in its counter file for peers' first opens
 
 
 class DeviceExport:
@@ -31,15 +32,19 @@ class DeviceExport:
         if _sharing.received_via_ipc(storage):
             raise ReshareError("this storage was received from another process through devipc: "
                                "advertise a clone() of it, or have its owner advertise it")
-        shared = _sharing.share_device(storage)
-        self.mem, self.mem_offset = shared.handle, shared.offset_bytes
-        assert shared.ref_counter_handle is not None  # registered storages are never empty
-        self.counter, self.anchor = shared.ref_counter_handle, shared.ref_counter_offset
-        _sharing.revoke_send(self.counter, self.anchor)
+        while True:  # near the end of a counter file: use it up, so that a new one starts
+            shared = _sharing.share_device(storage)
+            self.mem, self.mem_offset = shared.handle, shared.offset_bytes
+            assert shared.ref_counter_handle is not None  # registered storages are never empty
+            self.counter, self.anchor = shared.ref_counter_handle, shared.ref_counter_offset
+            _sharing.revoke_send(self.counter, self.anchor)
+            if self.usable():
+                return
 
     def usable(self) -> bool:
-        """Whether peers can still take slots in the anchor's file (not full, not closed)."""
-        return _sharing.takes_slots(self.counter)
+        """Whether peers can still take slots in the anchor's file: open, and PEER_ROOM left
+        (a peer opening an advertisement takes one there)."""
+        return _sharing.takes_slots(self.counter, PEER_ROOM)
 
     def close(self) -> None:
         pass  # the export lives while the storage does, then while peers' slots do
