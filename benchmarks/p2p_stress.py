@@ -21,6 +21,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+import devipc
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
 from devipc import p2p
 
@@ -149,6 +150,10 @@ def _peer(conn, threads: int, transfers: int, slots: int) -> dict:
     endpoint.close()
     torch.accelerator.synchronize()
     mapped_after = connection.mapped()
+    deadline = time.monotonic() + 5  # releases land within a collector round of the close
+    while _fds() > fds + 2 and time.monotonic() < deadline:
+        devipc.ipc_collect()
+        time.sleep(0.01)
     return {"threads": threads, "transfers": threads * transfers, **counts,
             "other_errors": len(errors), "first_errors": errors[:5], "hung_threads": hung,
             "registrations_replaced": replaced, "seconds": round(elapsed, 2),
