@@ -14,8 +14,11 @@ registers and advertises; every transfer is posted by this process. GB/s are 10^
 
 Each figure is the median of 9 rounds that interleave the four methods. The measuring is
 devipc's own (`devipc bench p2p`, any device); this script runs it on openreg and checks issue 8's
-goals and updates docs/benchmarks.md.
-Usage: python benchmarks/p2p_bandwidth.py [--max-mib 256] [--seconds 0.8] [--rounds 9] [--no-doc]
+goals and updates docs/benchmarks.md. Then latency per operation (issue 17): devipc's synchronous
+read and write and a prepared post, beside NIXL's own prepared READ of the same bytes, 4 KiB,
+64 KiB and 1 MiB.
+Usage: python benchmarks/p2p_bandwidth.py [--max-mib 256] [--seconds 0.8] [--rounds 9]
+       [--latency-seconds 0.5] [--no-doc]
 UCX picks its own transports (UCX_TLS and friends are read from the environment).
 """
 import argparse
@@ -81,6 +84,35 @@ def acceptance(rows, results) -> str:
     return "\n".join(lines)
 
 
+LATENCY = """\
+### Latency per operation
+
+The same two processes, microseconds per operation (median of {rounds} interleaved rounds,
+{seconds} s per row and size in all), each row's ratio to NIXL's:
+
+- **sync read** / **sync write**: `Connection.read(local, descriptor)` (`write`) of an openreg
+  tensor, then `torch.accelerator.synchronize()`;
+- **prepared post (read)**: `xfer = connection.prepare("read", [local], [descriptor])` once, then
+  `xfer.post().wait()` and `torch.accelerator.synchronize()` per operation;
+- **NIXL prepared READ**: NIXL's own API on the same kind of memory (openreg tensors' host
+  addresses registered as DRAM with bare agents): `prep_xfer_dlist` on both sides and
+  `make_prepped_xfer` once, then `transfer` and `check_xfer_state` polled to DONE."""
+
+
+def latency_acceptance(results) -> str:
+    """Issue 17's goal: a synchronous read no slower than NIXL's prepared READ, a post less."""
+    lines = []
+    for size in (4 << 10, 64 << 10):
+        nixl = results[(bench.LATENCY_ROWS[3], size)]
+        read = results[(bench.LATENCY_ROWS[0], size)]
+        post = results[(bench.LATENCY_ROWS[2], size)]
+        label = f"{size >> 10} KiB"
+        lines.append(f"- {label}: sync read / NIXL <= 1 {'met' if read <= nixl else 'NOT met'} "
+                     f"({read / nixl:.2f}); prepared post < sync read "
+                     f"{'met' if post < read else 'NOT met'} ({post:.1f} vs {read:.1f} us)")
+    return "\n".join(lines)
+
+
 def write_doc(text: str) -> None:
     """Replace this benchmark's section with `text`, keeping its hand-written method notes."""
     with open(DOC) as doc:
@@ -105,13 +137,20 @@ def main():
     parser.add_argument("--seconds", type=float, default=0.8,
                         help="time per method and size, over all rounds")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (median)")
+    parser.add_argument("--latency-seconds", type=float, default=0.5,
+                        help="time per latency row and size, over all rounds")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     args.max_bytes = args.max_mib << 20
     start = time.perf_counter()
     rows, results = bench.measure("openreg", args.max_bytes, args.seconds, args.rounds, nixl=True,
                                   progress=Progress("p2p", lines=True))
-    result = bench.table(rows, results) + "\n\n" + acceptance(rows, results)
+    latency = bench.latency("openreg", args.latency_seconds, args.rounds, nixl=True,
+                            progress=Progress("p2p latency", lines=True))
+    about_latency = LATENCY.format(rounds=args.rounds, seconds=args.latency_seconds)
+    result = (bench.table(rows, results) + "\n\n" + acceptance(rows, results) + "\n\n"
+              + about_latency + "\n\n" + bench.latency_table(latency) + "\n\n"
+              + latency_acceptance(latency))
     print(result)
     progress(f"done in {time.perf_counter() - start:.0f} s")
     if not args.no_doc:

@@ -5,10 +5,9 @@ works."""
 import os
 import sys
 
-import _p2p_workers
 import pytest
 import torch
-from _support import TIMEOUT, Children, recv, wait_until
+from _support import TIMEOUT, wait_until
 
 import devipc
 import devipc.p2p as p2p
@@ -19,31 +18,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg")
 from _native import held_stream  # noqa: E402 - the openreg tests' stream gate
 
 NBYTES = 1 << 16
-
-
-@pytest.fixture(scope="module")
-def owner():
-    group = Children()
-    try:
-        proc, conn = group.start_piped(_p2p_workers.owner)
-        ready, _, metadata = recv(conn)
-        assert ready == "ready"
-
-        def call(*command):
-            conn.send(command)
-            return recv(conn)
-
-        yield call, metadata
-    finally:
-        group.reap()
-
-
-@pytest.fixture
-def peer(owner, ipc_mode):
-    call, metadata = owner
-    call("env", "OPENREG_IPC_EVENTS", os.environ["OPENREG_IPC_EVENTS"])
-    with p2p.Endpoint() as endpoint:
-        yield endpoint.connect(metadata)
 
 
 @pytest.fixture
@@ -172,3 +146,26 @@ def test_a_batch_against_a_freed_remote_raises(owner, peer, batches, how):
     assert torch.equal(call("get", alive), torch.arange(64.0))
     call("drop", alive)
     call("drop", gone)
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_a_vector_posted_again_takes_the_same_batch_with_new_local_tensors(owner, peer, batches):
+    call, _ = owner
+    tensor_id, _ = call("create", torch.arange(64, dtype=torch.float32), "openreg")
+    remotes = [call("advertise", tensor_id, 16 * i, 16) for i in range(16)]
+    for step in range(3):  # the same descriptors, other local tensors (CPU ones the last time)
+        device = "cpu" if step == 2 else "openreg"
+        locals_ = [torch.full((4,), -1.0, device=device) for _ in remotes]
+        peer.readv(locals_, remotes)
+        assert torch.equal(torch.cat([t.cpu() for t in locals_]), torch.arange(64.0))
+        peer.writev([t * (step + 2) for t in locals_], remotes)
+        assert torch.equal(call("get", tensor_id), torch.arange(64.0) * (step + 2))
+        peer.writev(locals_, remotes)
+    strided = [torch.zeros(2, 2, device="openreg").t() for _ in remotes]  # not a plain batch
+    peer.readv(strided, remotes)
+    assert torch.equal(torch.cat([t.cpu().reshape(-1) for t in strided]), torch.arange(64.0))
+    assert batches == [16] * 9
+    call("free", tensor_id)
+    with pytest.raises(p2p.RemoteTensorFreedError):
+        peer.readv(locals_, remotes)
+    call("drop", tensor_id)

@@ -150,6 +150,40 @@ def test_a_storage_resized_after_its_advertisement_is_never_reached_again(owner)
 
 
 @needs_nixl
+def test_sub_ranges_and_prepared_transfers(owner):
+    conn, connection = owner
+    values = torch.arange(64, dtype=torch.float32)
+    tensor_id, _ = ask(conn, "create", values, "openreg")
+    part = ask(conn, "advertise", tensor_id, 32 * 4, 16 * 4)  # elements 32..47
+    four = torch.zeros(4, device="openreg")
+    connection.read(four, part, offset=8 * 4)
+    assert four.cpu().tolist() == [40.0, 41.0, 42.0, 43.0]
+    connection.write(torch.full((2,), -1.0), part, offset=14 * 4)  # the advertised range's end
+    with pytest.raises(TransferSizeError, match="not inside"):
+        connection.read(four, part, offset=13 * 4)
+    sources, targets = [torch.zeros(4), torch.zeros(2)], [torch.zeros(4), torch.zeros(2)]
+    with connection.prepare("write", sources, [part, part], offsets=[0, 40]) as write, \
+            connection.prepare("read", targets, [part, part], offsets=[0, 40]) as read:
+        for step in range(1, 4):
+            for source in sources:
+                source.fill_(step)
+            write.post().wait(TIMEOUT)
+            read.post().wait(TIMEOUT)
+            assert [t.tolist() for t in targets] == [[step] * 4, [step] * 2]
+    expected = values.clone()
+    expected[32:36], expected[42:44], expected[46:48] = 3.0, 3.0, -1.0
+    assert torch.equal(ask(conn, "get", tensor_id), expected)
+    with pytest.raises(ValueError, match="closed"):
+        read.post()
+    prepared = connection.prepare("read", [four], [part], offsets=[4])
+    prepared.post().wait(TIMEOUT)
+    assert ask(conn, "deregister", tensor_id) is True
+    with pytest.raises(RemoteTensorFreedError, match="freed or deregistered"):
+        prepared.post()
+    prepared.close()
+
+
+@needs_nixl
 def test_closing_the_last_connection_to_a_peer_unloads_its_agent(children, loopback):
     proc, conn = children.start_piped(_p2p_workers.owner, "nixl")
     _, _, metadata = recv(conn)

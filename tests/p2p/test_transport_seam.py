@@ -131,3 +131,23 @@ def test_a_transport_describes_only_descriptor_fields():
         with pytest.raises(ValueError, match="'colour'"):
             endpoint.advertise(tensor)
     p2p.free_tensor(tensor)
+
+
+def test_a_link_without_prepare_or_sub_ranges_gets_the_defaults():
+    tensor, _ = p2p.create_tensor((16,), torch.float32, "cpu")
+    tensor.copy_(torch.arange(16.0))
+    fake = FakeTransport()
+    with p2p.Endpoint(transport=fake) as endpoint:
+        connection = endpoint.connect(endpoint.metadata())
+        data = endpoint.advertise(tensor[4:8])
+        local = torch.zeros(4)
+        with connection.prepare("read", [local], [data]) as prepared:  # re-posts through post
+            for _ in range(3):
+                prepared.post().wait(5)
+        assert local.tolist() == [4.0, 5.0, 6.0, 7.0]
+        assert fake.posts == [("READ", 1, False)] * 3
+        connection.read(local, data, offset=0)  # the whole range: no sub-range
+        with pytest.raises(ValueError, match="does not move sub-ranges"):
+            connection.read(torch.zeros(2), data, offset=4)
+        assert len(fake.posts) == 4
+    p2p.free_tensor(tensor)

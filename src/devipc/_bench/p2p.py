@@ -30,13 +30,15 @@ from .._errors import DevIpcError
 from .._tools import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
-__all__ = ["BATCH", "METHODS", "batch_offsets", "have_nixl", "measure", "panels", "sizes",
-           "table"]
+__all__ = ["BATCH", "LATENCY_ROWS", "LATENCY_SIZES", "METHODS", "batch_offsets", "have_nixl",
+           "latency", "latency_table", "measure", "panels", "sizes", "table"]
 
 TIMEOUT = 300
 BATCH, BATCH_BYTES, BATCH_STRIDE = 1000, 4 << 10, 8 << 10
 METHODS = ("memcpy", "devipc", "devipc-nixl", "nixl")
 BATCH_LABEL = f"{BATCH} x 4 KiB"
+LATENCY_SIZES = (4 << 10, 64 << 10, 1 << 20)
+LATENCY_ROWS = ("sync read", "sync write", "prepared post (read)", "NIXL prepared READ")
 
 
 def have_nixl(device: str) -> bool:
@@ -158,6 +160,7 @@ class NixlOwn:
         self.peer = self.agent.add_remote_agent(metadata)
         self.remote = remote_addr
         self.handles: list[Any] = []
+        self.dlists: list[Any] = []
 
     def step(self, op: str, offsets: list[int], nbytes: int) -> Callable[[], None]:
         local = [(self.address + o, nbytes, 0) for o in offsets]
@@ -165,7 +168,20 @@ class NixlOwn:
         handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, "DRAM"),
                                             self.agent.get_xfer_descs(remote, "DRAM"), self.peer)
         self.handles.append(handle)
+        return self._run(handle)
 
+    def prepped(self, op: str, nbytes: int) -> Callable[[], None]:
+        """NIXL's prepared descriptor lists (prep_xfer_dlist) and request (make_prepped_xfer)
+        made once; a call is `transfer`, then `check_xfer_state` polled to DONE."""
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.address, nbytes, 0)], "DRAM")
+        remote = self.agent.prep_xfer_dlist(self.peer, [(self.remote, nbytes, 0)], "DRAM")
+        self.dlists += [local, remote]
+        handle = self.agent.make_prepped_xfer(op, local, [0], remote, [0])
+        self.handles.append(handle)
+        return self._run(handle)
+
+    def _run(self, handle: Any) -> Callable[[], None]:
+        """One transfer of `handle`, polled to DONE."""
         def run() -> None:
             state = self.agent.transfer(handle)
             while state == "PROC":
@@ -177,6 +193,8 @@ class NixlOwn:
     def close(self) -> None:
         for handle in self.handles:
             self.agent.release_xfer_handle(handle)
+        for dlist in self.dlists:
+            self.agent.release_dlist_handle(dlist)
         self.agent.remove_remote_agent(self.peer)
         self.agent.deregister_memory(self.registered)
 
@@ -255,6 +273,87 @@ def measure(device: str, max_bytes: int = 256 << 20, seconds: float = 0.8, round
             child.kill()
             child.join(TIMEOUT)
     return rows, results
+
+
+def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | None = None,
+            progress: Progress | None = None) -> dict[tuple[str, int], float]:
+    """{(row, size): µs per operation}: devipc's synchronous read and write (then
+    `torch.accelerator.synchronize()`), a prepared read posted and waited for (then the same),
+    and NIXL's own prepared READ (posted, polled to DONE) on the same kind of memory, between
+    two processes; medians of `rounds` rounds that interleave them."""
+    nixl = have_nixl(device) if nixl is None else nixl
+    progress = progress or Progress("p2p latency", lines=True)
+    progress.start(len(LATENCY_SIZES))
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    modules = hook_modules([torch.device(device).type])
+    top = max(LATENCY_SIZES)
+    child = ctx.Process(target=owner, args=(theirs, top, device, nixl, modules), daemon=True)
+    child.start()
+    endpoint: p2p.Endpoint | None = None
+    nixl_own: NixlOwn | None = None
+    results: dict[tuple[str, int], float] = {}
+    sync = torch.accelerator.synchronize
+    try:
+        assert ours.poll(TIMEOUT), "the owner did not answer"
+        info = ours.recv()
+        endpoint = p2p.Endpoint()
+        connection = endpoint.connect(info["devipc"])
+        if nixl:
+            metadata, address = info["nixl"]
+            nixl_own = NixlOwn(metadata, address, max(top, BATCH * BATCH_STRIDE), device)
+        local, _ = p2p.create_tensor((top,), torch.uint8, device)
+        for size in LATENCY_SIZES:
+            desc, view = info["descs"]["devipc"][size], local[:size]
+            prepared = connection.prepare("read", [view], [desc])
+
+            def read(view: torch.Tensor = view, desc: bytes = desc) -> None:
+                connection.read(view, desc)
+                sync()
+
+            def write(view: torch.Tensor = view, desc: bytes = desc) -> None:
+                connection.write(view, desc)
+                sync()
+
+            def post(prepared: p2p.PreparedTransfer = prepared) -> None:
+                prepared.post().wait()
+                sync()
+
+            steps: dict[str, Callable[[], object]] = dict(zip(LATENCY_ROWS, (read, write, post)))
+            if nixl_own is not None:
+                steps[LATENCY_ROWS[3]] = nixl_own.prepped("READ", size)
+            got = rates(steps, 1, seconds, rounds)  # one "byte" a call: 10^9 calls/s
+            for name, rate in got.items():
+                results[(name, size)] = 1e-3 / rate  # µs per call
+            prepared.close()
+            progress.step(f"latency {human(size)}: " + ", ".join(
+                f"{name} {results[(name, size)]:.1f}" for name in steps) + " µs")
+    finally:
+        progress.close()
+        if nixl_own is not None:
+            nixl_own.close()
+        if endpoint is not None:
+            endpoint.close()
+        with contextlib.suppress(OSError):
+            ours.send("exit")
+            ours.poll(TIMEOUT) and ours.recv()
+        child.join(TIMEOUT)
+        if child.is_alive():
+            child.kill()
+            child.join(TIMEOUT)
+    return results
+
+
+def latency_table(results: dict[tuple[str, int], float]) -> str:
+    """µs per operation, and each row's ratio to NIXL's prepared READ of the same size."""
+    rows = [row for row in LATENCY_ROWS if (row, LATENCY_SIZES[0]) in results]
+    nixl = LATENCY_ROWS[3] in rows
+    headers = ["operation", *(f"{human(size)} (µs)" for size in LATENCY_SIZES),
+               *((f"{human(size)} / NIXL" for size in LATENCY_SIZES) if nixl else ())]
+    body = [[row, *(f"{results[(row, size)]:.1f}" for size in LATENCY_SIZES),
+             *((f"{results[(row, size)] / results[(LATENCY_ROWS[3], size)]:.2f}"
+                for size in LATENCY_SIZES) if nixl else ())] for row in rows]
+    return markdown(headers, body)
 
 
 def table(rows: list, results: dict) -> str:

@@ -5,6 +5,9 @@ and writes between processes through it.
     endpoint = Endpoint()                       # "auto"/"ipc": same host, the device's IPC hooks
     peer = endpoint.connect(peer_metadata)      # the peer's endpoint.metadata(), out of band
     peer.read(local, remote_descriptor)         # the peer's endpoint.advertise(its tensor)
+    peer.read(part, remote_descriptor, offset=4096)  # part.nbytes from byte 4096 of the range
+    with peer.prepare("read", locals_, remotes) as xfer:  # validated once
+        xfer.post().wait()                      # ... posted many times
 
 The core never imports this package; `import devipc.p2p` to use it. Its errors are devipc's
 (`devipc._errors`), named here too.
@@ -21,7 +24,7 @@ from .._errors import (
     TransferSizeError,
     UnsupportedDeviceError,
 )
-from ._endpoint import Connection, Endpoint
+from ._endpoint import Connection, Endpoint, PreparedTransfer
 from ._registry import Registration, registry
 from ._transfer import Transfer
 from ._transport import Link, Transport
@@ -32,7 +35,8 @@ if TYPE_CHECKING:
     from .._memory import TensorOrStorage
 
 __all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "Link",
-           "NotRegisteredError", "PeerGoneError", "Registration", "RemoteTensorFreedError",
+           "NotRegisteredError", "PeerGoneError", "PreparedTransfer", "Registration",
+           "RemoteTensorFreedError",
            "Transfer", "TransferSizeError", "Transport", "UnsupportedDeviceError",
            "add_listener", "create_tensor", "deregister", "free_tensor",
            "get_tensor_id_by_tensor", "register", "registration", "remove_listener"]

@@ -7,12 +7,12 @@ field by field: they come from other processes, and anything malformed is Invali
                      memory handle | offset in allocation | ref-counter handle | anchor slot or
                      inode | fd | event | transport extra
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .. import _wire
-from .._errors import InvalidHandleError
+from .._errors import InvalidHandleError, TransferSizeError
 from .._memfd import HANDLE_SIZE, handle_pid, host_identity
 from .._refcount import SLOTS_PER_FILE
 from ._registry import PAGE_SLOTS
@@ -76,6 +76,20 @@ class Descriptor:
     fd: int  # CPU: the owner's fd of the shared file
     event: bytes  # DEVICE: an interprocess event recorded when advertised, or b""
     extra: bytes  # the transport's part (NIXL), or b""
+    # bytes from the advertised range's start to this one's (`narrow`): never on the wire, so a
+    # transport whose `extra` names the advertised range's address adds it
+    shift: int = field(default=0, compare=False)
+
+    def narrow(self, offset: int, nbytes: int) -> "Descriptor":
+        """Bytes [offset, offset + nbytes) of this range: only what the owner advertised."""
+        if offset == 0 and nbytes == self.nbytes:
+            return self
+        if type(offset) is not int or offset < 0 or offset + nbytes > self.nbytes:
+            raise TransferSizeError(f"bytes [{offset}, {offset + nbytes}) are not inside the "
+                                    f"{self.nbytes} bytes the owner advertised: pass an offset "
+                                    f"in [0, {self.nbytes - nbytes}] or ask for a larger range")
+        return replace(self, offset=self.offset + offset, nbytes=nbytes,
+                       shift=self.shift + offset)
 
     def to_bytes(self) -> bytes:
         writer = _wire.Writer(_wire.P2P_DESCRIPTOR).bytes(self.page).int(self.reg_id)

@@ -19,13 +19,14 @@ import torch
 from .. import _wire
 from .._errors import InvalidHandleError, TransferSizeError
 from .._handles import identity_of
+from . import _transport
 from ._descriptor import NONE, Descriptor, Metadata, host_identity
 from ._ipc import IpcTransport
 from ._registry import Registration, registry
 from ._transfer import Transfer
 from ._transport import Link, Transport, check_name
 
-__all__ = ["Connection", "Endpoint"]
+__all__ = ["Connection", "Endpoint", "PreparedTransfer"]
 
 READ, WRITE = "READ", "WRITE"
 _DECODED_KEPT = 4096  # decoded descriptors a connection remembers, by their bytes
@@ -157,54 +158,76 @@ def _resolve(tensor_or_id: torch.Tensor | int, offset: int,
     return reg, start + offset, nbytes
 
 
+Remote = Descriptor | bytes | bytearray | memoryview
+Offset = int | None
+
+
 class Connection:
     """A connection to one peer endpoint: reads and writes of the tensors it advertised.
     read/write/readv/writev return when the data arrived; the `_async` variants return a
-    Transfer. Device copies are queued on the current stream of the calling thread, so they are
-    ordered with its other work on that stream."""
+    Transfer; `prepare` validates a transfer once for many posts. Device copies are queued on
+    the current stream of the calling thread, so they are ordered with its other work on that
+    stream (a small copy the idle stream would run at once may run in the calling thread).
+
+    `offset` (`offsets` for vectors, one per pair) asks for a sub-range: the local tensor's bytes
+    from that byte of the advertised range on, never past its end (TransferSizeError). Without
+    it the local tensor and the advertised range must be the same size."""
 
     def __init__(self, endpoint: Endpoint, meta: Metadata):
         self._endpoint, self.peer_pid = endpoint, meta.pid
         self._page_handle = meta.page
         self._decoded = _wire.Decoded(Descriptor.from_bytes, _DECODED_KEPT)
         self._link: Link | None = endpoint._transport.connect(meta)
+        self._sub_ranges = bool(getattr(self._link, "sub_ranges", False))
+        # (id(descriptor), offset, nbytes) -> (descriptor, its sub-range)
+        self._narrowed: dict[tuple[int, int, int], tuple[Descriptor, Descriptor]] = {}
+        self._prepared: weakref.WeakSet[PreparedTransfer] = weakref.WeakSet()
         # a dropped connection lets go of the peer (mappings, its agent) as closing it does
         self._release = weakref.finalize(self, self._link.close)
 
     # -- the API --
-    def read(self, local: torch.Tensor,
-             remote: Descriptor | bytes | bytearray | memoryview) -> None:
-        """Copy the remote range into `local` (same byte size)."""
-        self._post(READ, [local], [remote], wait=True)
+    def read(self, local: torch.Tensor, remote: Remote, offset: Offset = None) -> None:
+        """Copy the remote range (or its bytes from `offset`) into `local`."""
+        self._one(READ, local, remote, offset)
 
-    def write(self, local: torch.Tensor,
-              remote: Descriptor | bytes | bytearray | memoryview) -> None:
-        """Copy `local` into the remote range (same byte size)."""
-        self._post(WRITE, [local], [remote], wait=True)
+    def write(self, local: torch.Tensor, remote: Remote, offset: Offset = None) -> None:
+        """Copy `local` into the remote range (or into its bytes from `offset`)."""
+        self._one(WRITE, local, remote, offset)
 
-    def readv(self, locals_: Iterable[torch.Tensor],
-              remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> None:
-        self._post(READ, list(locals_), list(remotes), wait=True)
+    def readv(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
+              offsets: Iterable[int] | None = None) -> None:
+        self._post(READ, list(locals_), list(remotes), True, offsets)
 
-    def writev(self, locals_: Iterable[torch.Tensor],
-               remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> None:
-        self._post(WRITE, list(locals_), list(remotes), wait=True)
+    def writev(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
+               offsets: Iterable[int] | None = None) -> None:
+        self._post(WRITE, list(locals_), list(remotes), True, offsets)
 
-    def read_async(self, local: torch.Tensor,
-                   remote: Descriptor | bytes | bytearray | memoryview) -> Transfer:
-        return self._post(READ, [local], [remote])
+    def read_async(self, local: torch.Tensor, remote: Remote, offset: Offset = None) -> Transfer:
+        return self._post(READ, [local], [remote], False, None if offset is None else (offset,))
 
-    def write_async(self, local: torch.Tensor,
-                    remote: Descriptor | bytes | bytearray | memoryview) -> Transfer:
-        return self._post(WRITE, [local], [remote])
+    def write_async(self, local: torch.Tensor, remote: Remote, offset: Offset = None) -> Transfer:
+        return self._post(WRITE, [local], [remote], False, None if offset is None else (offset,))
 
-    def readv_async(self, locals_: Iterable[torch.Tensor],
-                    remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> Transfer:
-        return self._post(READ, list(locals_), list(remotes))
+    def readv_async(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
+                    offsets: Iterable[int] | None = None) -> Transfer:
+        return self._post(READ, list(locals_), list(remotes), False, offsets)
 
-    def writev_async(self, locals_: Iterable[torch.Tensor],
-                     remotes: Iterable[Descriptor | bytes | bytearray | memoryview]) -> Transfer:
-        return self._post(WRITE, list(locals_), list(remotes))
+    def writev_async(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
+                     offsets: Iterable[int] | None = None) -> Transfer:
+        return self._post(WRITE, list(locals_), list(remotes), False, offsets)
+
+    def prepare(self, op: str, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
+                offsets: Iterable[int] | None = None) -> "PreparedTransfer":
+        """`op` ("read" or "write") of each local tensor and remote range, validated once:
+        `post()` starts it again and again. The local tensors are held until `close()`."""
+        if op not in ("read", "write"):
+            raise ValueError(f"op is 'read' or 'write', not {op!r}")
+        locals_ = list(locals_)
+        descs = self._descs(locals_, list(remotes), offsets)
+        prepared = PreparedTransfer(self, _transport.prepare(self._open_link(), op.upper(),
+                                                             locals_, descs))
+        self._prepared.add(prepared)
+        return prepared
 
     def mapped(self) -> int:
         """How many of the peer's registrations this connection holds open."""
@@ -212,12 +235,21 @@ class Connection:
         return 0 if link is None else link.mapped()
 
     def close(self) -> None:
-        """Release every mapping of the peer's memory, or the peer's NIXL agent. Idempotent."""
+        """Release every mapping of the peer's memory, or the peer's NIXL agent, and every
+        prepared transfer. Idempotent."""
         self._link = None
+        for prepared in list(self._prepared):
+            prepared.close()
         self._release()  # runs once
 
     # -- the work --
-    def _descriptor(self, remote: Descriptor | bytes | bytearray | memoryview) -> Descriptor:
+    def _open_link(self) -> Link:
+        link = self._link
+        if link is None:
+            raise ValueError("this connection is closed: connect again")
+        return link
+
+    def _descriptor(self, remote: Remote) -> Descriptor:
         if isinstance(remote, Descriptor):
             desc = remote
         else:
@@ -230,8 +262,9 @@ class Connection:
                                      "the one this connection reaches")
         return desc
 
-    def _post(self, op: str, locals_: list, remotes: list, wait: bool = False) -> Transfer:
-        """Queue (or, host to host, run) the copies; with `wait`, return once they are done."""
+    def _descs(self, locals_: list, remotes: list,
+               offsets: Iterable[int] | None) -> list[Descriptor]:
+        """The descriptors of `remotes`, narrowed to `offsets`, checked against `locals_`."""
         if len(locals_) != len(remotes):
             raise ValueError(f"{len(locals_)} local tensors for {len(remotes)} remote "
                              f"descriptors")
@@ -240,12 +273,49 @@ class Connection:
             desc = decoded.get(remote) if type(remote) is bytes else None
             descs.append(desc if desc is not None and desc.page == page
                          else self._descriptor(remote))
-        for local, desc in zip(locals_, descs):
-            _check_local(local, desc)
+        if offsets is None:
+            for local, desc in zip(locals_, descs):
+                if type(local) is not torch.Tensor or local.nbytes != desc.nbytes:
+                    _check_local(local, desc)  # says what is wrong (or takes a subclass)
+            return descs
+        offsets = list(offsets)
+        if len(offsets) != len(descs):
+            raise ValueError(f"{len(offsets)} offsets for {len(descs)} remote descriptors")
+        narrowed, kept = [], self._narrowed
+        for local, desc, offset in zip(locals_, descs, offsets):
+            _check_local(local, None)
+            offset = _int(offset, "offset")
+            key = (id(desc), offset, local.nbytes)
+            known = kept.get(key)
+            if known is not None and known[0] is desc:
+                narrowed.append(known[1])
+                continue
+            sub = desc.narrow(offset, local.nbytes)
+            if sub is not desc and not self._sub_ranges:
+                raise ValueError(f"transport {self._endpoint.transport!r} does not move "
+                                 f"sub-ranges: ask the owner to advertise the range itself")
+            if len(kept) >= _DECODED_KEPT:
+                kept.clear()
+            kept[key] = (desc, sub)  # the same object each time: the link's caches know it
+            narrowed.append(sub)
+        return narrowed
+
+    def _one(self, op: str, local: torch.Tensor, remote: Remote, offset: Offset) -> None:
+        """A synchronous read or write of one pair: what `_post` does, the common case (a
+        descriptor seen before, the whole range) checked inline (it is most of a small copy)."""
+        desc = self._decoded.get(remote) if type(remote) is bytes else None
         link = self._link
-        if link is None:
-            raise ValueError("this connection is closed")
-        transfer = link.post(op, locals_, descs, wait)
+        if desc is None or offset is not None or link is None or desc.page != self._page_handle \
+                or type(local) is not torch.Tensor or local.nbytes != desc.nbytes:
+            self._post(op, [local], [remote], True, None if offset is None else (offset,))
+        else:
+            link.post(op, [local], [desc], True).wait()
+
+    def _post(self, op: str, locals_: list, remotes: list, wait: bool,
+              offsets: Iterable[int] | None) -> Transfer:
+        """Queue (or, host to host, run) the copies; with `wait`, return once they are done."""
+        descs = self._descs(locals_, remotes, offsets)
+        transfer = self._open_link().post(op, locals_, descs, wait)
         if wait:
             transfer.wait()
         return transfer
@@ -254,10 +324,46 @@ class Connection:
         return f"<devipc.p2p.Connection to process {self.peer_pid}>"
 
 
-def _check_local(local: object, desc: Descriptor) -> None:
+class PreparedTransfer:
+    """A read or write of fixed local tensors and remote ranges, validated once
+    (`Connection.prepare`): each `post()` is one transfer, checked only for the remote
+    registrations' liveness (RemoteTensorFreedError once one ended). Close it (or use it as a
+    context manager) to let go of the local tensors and the peer's memory it holds mapped."""
+
+    def __init__(self, connection: Connection, prepared: _transport.Prepared):
+        self._connection: Connection | None = connection
+        self._prepared = prepared
+        self._close = weakref.finalize(self, prepared.close)  # dropped: let go as well
+
+    def post(self) -> Transfer:
+        """Start the transfer; `wait()` on what it returns (or poll `done()`)."""
+        connection = self._connection
+        if connection is None:
+            raise ValueError("this prepared transfer is closed: prepare it again")
+        if connection._link is None:
+            raise ValueError("the connection of this prepared transfer is closed: connect and "
+                             "prepare again")
+        return self._prepared.post()
+
+    def close(self) -> None:
+        """Idempotent."""
+        self._connection = None
+        self._close()  # runs once
+
+    def __enter__(self) -> "PreparedTransfer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<devipc.p2p.PreparedTransfer{' closed' if self._connection is None else ''}>"
+
+
+def _check_local(local: object, desc: Descriptor | None) -> None:
     if type(local) is not torch.Tensor and not isinstance(local, torch.Tensor):
         raise TypeError(f"a local tensor is a torch.Tensor, not {type(local).__name__}")
     nbytes = local.nbytes
-    if nbytes != desc.nbytes:
+    if desc is not None and nbytes != desc.nbytes:
         raise TransferSizeError(f"the local tensor has {nbytes} bytes, the remote range "
-                                f"{desc.nbytes}")
+                                f"{desc.nbytes} (pass an offset to move a sub-range)")

@@ -2,8 +2,18 @@
 hooks and devipc's core. The owner's side (`_export`) hands out the export of a registration's
 storage; a peer (`_remote`) maps it once per registration and copies with the device's own copy
 path (one `copy_batch` call where the hooks have it), host memory by memmove.
+
+What does not change between calls is kept: a descriptor copied synchronously before keeps its
+registration and remote address (`_again`), a vector batched before its remote rows (`_Vector`),
+a prepared transfer all of it (`IpcPrepared`); a call then checks the registrations' words and
+the local tensors only. One small copy of memory the CPU may address ("DRAM" hooks), when the
+current stream is idle, is made by the calling thread: handing it to the stream and waiting for
+it would cost more than the copy, and the order is the same.
 """
+import array
 import ctypes
+import functools
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -14,13 +24,18 @@ from .._sharing import wait_for_producer
 from ._descriptor import CPU, DEVICE, Descriptor, Metadata, host_identity
 from ._export import CpuExport, DeviceExport, export_of, order_for_peers
 from ._registry import Registration
-from ._remote import Peer, RemoteEntry
-from ._transfer import Transfer, record_events, run_on_host
+from ._remote import Peer, RemoteEntry, host_addressable
+from ._transfer import DONE, Transfer, record_events, run_on_host
 
-__all__ = ["IpcLink", "IpcTransport"]
+__all__ = ["IpcLink", "IpcPrepared", "IpcTransport"]
 
 READ = "READ"
 _BATCH_MIN = 2  # pairs from which a post hands the device one batch (hooks' copy_batch)
+_INLINE_PAIRS = 1  # pairs the calling thread may copy itself (vectors: one batch of the device)
+_INLINE_BYTES = 1 << 20  # ... and, for a prepared post (asynchronous), at most this many bytes
+_SWEEP_EVERY = 64  # such copies between two sweeps of the registrations the owner ended
+_PLANS_KEPT = 4096  # descriptors whose synchronous copies a link remembers
+_VECTORS_KEPT = 64  # vectors whose batches a link remembers
 
 
 class IpcTransport:
@@ -59,8 +74,14 @@ class IpcTransport:
 class IpcLink:
     """One peer's mapped registrations, and the copies into and out of them."""
 
+    sub_ranges = True  # the copies address `desc.offset` in the mapping of the whole storage
+
     def __init__(self, peer: Peer):
         self._peer = peer
+        self._posts = 0  # copies made in the calling thread, which sweep only now and then
+        # id(descriptor) -> (descriptor, entry, remote address, device or None), for `_again`
+        self._again_plans: dict[int, tuple] = {}
+        self._vectors: dict[tuple[int, ...], _Vector] = {}  # by the descriptors' ids
 
     def mapped(self) -> int:
         return self._peer.mapped()
@@ -68,12 +89,33 @@ class IpcLink:
     def close(self) -> None:
         self._peer.close()
 
+    def prepare(self, op: str, locals_: list, descs: list) -> "IpcPrepared":
+        return IpcPrepared(self._peer, op, locals_, descs)
+
     def post(self, op: str, locals_: list, descs: list, wait: bool) -> Transfer:
         peer = self._peer
         peer.check_alive()
-        peer.sweep()
+        if len(descs) == 1:
+            if wait and self._again(op, locals_[0], descs[0]):
+                return DONE
+        elif descs:
+            vector = self._vectors.get(tuple(map(id, descs)))
+            again = None if vector is None else vector.post(op, locals_, peer)
+            if again is not None:
+                if wait:
+                    again.wait()
+                return again
+        peer.sweep()  # the registrations the owner ended: their mappings go
         entries = peer.open_all(descs)  # pinned: no other thread unmaps them under the copies
         try:
+            rows = _host_rows(op, locals_, entries, descs) \
+                if wait and len(descs) <= _INLINE_PAIRS else None
+            if rows is not None and _idle(rows[1]):
+                _move(rows[0])
+                peer.unpin(entries)
+                if len(descs) == 1:
+                    self._remember(entries[0], descs[0])
+                return DONE
             distinct = list({id(entry): entry for entry in entries}.values())  # few, many ranges
             devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
             devices.update(local.device for local in locals_ if not local.is_cpu)
@@ -94,6 +136,10 @@ class IpcLink:
             else:
                 copy_batch, index, table = batch
                 copy_batch(index, table)
+                if len(self._vectors) >= _VECTORS_KEPT:
+                    self._vectors.clear()
+                self._vectors[tuple(map(id, descs))] = _Vector(op, descs, distinct, devices,
+                                                               table)
             remote = [entry.data for entry in distinct]  # kept: their memory outlives the copies
             transfer = Transfer(record_events(devices), keep=(pairs, remote, locals_))
             if any(entry.device.type == "cpu" for entry in distinct):
@@ -101,6 +147,50 @@ class IpcLink:
         finally:
             peer.unpin(entries)
         return transfer
+
+    def _remember(self, entry: RemoteEntry, desc: Descriptor) -> None:
+        """Keep what a synchronous copy of `desc` by the calling thread needs (`_again`)."""
+        if desc.nbytes <= _INLINE_BYTES:
+            if len(self._again_plans) >= _PLANS_KEPT:
+                self._again_plans.clear()
+            device = None if entry.device.type == "cpu" else entry.device
+            index = None if device is None else _stream_index(device)
+            assert entry.address is not None  # `_host_rows` took it
+            self._again_plans[id(desc)] = (desc, entry, entry.address + desc.offset, device,
+                                           index)
+        self._posts += 1
+        if not self._posts % _SWEEP_EVERY:  # now and then: `_again` never sweeps
+            self._peer.sweep()
+
+    def _again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
+        """A synchronous copy of a descriptor copied before by the calling thread, made again
+        the same way, with what `_remember` kept: whether it was (else the caller's path)."""
+        plan = self._again_plans.get(id(desc))
+        if plan is None or plan[0] is not desc or not local.is_contiguous():
+            return False
+        _, entry, address, device, index = plan
+        if local.is_cpu:
+            if index is not None and not torch.accelerator.current_stream(index).query():
+                return False
+        else:
+            here = local.device
+            if here == device:
+                if not torch.accelerator.current_stream(index).query():
+                    return False
+            elif not host_addressable(here) or not _idle((here,) if device is None
+                                                         else (here, device)):
+                return False
+        here_address = local.data_ptr()
+        peer = self._peer
+        with peer._lock:  # no unmapping meanwhile: the entry is dropped under this lock first
+            words = peer._words
+            if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
+                return False  # the caller's path says why
+            if op == READ:
+                ctypes.memmove(here_address, address, desc.nbytes)
+            else:
+                ctypes.memmove(address, here_address, desc.nbytes)
+        return True
 
     def _on_host(self, pairs: Iterable[tuple], entries: list[RemoteEntry],
                  locals_: list[torch.Tensor]) -> Transfer:
@@ -120,6 +210,176 @@ class IpcLink:
         except BaseException:
             peer.unpin(entries)
             raise
+
+
+class _Vector:
+    """A vector of descriptors that went to the device as one batch, for the next post of the
+    same descriptors: their registrations and the remote side of the rows; only the local
+    tensors' addresses are read again. It holds the descriptors: their ids stay theirs."""
+
+    __slots__ = ("descs", "distinct", "device", "remote", "sizes", "cpu_remote")
+
+    def __init__(self, op: str, descs: list, distinct: list[RemoteEntry], devices: set,
+                 table: torch.Tensor):
+        self.descs, self.distinct = descs, distinct
+        (self.device,) = devices
+        self.remote = table[:, 1 if op == READ else 0].clone()
+        self.sizes = table[:, 2].clone()
+        self.cpu_remote = any(entry.device.type == "cpu" for entry in distinct)
+
+    def post(self, op: str, locals_: list, peer: Peer) -> Transfer | None:
+        """The batch again with these local tensors; None where the first path must run (a
+        local tensor elsewhere or strided, a registration that ended, no `copy_batch`)."""
+        device = self.device
+        here = [local.data_ptr() for local in locals_
+                if local.is_contiguous() and (local.is_cpu or local.device == device)]
+        copy_batch = getattr(hooks_for(device), "copy_batch", None)
+        if len(here) != len(self.descs) or copy_batch is None:
+            return None
+        distinct = self.distinct
+        with peer._lock:
+            words = peer._words
+            if words is None or any(words[entry.slot] != entry.reg_id or entry._dropped
+                                    for entry in distinct):
+                return None
+            for entry in distinct:
+                entry._pins += 1
+        try:
+            local = torch.frombuffer(array.array("q", here), dtype=torch.int64)
+            columns = (local, self.remote) if op == READ else (self.remote, local)
+            table = torch.stack((*columns, self.sizes), dim=1)
+            copy_batch(device.index, table)
+            transfer = Transfer(record_events((device,)),
+                                keep=(table, [entry.data for entry in distinct], locals_))
+            if self.cpu_remote:
+                transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
+        finally:
+            peer.unpin(distinct)
+        return transfer
+
+
+class IpcPrepared:
+    """A transfer validated once: the peer's registrations stay mapped and pinned, the copies are
+    one precomputed batch (or pair list), and a post checks only the registrations' words."""
+
+    def __init__(self, peer: Peer, op: str, locals_: list, descs: list):
+        peer.check_alive()
+        entries = peer.open_all(descs)
+        try:
+            distinct = list({id(entry): entry for entry in entries}.values())
+            self._words = [(entry.slot, entry.reg_id) for entry in distinct]
+            devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
+            devices.update(local.device for local in locals_ if not local.is_cpu)
+            self._devices = devices
+            rows = _host_rows(op, locals_, entries, descs, events=False)
+            streams = [] if rows is None else [_stream_index(device) for device in rows[1]]
+            small = rows is not None and None not in streams \
+                and len(rows[0]) <= _INLINE_PAIRS and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
+            # the copies the calling thread may make when these streams are idle
+            self._rows = rows[0] if rows is not None and small else None
+            self._streams = streams
+            self._batch = _batch(op, locals_, entries, descs, devices)
+            self._pairs = [] if self._batch is not None else [
+                _pair(op, local, entry, desc) for local, entry, desc in
+                zip(locals_, entries, descs)]
+            self._owner = (entries, descs) if any(d.event for d in descs) else None
+            self._cpu_remote = any(entry.device.type == "cpu" for entry in distinct)
+            self._keep: tuple[object, ...] = (locals_, [entry.data for entry in distinct])
+        except BaseException:
+            peer.unpin(entries)
+            raise
+        self._peer, self._entries = peer, entries
+        self._lock = threading.Lock()  # a post and `close`: never at once (pins, raw addresses)
+        self._closed = False
+
+    def post(self) -> Transfer:
+        with self._lock:
+            if self._closed:
+                raise ValueError("this prepared transfer is closed: prepare it again")
+            return self._post()
+
+    def _post(self) -> Transfer:
+        peer = self._peer
+        peer.check_alive()
+        peer.check_live(self._words)
+        devices, owner, rows = self._devices, self._owner, self._rows
+        if owner is not None:  # the owner's advertisement events, waited for once
+            if rows is not None and all(not d.event or d.event in e.waited
+                                        for e, d in zip(*owner)):
+                self._owner = owner = None
+        if rows is not None and owner is None and all(
+                torch.accelerator.current_stream(index).query() for index in self._streams):
+            _move(rows)
+            return DONE
+        if not devices:  # host memory only: copied here (`close` may unmap it afterwards)
+            _copy(self._pairs)
+            return DONE
+        if owner is not None:
+            _wait_for_owner(*owner, devices)
+            self._owner = None
+        if self._batch is None:
+            _copy(self._pairs)
+        else:
+            copy_batch, index, table = self._batch
+            copy_batch(index, table)
+        transfer = Transfer(record_events(devices), keep=self._keep)
+        if self._cpu_remote:
+            transfer.wait()  # `close` may unmap a CPU mapping: never under a device copy
+        return transfer
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._peer.unpin(self._entries)
+            self._rows, self._batch, self._pairs, self._keep = None, None, [], ()
+            self._entries = []
+
+
+def _host_rows(op: str, locals_: list, entries: list[RemoteEntry], descs: list[Descriptor],
+               events: bool = True) -> tuple[list[tuple[int, int, int]], set] | None:
+    """((destination, source, bytes) rows, devices) when every pair is contiguous memory the
+    CPU may copy itself (host memory, or a "DRAM" device's) and, with `events`, the owner's
+    events were waited for; else None."""
+    rows: list[tuple[int, int, int]] = []
+    devices = set()
+    for local, entry, desc in zip(locals_, entries, descs):
+        if entry.address is None or (events and desc.event and desc.event not in entry.waited) \
+                or not local.is_contiguous():
+            return None
+        if entry.device.type != "cpu":
+            devices.add(entry.device)
+        if not local.is_cpu:
+            if not host_addressable(local.device):
+                return None
+            devices.add(local.device)
+        here, there = local.data_ptr(), entry.address + desc.offset
+        rows.append((here, there, desc.nbytes) if op == READ else (there, here, desc.nbytes))
+    return rows, devices
+
+
+def _idle(devices: Iterable[torch.device]) -> bool:
+    """Whether the current stream of each device (the accelerator's) ran all its work: a copy
+    the calling thread makes now is then ordered after that work as one queued there would be,
+    and without the hand-over to the stream and back (most of a small copy's cost)."""
+    current = torch.accelerator.current_stream
+    for device in devices:
+        index = _stream_index(device)
+        if index is None or not current(index).query():
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_index(device: torch.device) -> int | None:
+    """`device`'s index for `torch.accelerator.current_stream`; None if it is not the
+    accelerator's (its streams are not known here)."""
+    accelerator = torch.accelerator.current_accelerator()
+    return device.index if accelerator is not None and device.type == accelerator.type else None
+
+
+def _move(rows: Iterable[tuple[int, int, int]]) -> None:
+    for dst, src, nbytes in rows:
+        ctypes.memmove(dst, src, nbytes)
 
 
 def _wait_for_owner(entries: list[RemoteEntry], descs: list[Descriptor],
@@ -145,7 +405,7 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
     if copy_batch is None:
         return None
     bases: dict[int, int] = {}  # id(entry) -> its first byte's address
-    rows: list[tuple[int, int, int]] = []
+    rows = array.array("q")  # flat (destination, source, bytes) rows
     add = rows.extend
     for local, entry, desc in zip(locals_, entries, descs):
         base = bases.get(id(entry))  # `entries` holds them: ids stay theirs
@@ -153,13 +413,13 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
             if entry.device != device:
                 return None
             base = bases[id(entry)] = entry.data.data_ptr()
-        if not local.is_contiguous() or not (local.is_cpu or local.device == device):
+        if not local.is_contiguous():  # (a local tensor not on the CPU is on `device`)
             return None
         if op == READ:
             add((local.data_ptr(), base + desc.offset, desc.nbytes))
         else:
             add((base + desc.offset, local.data_ptr(), desc.nbytes))
-    return copy_batch, device.index, torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+    return copy_batch, device.index, torch.frombuffer(rows, dtype=torch.int64).view(-1, 3)
 
 
 def _copy(pairs: Iterable[tuple]) -> None:

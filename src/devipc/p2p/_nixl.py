@@ -21,6 +21,7 @@ sends ends with a digest, checked before NIXL sees anything: damaged bytes are I
 NIXL is imported on first use: `import devipc.p2p` works without it.
 """
 import bisect
+import ctypes
 import hashlib
 import hmac
 import importlib
@@ -29,7 +30,7 @@ import struct
 import threading
 import types
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,7 +50,8 @@ from ._descriptor import Descriptor, Metadata
 from ._registry import PAGE_BYTES, PAGE_SLOTS, Registration, registry, word_offset
 from ._transfer import Transfer
 
-__all__ = ["NixlLink", "NixlTransport", "load_nixl", "memory_kind", "new_agent"]
+__all__ = ["NixlLink", "NixlPrepared", "NixlTransport", "load_nixl", "memory_kind",
+           "new_agent"]
 
 INSTALL = "pip install 'devipc[nixl]'"
 KINDS = ("DRAM", "VRAM")
@@ -344,26 +346,45 @@ class NixlTransport:
                 self._agent.remove_remote_agent(agent)
 
     # -- transfers --
+    def agent_or_raise(self) -> Any:
+        """The agent; ValueError once closed. Call with the lock."""
+        if self._closed or self._agent is None:
+            raise ValueError("this NIXL transport is closed")
+        return self._agent
+
     def _decode(self, extra: bytes) -> Remote:
         return self._decoded.decode(bytes(extra))
 
-    def post_ranges(self, op: str, remote_agent: str,
-                    local: Sequence[tuple[int, int, torch.device]],
-                    remote_extras: Sequence[bytes]) -> "NixlTransfer":
-        """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
-        `local` (addr, nbytes, device) and a peer descriptor's transport part."""
-        if op not in ("READ", "WRITE"):
-            raise ValueError(f"op is 'READ' or 'WRITE', not {op!r}")
+    def remotes(self, remote_agent: str, local: Sequence[tuple[int, int, torch.device]],
+                remote_extras: Sequence[bytes], shifts: Sequence[int] | None = None
+                ) -> list[Remote]:
+        """The peer descriptors' transport parts, checked against `local` (addr, nbytes,
+        device) and narrowed to start `shifts` bytes in (sub-ranges)."""
         if len(local) != len(remote_extras):
             raise ValueError(f"{len(local)} local ranges for {len(remote_extras)} remote ones")
         remotes = [self._decode(extra) for extra in remote_extras]
-        for (_, nbytes, _), remote in zip(local, remotes):
+        for i, ((_, nbytes, _), remote) in enumerate(zip(local, remotes)):
             if remote.agent != remote_agent:
                 raise InvalidHandleError(f"a descriptor of NIXL agent {remote.agent!r} used on "
                                          f"the connection to {remote_agent!r}")
-            if nbytes != remote.nbytes:
-                raise TransferSizeError(f"local range of {nbytes} bytes, remote range of "
-                                        f"{remote.nbytes}")
+            shift = 0 if shifts is None else shifts[i]
+            if shift + nbytes > remote.nbytes or (shifts is None and nbytes != remote.nbytes):
+                raise TransferSizeError(f"local range of {nbytes} bytes from byte {shift} of a "
+                                        f"remote range of {remote.nbytes}")
+            if shift or nbytes != remote.nbytes:
+                remotes[i] = replace(remote, addr=remote.addr + shift, nbytes=nbytes)
+        return remotes
+
+    def post_ranges(self, op: str, remote_agent: str,
+                    local: Sequence[tuple[int, int, torch.device]],
+                    remote_extras: Sequence[bytes],
+                    shifts: Sequence[int] | None = None) -> "NixlTransfer":
+        """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
+        `local` (addr, nbytes, device) and a peer descriptor's transport part (from `shifts`
+        bytes in, when given)."""
+        if op not in ("READ", "WRITE"):
+            raise ValueError(f"op is 'READ' or 'WRITE', not {op!r}")
+        remotes = self.remotes(remote_agent, local, remote_extras, shifts)
         with self._lock:
             if self._closed:
                 raise ValueError("this NIXL transport is closed")
@@ -487,6 +508,8 @@ class NixlTransport:
 class NixlLink:
     """A connection's peer agent: loaded while the link is open."""
 
+    sub_ranges = True  # `shift` is added to the address the descriptor's NIXL part names
+
     def __init__(self, transport: NixlTransport, agent: str):
         self._transport, self.agent = transport, agent
 
@@ -496,7 +519,7 @@ class NixlLink:
     def close(self) -> None:
         self._transport.disconnect(self.agent)
 
-    def post(self, op: str, locals_: list, descs: list[Descriptor], wait: bool) -> Transfer:
+    def _ranges(self, locals_: list, descs: list[Descriptor]) -> list:
         local = []
         for tensor, desc in zip(locals_, descs):
             if not desc.extra:
@@ -505,15 +528,183 @@ class NixlLink:
             if not tensor.is_contiguous():
                 raise ValueError("the NIXL path moves contiguous local tensors only")
             local.append((tensor.data_ptr(), desc.nbytes, tensor.device))
-        for device in {tensor.device for tensor in locals_} - {torch.device("cpu")}:
-            # NIXL moves the bytes outside the device's streams: work queued on them first
-            torch.get_device_module(device).synchronize(device)
+        return local
+
+    def post(self, op: str, locals_: list, descs: list[Descriptor], wait: bool) -> Transfer:
+        local = self._ranges(locals_, descs)
+        _synchronize({tensor.device for tensor in locals_})
         handle = self._transport.post_ranges(op, self.agent, local,
-                                             [desc.extra for desc in descs])
+                                             [desc.extra for desc in descs],
+                                             [desc.shift for desc in descs])
         return Transfer(handle=handle, keep=(locals_,))
 
+    def prepare(self, op: str, locals_: list, descs: list[Descriptor]) -> "NixlPrepared":
+        local = self._ranges(locals_, descs)
+        remotes = self._transport.remotes(self.agent, local, [desc.extra for desc in descs],
+                                          [desc.shift for desc in descs])
+        return NixlPrepared(self._transport, self.agent, op, local, remotes, locals_)
 
-class NixlTransfer:
+
+def _synchronize(devices: Iterable[torch.device]) -> None:
+    """NIXL moves the bytes outside the devices' streams: the work queued on them first."""
+    accelerator = torch.accelerator.current_accelerator()
+    for device in devices:
+        if accelerator is not None and device.type == accelerator.type:
+            torch.accelerator.synchronize(device.index)  # the cheaper call of the two
+        elif device.type != "cpu":
+            torch.get_device_module(device).synchronize(device)
+
+
+class NixlPrepared:
+    """NIXL's prepared descriptor lists (`prep_xfer_dlist`) and requests (`make_prepped_xfer`)
+    made once: a post is the liveness read and one `transfer` per memory-kind pair (one, as a
+    rule), both prepared handles reposted."""
+
+    def __init__(self, transport: NixlTransport, agent: str, op: str, local: list,
+                 remotes: list[Remote], keep: list):
+        self._transport, self._agent = transport, agent
+        self._devices = {device for _, _, device in local if device.type != "cpu"}
+        self._dlists: list = []
+        self._temps: list[_Local] = []
+        self.handles: list = []
+        self._keep: list | None = keep  # None once closed
+        self._in_flight: _Posted | None = None
+        self._live: object | None = None  # the prepared read of the registrations' words
+        self._ids: list[int] = []
+        self._read: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
+        with transport._lock:
+            nixl = transport.agent_or_raise()
+            try:
+                transport._load(agent, remotes)
+                groups: dict[tuple[str, str], tuple[list, list]] = {}
+                for (addr, nbytes, device), remote in zip(local, remotes):
+                    if nbytes == 0:
+                        continue
+                    found = transport._find(addr, nbytes)
+                    if found is None:  # memory devipc does not hold registered: while prepared
+                        kind = memory_kind(device)
+                        found = transport._register(addr, nbytes, kind, _dev_id(device, kind))
+                        self._temps.append(found)
+                    pair = groups.setdefault((found.kind, remote.kind), ([], []))
+                    pair[0].append((addr, nbytes, found.dev_id))
+                    pair[1].append((remote.addr, nbytes, remote.dev_id))
+                for (local_kind, remote_kind), (mine, theirs) in groups.items():
+                    self.handles.append(self._prepped(op, mine, local_kind, theirs, remote_kind))
+                words = sorted({(r.page + word_offset(r.slot), r.reg_id) for r in remotes})
+                if len(words) > _SCRATCH_WORDS:
+                    raise ValueError(f"a prepared NIXL transfer reaches at most "
+                                     f"{_SCRATCH_WORDS} registrations, not {len(words)}: "
+                                     f"prepare it in parts")
+                scratch = transport._scratch_reg.base
+                self._ids = [reg_id for _, reg_id in words]
+                self._read = (ctypes.c_int64 * len(words)).from_address(scratch)  # lands there
+                self._live = self._prepped(
+                    "READ", [(scratch + 8 * i, 8, 0) for i in range(len(words))], "DRAM",
+                    [(word, 8, 0) for word, _ in words], "DRAM") if words else None
+            except BaseException:
+                self._release(nixl)
+                raise
+
+    def _prepped(self, op: str, mine: list, local_kind: str, theirs: list,
+                 remote_kind: str) -> object:
+        nixl = self._transport._agent
+        try:
+            ours = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", mine, local_kind)
+            self._dlists.append(ours)
+            peer = nixl.prep_xfer_dlist(self._agent, theirs, remote_kind)
+            self._dlists.append(peer)
+            indices = list(range(len(mine)))
+            return nixl.make_prepped_xfer(op, ours, indices, peer, indices)
+        except Exception as error:  # NIXL's own exception types
+            raise _nixl_error(error, self._agent) from None
+
+    def post(self) -> Transfer:
+        transport = self._transport
+        _synchronize(self._devices)
+        with transport._lock:
+            transport.agent_or_raise()
+            if self._keep is None:
+                raise ValueError("this prepared transfer is closed: prepare it again")
+            if self._in_flight is not None and not self._in_flight.check():
+                raise ValueError("the previous post of this prepared transfer is still in "
+                                 "flight: wait for it before posting again")
+            if self._live is not None:
+                transport._finish_now(self._live, self._agent)
+                words = self._read[:]
+                if words != self._ids:
+                    ended = next(i for w, i in zip(words, self._ids) if w != i)
+                    raise RemoteTensorFreedError(
+                        f"remote tensor {ended} of NIXL agent {self._agent!r} was freed or "
+                        f"deregistered by its owner. Ask the owner for a new descriptor.")
+            self._in_flight = posted = _Posted(transport, self._agent, self.handles)
+            posted.states = [transport._post(handle, self._agent) for handle in self.handles]
+            posted.check()
+        return Transfer(handle=posted, keep=(self._keep,))
+
+    def close(self) -> None:
+        with self._transport._lock:
+            self._release(self._transport._agent)
+
+    def _release(self, nixl: Any) -> None:
+        if nixl is not None:  # else the transport closed, and NIXL let go of it all
+            for handle in [*self.handles, *([self._live] if self._live else [])]:
+                try:
+                    nixl.release_xfer_handle(handle)
+                except Exception:  # still in flight after an error: NIXL keeps it
+                    pass
+            for dlist in self._dlists:
+                nixl.release_dlist_handle(dlist)
+            for temp in self._temps:
+                self._transport._deregister(temp)
+        self.handles, self._live, self._dlists, self._temps, self._keep = [], None, [], [], None
+
+
+class _Polled:
+    """NIXL requests in flight, polled: `check()` (under the transport's lock) says whether all
+    ended."""
+
+    _transport: NixlTransport
+
+    def check(self) -> bool:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        with self._transport._lock:
+            return self.check()
+
+    def wait(self, timeout: float | None = None) -> None:
+        # past the first ~ms of polls, yield the core to NIXL's progress thread
+        backoff = Backoff(timeout, first=0.0002, longest=0.0002, spins=1000)
+        while not self.done():
+            if backoff.expired():
+                raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
+            backoff.pause()
+
+
+class _Posted(_Polled):
+    """One post of a prepared NIXL transfer in flight: its handles are the prepared ones, kept."""
+
+    def __init__(self, transport: NixlTransport, agent: str, handles: list):
+        self._transport, self._agent, self._handles = transport, agent, handles
+        self.states: list = []
+
+    def check(self) -> bool:
+        """Under the transport's lock."""
+        nixl = self._transport._agent
+        if nixl is None:
+            raise ValueError("the NIXL transport was closed")
+        for i, handle in enumerate(self._handles):
+            if self.states[i] == "PROC":
+                self.states[i] = nixl.check_xfer_state(handle)
+        if "ERR" in self.states:
+            raise PeerGoneError(f"a NIXL transfer with agent {self._agent!r} failed: the peer "
+                                f"exited, closed its endpoint, or its memory is no longer "
+                                f"registered")
+        return "PROC" not in self.states
+
+
+
+class NixlTransfer(_Polled):
     """NIXL requests in flight for one post; `done()` / `wait(timeout)`."""
 
     def __init__(self, transport: NixlTransport, agent: str, temps: list):
@@ -561,17 +752,6 @@ class NixlTransfer:
             transport._deregister(temp)
         self.handles, self._temps = [], []
 
-    def done(self) -> bool:
-        with self._transport._lock:
-            return self.check()
-
-    def wait(self, timeout: float | None = None) -> None:
-        # past the first ~ms of polls, yield the core to NIXL's progress thread
-        backoff = Backoff(timeout, first=0.0002, longest=0.0002, spins=1000)
-        while not self.done():
-            if backoff.expired():
-                raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
-            backoff.pause()
 
 
 def _nixl_error(error: Exception, agent: str) -> DevIpcError:

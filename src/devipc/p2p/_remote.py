@@ -11,6 +11,7 @@ it: a device allocation is held by the slot the peer took, a shared file's pages
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import select
 import threading
@@ -25,7 +26,7 @@ from .._errors import (
     PeerGoneError,
     RemoteTensorFreedError,
 )
-from .._hooks import hooks_for
+from .._hooks import get_ipc_hooks, hooks_for
 from .._memfd import MappedFile, open_shared_file, pid_alive
 from .._refcount import open_counter_file
 from ._descriptor import DEVICE, Descriptor, Metadata
@@ -38,17 +39,31 @@ class RemoteEntry:
     """One registration of the peer, opened here: `data` is all of its bytes (uint8); `host`
     their address when they are host memory this process mapped itself (CPU), else None."""
 
-    __slots__ = ("reg_id", "slot", "data", "device", "host", "waited", "_mapping", "_pins",
-                 "_dropped")
+    __slots__ = ("reg_id", "slot", "data", "device", "host", "address", "waited", "_mapping",
+                 "_pins", "_dropped")
 
     def __init__(self, desc: Descriptor, data: torch.Tensor, mapping: MappedFile | None = None):
         self.reg_id, self.slot, self.device = desc.reg_id, desc.slot, data.device
         self.data: torch.Tensor | None = data  # None once unmapped
         self.host = None if mapping is None else mapping.address
+        # the first byte's address where this process's CPU may copy it directly: CPU memory,
+        # or memory of a device whose hooks say it is host-addressable ("DRAM"); else None
+        self.address = self.host if mapping is not None or not host_addressable(data.device) \
+            else data.data_ptr()
         self.waited: set[bytes] = set()  # events of advertisements already waited for
         self._mapping = mapping  # CPU: our mapping of the owner's shared file
         self._pins = 0  # host copies using the mapping now
         self._dropped = False
+
+
+@functools.lru_cache(maxsize=64)
+def host_addressable(device: torch.device) -> bool:
+    """Whether the CPU may read and write `device`'s memory at its tensors' addresses: the
+    device's hooks report its memory as "DRAM" (`IpcHooks.memory_kind`)."""
+    if device.type == "cpu":
+        return True
+    hooks = get_ipc_hooks(device.type)
+    return hooks is not None and hooks.memory_kind(device.index or 0) == "DRAM"
 
 
 def where(desc: Descriptor) -> tuple:
@@ -83,8 +98,10 @@ class Peer:
         self._page: MappedFile | None = page  # None once closed
         self._words: ctypes.Array[ctypes.c_int64] | None = \
             (ctypes.c_int64 * PAGE_SLOTS).from_address(page.address + word_offset(0))
-        try:  # readable once the process exits, and never another process with its pid
+        self._exited = select.epoll()  # the pidfd turns readable once the process exits (epoll:
+        try:  # threads may poll it at once); a pidfd never names another process with its pid
             self._pidfd = os.pidfd_open(self.pid)
+            self._exited.register(self._pidfd, select.EPOLLIN)
         except (AttributeError, OSError):
             self._pidfd = -1
 
@@ -99,7 +116,7 @@ class Peer:
 
     def _running(self) -> bool:
         if self._pidfd >= 0:
-            return not select.select([self._pidfd], [], [], 0)[0]
+            return not self._exited.poll(0)
         return pid_alive(self.pid)
 
     def _live(self, reg_id: int, slot: int) -> bool:
@@ -111,6 +128,18 @@ class Peer:
     def _is_live(self, reg_id: int, slot: int) -> bool:
         with self._lock:
             return self._live(reg_id, slot)
+
+    def check_live(self, words: list[tuple[int, int]]) -> None:
+        """RemoteTensorFreedError, after a sweep, if any (slot, registration id) of `words`
+        ended; ValueError once closed."""
+        with self._lock:
+            page = self._words
+            if page is None:
+                raise ValueError("this connection is closed: connect again")
+            ended = next((reg_id for slot, reg_id in words if page[slot] != reg_id), None)
+        if ended is not None:
+            self.sweep()
+            raise self._freed(ended)
 
     def sweep(self) -> int:
         """Drop every cached registration the owner ended; how many."""
@@ -132,7 +161,7 @@ class Peer:
         with self._lock:
             words, cached = self._words, self._entries
             for desc in descs:
-                entry = cached.get(_key(desc))
+                entry = cached.get(desc.__dict__.get("_peer_key") or _key(desc))
                 if entry is None or words is None or words[desc.slot] != desc.reg_id:
                     missing.append(len(entries))
                 else:
@@ -161,9 +190,9 @@ class Peer:
                 del self._entries[key]
         if entry is not None:
             self._drop(entry)
-            raise self._freed(desc)
+            raise self._freed(desc.reg_id)
         if not self._is_live(desc.reg_id, desc.slot):
-            raise self._freed(desc)
+            raise self._freed(desc.reg_id)
         entry = self._open_device(desc) if desc.kind == DEVICE else self._open_cpu(desc)
         with self._lock:
             other = self._entries.get(key)
@@ -177,9 +206,9 @@ class Peer:
                 raise ValueError("this connection is closed")
         return other
 
-    def _freed(self, desc: Descriptor) -> RemoteTensorFreedError:
+    def _freed(self, reg_id: int) -> RemoteTensorFreedError:
         return RemoteTensorFreedError(
-            f"remote tensor {desc.reg_id} of process {self.pid} was freed or deregistered by its "
+            f"remote tensor {reg_id} of process {self.pid} was freed or deregistered by its "
             f"owner; this process closed its mapping of it. Ask the owner for a new descriptor.")
 
     def _open_device(self, desc: Descriptor) -> RemoteEntry:
@@ -191,11 +220,11 @@ class Peer:
             index = self._take_slot(desc)
         except InvalidHandleError:
             if not self._is_live(desc.reg_id, desc.slot):  # its file went with the export
-                raise self._freed(desc) from None
+                raise self._freed(desc.reg_id) from None
             raise
         try:
             if not self._is_live(desc.reg_id, desc.slot):
-                raise self._freed(desc)
+                raise self._freed(desc.reg_id)
             storage = _sharing.new_shared_device(desc.device, desc.mem, desc.storage_bytes,
                                                  desc.mem_offset, desc.counter, index, b"", False)
         except BaseException:
@@ -229,7 +258,7 @@ class Peer:
             if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
                 raise
             if not self._is_live(desc.reg_id, desc.slot):  # its storage closed the fd
-                raise self._freed(desc) from None
+                raise self._freed(desc.reg_id) from None
             raise InvalidHandleError(f"{path} cannot be opened ({error.strerror}): the "
                                      f"descriptor is stale or forged") from None
         try:
@@ -238,7 +267,7 @@ class Peer:
                 # The owner clears the word before the storage (and its fd) can go: an fd
                 # number reused by another file means the registration ended, else a forgery.
                 if not self._is_live(desc.reg_id, desc.slot):
-                    raise self._freed(desc)
+                    raise self._freed(desc.reg_id)
                 raise InvalidHandleError(f"{path} is not the shared file this descriptor names "
                                          f"(stale or forged)")
             mapping = MappedFile(fd, stat.st_size)
@@ -246,7 +275,7 @@ class Peer:
             os.close(fd)
         if not self._is_live(desc.reg_id, desc.slot):  # the fd may have been reused meanwhile
             mapping.close()
-            raise self._freed(desc)
+            raise self._freed(desc.reg_id)
         buffer = (ctypes.c_uint8 * desc.storage_bytes).from_address(mapping.address)
         return RemoteEntry(desc, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
 
@@ -285,6 +314,7 @@ class Peer:
             page, self._page, self._words = self._page, None, None
             if page is not None:
                 page.close()  # under the lock: no `_live` reads it meanwhile
+            self._exited.close()
             if self._pidfd >= 0:
                 os.close(self._pidfd)
                 self._pidfd = -1

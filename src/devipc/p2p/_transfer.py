@@ -10,7 +10,7 @@ import torch
 
 from .._backoff import Backoff
 
-__all__ = ["Transfer", "run_on_host"]
+__all__ = ["DONE", "Transfer", "run_on_host"]
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -41,12 +41,13 @@ class Transfer:
 
     def __init__(self, events: Iterable[torch.Event] = (),
                  future: concurrent.futures.Future | None = None,
-                 handle: _Waitable | None = None, keep: tuple[object, ...] = ()):
+                 handle: _Waitable | None = None, keep: tuple[object, ...] = (),
+                 finished: bool = False):
         self._events = list(events)  # torch.Event per device stream the copies were queued on
         self._future = future  # host copies
         self._handle = handle  # a transport's object with done() / wait(timeout)
         self._keep = keep  # what must outlive the copies (remote views, pinned mappings)
-        self._finished = False
+        self._finished = finished  # True: done when made (copies the calling thread made)
 
     def done(self) -> bool:
         if self._finished:
@@ -61,6 +62,8 @@ class Transfer:
         return True
 
     def wait(self, timeout: float | None = None) -> None:
+        if self._finished and self._future is None and (timeout is None or timeout >= 0):
+            return
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout is a non-negative number of seconds or None, "
                              f"got {timeout!r}")
@@ -90,6 +93,9 @@ class Transfer:
 
     def __repr__(self) -> str:
         return f"<devipc.p2p.Transfer {'done' if self.done() else 'in flight'}>"
+
+
+DONE = Transfer(finished=True)  # what a synchronous call that finished in its thread returns
 
 
 def record_events(devices: Iterable[torch.device]) -> list:

@@ -20,13 +20,31 @@ if TYPE_CHECKING:
     from ._registry import Registration
     from ._transfer import Transfer
 
-__all__ = ["Link", "Transport", "check_name"]
+__all__ = ["Link", "Prepared", "Reposted", "Transport", "check_name", "prepare"]
 
 _NAME = re.compile(r"[a-z][a-z0-9_.-]{0,15}")
 
 
+class Prepared(Protocol):
+    """A link's transfer validated once and posted many times (`Connection.prepare`)."""
+
+    def post(self) -> "Transfer":
+        """Start the transfer again; RemoteTensorFreedError if a remote registration ended."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what the prepared transfer holds. Called once."""
+        ...
+
+
 class Link(Protocol):
-    """A transport's connection to one peer endpoint."""
+    """A transport's connection to one peer endpoint.
+
+    A descriptor handed to a link may be a sub-range of what the owner advertised
+    (`Descriptor.narrow`): `offset`/`nbytes` are the range to move and `shift` how far it starts
+    past the advertised one. Only a link with `sub_ranges = True` is given such descriptors (a
+    transport whose `extra` names an address adds `shift` to it); an optional
+    `prepare(op, locals_, descs) -> Prepared` replaces the default, which re-posts."""
 
     def post(self, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]",
              wait: bool) -> "Transfer":
@@ -69,6 +87,31 @@ class Transport(Protocol):
     def close(self) -> None:
         """Called once, when the endpoint closes (after its connections)."""
         ...
+
+
+class Reposted:
+    """The default prepared transfer of a link without `prepare`: each post is a `post`."""
+
+    def __init__(self, link: Link, op: str, locals_: "list[torch.Tensor]",
+                 descs: "list[Descriptor]"):
+        self._link: Link | None = link
+        self._op, self._locals, self._descs = op, locals_, descs
+
+    def post(self) -> "Transfer":
+        link = self._link
+        if link is None:
+            raise ValueError("this prepared transfer is closed: prepare it again")
+        return link.post(self._op, self._locals, self._descs, False)
+
+    def close(self) -> None:
+        self._link, self._locals, self._descs = None, [], []
+
+
+def prepare(link: Link, op: str, locals_: "list[torch.Tensor]",
+            descs: "list[Descriptor]") -> Prepared:
+    """The link's own prepared transfer, or the default one."""
+    own = getattr(link, "prepare", None)
+    return Reposted(link, op, locals_, descs) if own is None else own(op, locals_, descs)
 
 
 def check_name(name: object) -> str:
