@@ -142,7 +142,8 @@ def test_bench_ipc_writes_a_table_a_png_and_shows_progress(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for row in ("| 4 KiB |", "| 64 KiB |", "| 1 MiB |"):
         assert row in proc.stdout, proc.stdout
-    assert "| size | devipc openreg (us) | torch CPU shared (us) | copy via CPU (us)" in proc.stdout
+    assert "| size | small message (us) | devipc openreg (us) | devipc / message | torch CPU " \
+        "shared (us) | copy via CPU (us)" in proc.stdout
     assert "ipc: 100%" in proc.stderr and "9/9" in proc.stderr  # tqdm's bar
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

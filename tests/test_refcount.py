@@ -7,6 +7,7 @@ from devipc import InvalidHandleError
 from devipc._refcount import (
     HELD,
     RELEASED,
+    RESERVED_SLOTS,
     REVOKED,
     SENT,
     SLOTS_PER_FILE,
@@ -74,9 +75,11 @@ def test_a_consumer_can_take_a_slot_for_forwarding():
     file, index = pool.allocate(export=42)
     counters.hold(file.handle, index)
     forwarded = counters.forward(file.handle, index)
-    assert forwarded == index + 1 and file.counter.state(forwarded) == SENT
+    # the next slot past those the producer reserved for its own sends
+    assert forwarded == index + RESERVED_SLOTS and file.counter.state(forwarded) == SENT
     assert pool.new_slots() == [(file, forwarded, 42)]
     assert pool.new_slots() == []  # seen once
+    assert pool.allocate(export=42) == (file, index + 1)  # the producer's next, reserved
     counters.release(file.handle, index)
     counters.release_unopened(file.handle, forwarded)
 

@@ -16,6 +16,7 @@ another tensor, while the peer may reach it. A hold also learns when its storage
 at the allocation (`on_moved`), so that what advertised it can stop advertising it.
 """
 import collections
+import ctypes
 import itertools
 import logging
 import os
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ._hooks import hooks_for
-from ._memory import reap_freed, storage_from_memory, storage_key
+from ._memory import aliasing_storage, lives, reap_freed, storage_key
 from ._refcount import (
     HELD,
     RELEASED,
@@ -45,7 +46,7 @@ _log = logging.getLogger("devipc")
 class Export:
     """One exported allocation: its owner, the slots sent for it, the holds on it."""
 
-    __slots__ = ("id", "owner", "slots", "aliased", "key", "holds")
+    __slots__ = ("id", "owner", "slots", "aliased", "key", "holds", "wire", "mark")
 
     def __init__(self, export_id: int, key: tuple):
         self.id, self.key = export_id, key
@@ -53,6 +54,8 @@ class Export:
         self.slots: list[tuple[ProducerFile, int, float]] = []  # (file, index, sent at)
         self.aliased = True  # a producer storage still points at the allocation
         self.holds: list[Hold] = []
+        self.wire: tuple[bytes, int] | None = None  # (the hooks' handle, offset) once sent
+        self.mark: ctypes.Array | None = None  # `lives(mark)` while a producer storage aliases
 
     def finished(self) -> bool:
         return not self.slots and not self.aliased and not self.holds
@@ -88,23 +91,48 @@ class Exports:
         self.deadline: float | None = None  # seconds an unopened send may wait
         os.register_at_fork(after_in_child=self._forget_after_fork)
 
-    def send(self, storage: torch.UntypedStorage) -> tuple[ProducerFile, int]:
-        """A slot for one more send of `storage`'s memory."""
+    def send(self, storage: torch.UntypedStorage, wire: tuple[bytes, int],
+             ) -> tuple[ProducerFile, int]:
+        """A slot for one more send of `storage`'s memory, which the hooks named `wire`."""
+        reap_freed()  # an export whose storage died must not be taken for this one
         key = storage_key(storage)
         with self._lock:
             finished = self._apply_dropped()
             export = self._export_of(storage, key)
-            file, index = self._counters.allocate(export.id)
-            self._list(export, file, index, time.monotonic())
+            export.wire = wire
+            file, index = self._take(export)
             crowded = self._held >= self._collect_at
         self._let_go(finished)
         if crowded:
             self.collect()
         return file, index
 
+    def send_again(self, storage: torch.UntypedStorage,
+                   ) -> tuple[ProducerFile, int, tuple[bytes, int]] | None:
+        """The common case at its cost floor: a slot for memory sent before, and its `wire`; None
+        when it was not, or when the storage that was sent died (`reap_freed` has not run: the
+        memory at this address may be another allocation), for `send` to see to."""
+        key = storage_key(storage)
+        with self._lock:
+            export = self._by_key.get(key)
+            if export is None or export.wire is None or export.mark is None \
+                    or not lives(export.mark):
+                return None
+            file, index = self._take(export)
+            crowded = self._held >= self._collect_at
+        if crowded:
+            self.collect()
+        return file, index, export.wire
+
+    def _take(self, export: Export) -> tuple[ProducerFile, int]:
+        file, index = self._counters.allocate(export.id)
+        self._list(export, file, index, time.monotonic())
+        return file, index
+
     def hold(self, storage: torch.UntypedStorage, on_moved: Callable[[], object]) -> Hold:
         """Keep `storage`'s allocation alive until `release(hold)`, whatever becomes of the
         storage; `on_moved` as in `Hold`."""
+        reap_freed()  # as in `send`
         key = storage_key(storage)
         with self._lock:
             finished = self._apply_dropped()
@@ -138,8 +166,8 @@ class Exports:
             self._dropped.append(export)
             self._wake()
 
-        alias = storage_from_memory(storage.data_ptr(), storage.nbytes(), storage.device,
-                                    dropped)
+        alias, export.mark = aliasing_storage(storage.data_ptr(), storage.nbytes(),
+                                              storage.device, dropped)
         self._wake()  # the collector's rounds see the alias die (`_memory.reap_freed`)
         # The alias now owns the allocation, `storage` aliases it.
         storage._swap_data_ptr_(alias)  # type: ignore[attr-defined]

@@ -237,15 +237,22 @@ def _peer_gone(pid: int, kind: str) -> PeerGoneError:
                          f"producer alive until consumers have opened what it sent")
 
 
-def pid_alive(pid: int) -> bool:
-    """Exists and is not a zombie or dying (state Z or X): an exited process holds no fds even
-    before its parent reaps it, while kill(pid, 0) still succeeds on it."""
+def pid_exists(pid: int) -> bool:
+    """Whether `pid` names a process, a zombie included: one system call, no /proc read."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """Exists and is not a zombie or dying (state Z or X): an exited process holds no fds even
+    before its parent reaps it, while kill(pid, 0) still succeeds on it."""
+    if not pid_exists(pid):
+        return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             line = stat.read()

@@ -1,21 +1,29 @@
-"""Wrap memory we mapped into a torch storage that owns it, from pure Python.
+"""Torch storages over memory devipc manages, and how devipc learns that one died, from pure
+Python and without running Python when it dies.
 
-A DLPack capsule whose deleter we supply becomes a storage whose DataPtr calls that deleter when
-the storage dies, so devipc learns exactly when to release a ref-counter slot and a mapping.
-torch maps DLPack's kDLExtDev to PrivateUse1 and kDLOneAPI to XPU.
+Two kinds, one collection point (`reap_freed`):
+- `storage_from_memory`: a storage over memory we mapped (what a consumer receives). It is
+  watched through a weak reference to its StorageImpl: it died when the reference expired. Such a
+  storage is not resizable and nothing swaps its DataPtr, so its StorageImpl's death is the
+  memory's.
+- `aliasing_storage`: the alias of an exported allocation (`_exports`), whose DataPtr the
+  producer's storage takes over. What matters there is that DataPtr's death (the storage freed,
+  resized or `set_` elsewhere), so it is a DLPack capsule whose deleter we supply: a C function,
+  never Python (a storage may die while an exception unwinds the stack, and CPython cannot call
+  Python code then). It is libc's `pthread_spin_unlock`, applied to the first word of the DLPack
+  struct, a word torch no longer reads once it made the storage: devipc puts a held spin lock
+  there after. torch maps DLPack's kDLExtDev to PrivateUse1 and kDLOneAPI to XPU.
 
-The deleter is a C function, never Python: a storage may die while an exception unwinds the
-stack, and CPython cannot call Python code then (a ctypes callback turns the user's exception
-into a SystemError, or crashes). It is libc's `pthread_spin_unlock`, applied to the first word
-of the DLPack struct, a word torch no longer reads once it made the storage: devipc puts a held
-spin lock there after, and `reap_freed()` runs the Python side of every storage whose lock was
-released, from devipc's own calls and its collector thread.
+`reap_freed()` runs the Python side of every storage that died, from devipc's own calls and its
+collector thread.
 """
 import ctypes
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import UnsupportedDeviceError
 
@@ -69,33 +77,43 @@ def _locked_word() -> int:
 
 _LIVE = _locked_word()  # the struct's first word while its storage lives: a held lock
 
+# Each storage's struct is written as int64 words, its one-element shape array right after it:
+# a template per device filled in by ctypes once, then three words per storage (ctypes field
+# access costs more than the rest of making a storage).
+_STRUCT_WORDS = ctypes.sizeof(_DLManagedTensor) // 8
+_Words = ctypes.c_int64 * (_STRUCT_WORDS + 1)
+_SHAPE_WORD = _DLTensor.shape.offset // 8
+_templates: dict[tuple[str, int], bytes] = {}  # (device type, index) -> words, shape zeroed
+
 _new_capsule = ctypes.pythonapi.PyCapsule_New
 _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# address of a live _DLManagedTensor -> (the struct, its shape array, on_free). No lock: a single
-# dict store or pop is atomic under the GIL, and a lock here could be re-entered by `on_free`s
-# that the garbage collector runs inside it.
+# address of a live struct -> (its words, on_free); id of a weak reference -> (it, on_free). No
+# lock: a single dict store or pop is atomic under the GIL, and a lock here could be re-entered by
+# `on_free`s that the garbage collector runs inside it.
 _live: dict[int, tuple] = {}
+_referenced: dict[int, tuple] = {}
 
 
 def reap_freed() -> int:
     """Run `on_free` of every storage that died since the last call; how many. Safe from any
     thread and re-entrant: each runs once."""
-    freed = 0
-    for address, entry in list(_live.items()):
-        if (entry[0].dl_tensor.data or 0) != _LIVE and _live.pop(address, None) is not None:
-            freed += 1
-            try:
-                entry[2]()
-            except Exception:  # noqa: BLE001 - every other storage must still be released
-                _log.exception("devipc: releasing a storage's memory failed")
-    return freed
+    dead = [address for address, entry in list(_live.items()) if entry[0][0] != _LIVE]
+    freed = [entry for address in dead if (entry := _live.pop(address, None)) is not None]
+    dead = [key for key, entry in list(_referenced.items()) if entry[0].expired()]
+    freed += [entry for key in dead if (entry := _referenced.pop(key, None)) is not None]
+    for entry in freed:
+        try:
+            entry[1]()
+        except Exception:  # noqa: BLE001 - every other storage must still be released
+            _log.exception("devipc: releasing a storage's memory failed")
+    return len(freed)
 
 
 def watched() -> int:
     """Storages whose death devipc waits to see (received ones, and aliases of sent ones)."""
-    return len(_live)
+    return len(_live) + len(_referenced)
 
 
 TensorOrStorage = torch.Tensor | torch.TypedStorage | torch.UntypedStorage
@@ -118,6 +136,9 @@ def storage_key(storage: torch.UntypedStorage) -> tuple:
     return (str(storage.device), storage.data_ptr(), storage.nbytes())
 
 
+_checked: set[str] = set()  # device types `_dlpack_device_type` accepted
+
+
 def _dlpack_device_type(device: torch.device) -> int:
     if device.type == torch._C._get_privateuse1_backend_name():
         return _KDL_EXT_DEV
@@ -130,21 +151,48 @@ def _dlpack_device_type(device: torch.device) -> int:
 
 def storage_from_memory(ptr: int, nbytes: int, device: torch.device,
                         on_free: Callable[[], None]) -> torch.UntypedStorage:
-    """A non-resizable storage of `nbytes` at `ptr` on `device`; `on_free()` runs once it died,
-    from the next `reap_freed()`, in whatever thread calls that, possibly inside the garbage
-    collector: it must take no lock."""
-    shape = (ctypes.c_int64 * 1)(nbytes)
+    """A non-resizable storage of `nbytes` at `ptr` on `device`, owning nothing; `on_free()`
+    runs once it died, from the next `reap_freed()`, in whatever thread calls that, possibly
+    inside the garbage collector: it must take no lock."""
+    if device.type not in _checked:
+        _dlpack_device_type(device)  # what can be received can be exported: the same devices
+        _checked.add(device.type)
+    storage = cast(torch.UntypedStorage,
+                   torch._C._construct_storage_from_data_pointer(ptr, device, nbytes))
+    reference = StorageWeakRef(storage)
+    _referenced[id(reference)] = (reference, on_free)
+    return storage
+
+
+def _template(device: torch.device) -> bytes:
+    """The words of a storage on `device`, but for its data pointer, shape pointer and size."""
+    kind = _dlpack_device_type(device)
     managed = _DLManagedTensor()
-    managed.dl_tensor.data = ptr
-    managed.dl_tensor.device = _DLDevice(_dlpack_device_type(device), device.index or 0)
+    managed.dl_tensor.device = _DLDevice(kind, device.index or 0)
     managed.dl_tensor.ndim = 1
     managed.dl_tensor.dtype = _DLDataType(_KDL_UINT, 8, 1)
-    managed.dl_tensor.shape = shape
     managed.deleter = _MARK_FREED
-    address = ctypes.addressof(managed)
-    capsule = _new_capsule(address, b"dltensor", None)
-    storage = torch.utils.dlpack.from_dlpack(capsule).untyped_storage()
-    # torch read the struct; from now on its first word says whether the storage lives
-    managed.dl_tensor.data = _LIVE
-    _live[address] = (managed, shape, on_free)
-    return storage
+    return _templates.setdefault((device.type, device.index or 0), ctypes.string_at(
+        ctypes.addressof(managed), ctypes.sizeof(managed)) + bytes(8))
+
+
+def lives(mark: ctypes.Array) -> bool:
+    """Whether the DataPtr of `aliasing_storage`'s `mark` lives, reaped or not: one load."""
+    return mark[0] == _LIVE
+
+
+def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Callable[[], None],
+                     ) -> tuple[torch.UntypedStorage, ctypes.Array]:
+    """A non-resizable storage of `nbytes` at `ptr` whose DataPtr, wherever it moves, runs
+    `on_free()` once it died (from the next `reap_freed()`); and the mark that `lives` reads."""
+    template = _templates.get((device.type, device.index or 0)) or _template(device)
+    words = _Words.from_buffer_copy(template)
+    address = ctypes.addressof(words)
+    words[0] = ptr
+    words[_SHAPE_WORD] = address + 8 * _STRUCT_WORDS
+    words[_STRUCT_WORDS] = nbytes
+    storage = torch._C._from_dlpack(_new_capsule(address, b"dltensor", None)).untyped_storage()
+    # torch read the struct; from now on its first word says whether the DataPtr lives
+    words[0] = _LIVE
+    _live[address] = (words, on_free)
+    return storage, words

@@ -4,8 +4,7 @@ releases that wait for the device work this process queued on them.
 import collections
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -51,8 +50,7 @@ class OpenedAllocations:
             return len(self._by_handle)
 
 
-@dataclass(frozen=True)
-class Receipt:
+class Receipt(NamedTuple):
     """Where a received storage's memory came from: enough to forward it."""
 
     mem_handle: bytes
@@ -66,33 +64,54 @@ class ReceivedStorages:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_key: dict[tuple, list[Receipt]] = {}
+        self._by_key: dict[tuple, dict[Receipt, None]] = {}  # in the order received
 
     def add(self, key: tuple, receipt: Receipt) -> None:
         with self._lock:
-            self._by_key.setdefault(key, []).append(receipt)
+            self._by_key.setdefault(key, {})[receipt] = None
 
     def forget(self, key: tuple, receipt: Receipt) -> None:
         with self._lock:
-            receipts = self._by_key.get(key, [])
-            if receipt in receipts:
-                receipts.remove(receipt)
+            receipts = self._by_key.get(key, {})
+            receipts.pop(receipt, None)
             if not receipts:
                 self._by_key.pop(key, None)
 
     def get(self, storage: torch.UntypedStorage) -> Receipt | None:
         with self._lock:
             receipts = self._by_key.get(storage_key(storage))
-            return receipts[0] if receipts else None
+            return next(iter(receipts)) if receipts else None
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    """This thread's current stream of `device`: through torch.accelerator for the accelerator
+    (a C++ call), else through the device's module."""
+    if device.type == _accelerator_type():
+        return torch.accelerator.current_stream(device)
+    return torch.get_device_module(device).current_stream(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on every stream of `device` (as `current_stream`)."""
+    if device.type == _accelerator_type():
+        torch.accelerator.synchronize(device)
+    else:
+        torch.get_device_module(device).synchronize(device)
+
+
+def _accelerator_type() -> str | None:
+    accelerator = torch.accelerator.current_accelerator()
+    return None if accelerator is None else accelerator.type
 
 
 class DeferredReleases:
-    """Releases of received storages, in two steps. The storage's deleter (`add`, which runs
-    wherever the storage dies, the garbage collector included, so it takes no lock) notes what
-    the dropping thread's current stream has queued; `poll` (a collector round or the next devipc
-    call) runs each release once that work is done. So the producer never frees memory this
-    process still reads or writes, and no thread blocks for it (torch's CUDA consumer
-    synchronizes its stream in the deleter instead)."""
+    """Releases of received storages, in two steps. Once a storage died, `add` (from
+    `reap_freed`, wherever it runs, the garbage collector included, so it takes no lock) notes
+    what the stream that was current when the storage was received has queued: the stream the
+    producer's event was waited on, where its users queue their work; `poll` (a collector round,
+    or `ipc_collect`) runs each release once that work is done. So the producer never frees
+    memory this process still reads or writes, and no thread blocks for it (torch's CUDA
+    consumer synchronizes its stream in the deleter instead)."""
 
     _SYNCHRONIZE = object()  # the stream could not be asked: wait for the device
 
@@ -101,16 +120,15 @@ class DeferredReleases:
         self._added: collections.deque = collections.deque()  # appended by deleters
         self._waiting: list = []  # (event, device, release), work not done yet
 
-    def add(self, device: torch.device, release: Callable[[], None]) -> None:
+    def add(self, stream: torch.Stream, release: Callable[[], None]) -> None:
         event: object = None
         try:
-            stream = torch.get_device_module(device).current_stream(device)
             if not stream.query():
-                event = torch.Event(device=device)
+                event = torch.Event(device=stream.device)
                 event.record(stream)
         except Exception:  # e.g. at interpreter shutdown
             event = self._SYNCHRONIZE
-        self._added.append((event, device, release))
+        self._added.append((event, stream.device, release))
 
     def poll(self) -> bool:
         """Run the releases whose work is done; returns whether some are still waiting."""

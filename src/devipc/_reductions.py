@@ -20,6 +20,7 @@ from ._sharing import (
     check_grad,
     empty_storage,
     new_shared_device,
+    open_shared,
     release_ipc_counter_device,
     requested_device,
     share_device,
@@ -48,9 +49,8 @@ def _receive_storage(device: torch.device | str | int, handle: bytes | None, siz
     key = (handle, offset_bytes) if target is None else (handle, offset_bytes, str(target))
     storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
-        storage = new_shared_device(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
-                                    ref_counter_offset, event_handle, event_sync_required,
-                                    target=target)
+        storage = open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
+                              ref_counter_offset, event_handle, event_sync_required, target)
         shared_cache[key] = StorageWeakRef(storage)
         return storage
     # Already mapped here: the producer only needs this send's slot back. Unlike CUDA, still
@@ -76,8 +76,8 @@ def rebuild_device_tensor(tensor_cls: type[torch.Tensor], tensor_size: tuple[int
                                storage_offset_bytes, ref_counter_handle, ref_counter_offset,
                                event_handle, event_sync_required)
     _check_view(storage, dtype, tensor_offset, tensor_size, tensor_stride)
-    typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-    tensor = torch._utils._rebuild_tensor(typed, tensor_offset, tensor_size, tensor_stride)
+    tensor = torch.empty((0,), dtype=dtype, device=storage.device).set_(
+        storage, tensor_offset, tensor_size, tensor_stride)
     if tensor_cls == torch.nn.parameter.Parameter:
         # Integer parameters need requires_grad=False at construction.
         return torch.nn.parameter.Parameter(tensor, requires_grad=requires_grad)

@@ -13,14 +13,24 @@ drops it when the consumer dies, so a HELD slot whose lock is free belongs to a 
 cursor is taken under a lock on the header, so a consumer can take a slot in the producer's file
 to forward what it received.
 """
+import collections
 import threading
 
 from . import _locks
 from ._backoff import Backoff
 from ._errors import InvalidHandleError
-from ._memfd import MappedFile, SharedFile, WordTable, open_shared_file, producer_alive
+from ._memfd import (
+    MappedFile,
+    SharedFile,
+    WordTable,
+    handle_pid,
+    open_shared_file,
+    pid_exists,
+    producer_alive,
+)
 
 SLOTS_PER_FILE = 10_000
+RESERVED_SLOTS = 32  # slots a producer takes from its file's cursor at once
 SLOT_FIELDS = 2  # state, export
 FILE_BYTES = WordTable.size(SLOTS_PER_FILE, SLOT_FIELDS)
 RELEASED, SENT, HELD, REVOKED = 0, 1, 2, -1
@@ -61,17 +71,30 @@ class CounterFile:
     # -- transitions --
     def take(self, export: int) -> int | None:
         """A new SENT slot for `export`, or None when the file is full."""
+        slots = self.reserve(1)
+        if not slots:
+            return None
+        self.assign(slots[0], export)
+        return slots[0]
+
+    def reserve(self, count: int) -> range:
+        """Up to `count` fresh slots for this process to `assign` later (empty: the file is
+        full). Until then they read RELEASED, and no consumer can open them."""
         _locks.lock(self.fd, *_CURSOR)
         try:
-            index = self.cursor()
-            if not 0 <= index < SLOTS_PER_FILE:
-                return None
-            self._words.word(index, 1).value = export
-            self._words.word(index, 0).value = SENT
-            self._words.header().value = index + 1
-            return index
+            start = self.cursor()
+            if not 0 <= start < SLOTS_PER_FILE:
+                return range(0)
+            end = min(start + count, SLOTS_PER_FILE)
+            self._words.header().value = end
+            return range(start, end)
         finally:
             _locks.unlock(self.fd, *_CURSOR)
+
+    def assign(self, index: int, export: int) -> None:
+        """A reserved slot becomes a SENT one for `export`."""
+        self._words.word(index, 1).value = export
+        self._words.word(index, 0).value = SENT
 
     def _lock_slot(self, index: int) -> None:
         """Lock a slot that nobody holds; SlotError if a consumer holds it."""
@@ -142,7 +165,7 @@ class CounterFile:
 class ProducerFile:
     """A counter file this process owns, and what it knows of the slots in it."""
 
-    __slots__ = ("shared", "counter", "seen", "own", "listed")
+    __slots__ = ("shared", "counter", "seen", "own", "listed", "reserved")
 
     def __init__(self) -> None:
         self.shared = SharedFile(_MAGIC, FILE_BYTES)
@@ -150,6 +173,7 @@ class ProducerFile:
         self.seen = 0  # slots below this index have been looked at by `new_slots`
         self.own: set[int] = set()  # slots at or above `seen` that this process took itself
         self.listed = 0  # slots of this file an export still tracks (kept by the caller)
+        self.reserved: collections.deque[int] = collections.deque()  # taken, not assigned yet
 
     @property
     def handle(self) -> bytes:
@@ -165,16 +189,24 @@ class ProducerCounters:
         self._files: dict[bytes, ProducerFile] = {}
 
     def allocate(self, export: int) -> tuple[ProducerFile, int]:
+        """A SENT slot for `export`. Slots are reserved RESERVED_SLOTS at a time: one lock of
+        the file's cursor (which forwarders and peers take too) per that many sends."""
         with self._lock:
             file = self._current
-            index = None if file is None else file.counter.take(export)
-            if file is None or index is None:
+            if file is None or not (file.reserved or self._reserve(file)):
                 file = self._current = ProducerFile()
                 self._files[file.handle] = file
-                index = file.counter.take(export)
-                assert index is not None  # a new file has every slot free
-            file.own.add(index)
+                self._reserve(file)  # a new file has every slot free
+            index = file.reserved.popleft()
+            file.counter.assign(index, export)
             return file, index
+
+    @staticmethod
+    def _reserve(file: ProducerFile) -> bool:
+        slots = file.counter.reserve(RESERVED_SLOTS)
+        file.reserved.extend(slots)
+        file.own.update(slots)
+        return bool(slots)
 
     def file(self, handle: bytes) -> ProducerFile | None:
         """One of our files, by handle; None for another process's."""
@@ -262,7 +294,7 @@ class ConsumerCounters:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._held[handle]
-                if producer_alive(handle):
+                if pid_exists(handle_pid(handle)):  # a zombie's file goes at the next `prune`
                     self._idle[handle] = entry[0]
                     if len(self._idle) > self.IDLE_KEPT:
                         evicted = self._idle.pop(next(iter(self._idle)))
@@ -280,8 +312,7 @@ class ConsumerCounters:
             file.mapping.close()
 
     def hold(self, handle: bytes, index: int) -> None:
-        """Open a sent slot and hold it until `release`."""
-        handle, index = check_slot(handle, index)
+        """Open a sent slot (checked by `check_slot`) and hold it until `release`."""
         if (handle, index) in self._mine:
             raise SlotError("this send is already opened in this process: each send may be "
                             "opened once")

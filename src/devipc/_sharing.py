@@ -28,11 +28,19 @@ from ._errors import (
 from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
 from ._hooks import IpcHooks, OpenedMemory, hooks_for
 from ._memory import TensorOrStorage, reap_freed, storage_from_memory, untyped, watched
-from ._received import DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
+from ._received import (
+    DeferredReleases,
+    OpenedAllocations,
+    Receipt,
+    ReceivedStorages,
+    current_stream,
+    synchronize,
+)
 from ._refcount import ConsumerCounters, check_slot
 
 __all__ = ["Hold", "LIMBO_WARN_BLOCKS", "SharedStorage", "check_grad", "empty_storage", "hold",
-           "ipc_collect", "local_device", "new_shared_device", "received_via_ipc", "release_hold",
+           "ipc_collect", "local_device", "new_shared_device", "open_shared", "received_via_ipc",
+           "release_hold",
            "release_ipc_counter_device", "requested_device", "revoke", "revoke_send",
            "send_unopened", "set_unopened_deadline", "share_device", "stats", "takes_slots",
            "unsendable"]
@@ -100,23 +108,31 @@ def share_device(storage: torch.UntypedStorage) -> SharedStorage:
     storage = untyped(storage)
     device = storage.device
     hooks = hooks_for(device)
-    _deferred.poll()
     if storage.nbytes() == 0:
         return SharedStorage(device, None, 0, 0, None, 0, b"", False)
-    receipt = _received.get(storage)
-    if receipt is not None:
-        return _forward(storage, receipt)
-    if _opened.contains(device, storage.data_ptr()):
-        raise ReshareError(f"this {device} storage lies inside memory received from another "
-                           f"process without being a received storage itself; send a clone()")
-    event_sync_required = bool(hooks.requires_event_sync())
-    if event_sync_required:
-        event_handle = hooks.get_ipc_event_handle(device)
-    else:
-        event_handle = b""
-        torch.get_device_module(device).synchronize(device)
-    handle, offset = hooks.get_ipc_mem_handle(storage.data_ptr())
-    file, index = _exports.send(storage)
+    sent = _exports.send_again(storage)
+    if sent is None:
+        _deferred.poll()  # storages that died since, received ones included, are forgotten
+        receipt = _received.get(storage)
+        if receipt is not None:
+            return _forward(storage, receipt)
+        if _opened.contains(device, storage.data_ptr()):
+            raise ReshareError(f"this {device} storage lies inside memory received from another "
+                               f"process without being a received storage itself; send a "
+                               f"clone()")
+        wire = hooks.get_ipc_mem_handle(storage.data_ptr())
+        sent = (*_exports.send(storage, wire), wire)
+    file, index, (handle, offset) = sent
+    try:
+        event_sync_required = bool(hooks.requires_event_sync())
+        if event_sync_required:
+            event_handle = hooks.get_ipc_event_handle(device)
+        else:
+            event_handle = b""
+            synchronize(device)
+    except BaseException:
+        _exports.revoke_slot(file.handle, index)  # never sent: nobody will open it
+        raise
     _background.wake()
     return SharedStorage(device, handle, storage.nbytes(), offset, file.handle, index,
                          event_handle, event_sync_required)
@@ -125,7 +141,7 @@ def share_device(storage: torch.UntypedStorage) -> SharedStorage:
 def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> SharedStorage:
     """Send on a received storage: the next consumer maps the original producer's memory under a
     slot of its own in the producer's file, so the memory outlives this process."""
-    torch.get_device_module(storage.device).synchronize(storage.device)  # our writes first
+    synchronize(storage.device)  # our writes first
     index = _counters.forward(receipt.counter_handle, receipt.slot)
     return SharedStorage(storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
                          receipt.counter_handle, index, b"", False)
@@ -141,6 +157,15 @@ def new_shared_device(device: torch.device | str | int, handle: bytes | None, si
     """
     handle, origin, requested = requested_device(device, handle)
     target = local_device(target, origin.type) if target is not None else requested
+    return open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
+                       ref_counter_offset, event_handle, event_sync_required, target)
+
+
+def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, offset_bytes: int,
+                ref_counter_handle: bytes | None, ref_counter_offset: int, event_handle: bytes,
+                event_sync_required: bool, target: torch.device | None) -> torch.UntypedStorage:
+    """new_shared_device once the devices are known: `origin` the sender's, `target` a local
+    device asked for, or None for the one that owns the memory."""
     hooks = hooks_for(origin)
     if not isinstance(handle, bytes) or type(size_bytes) is not int \
             or type(offset_bytes) is not int or size_bytes < 0 or offset_bytes < 0:
@@ -155,8 +180,9 @@ def new_shared_device(device: torch.device | str | int, handle: bytes | None, si
                 raise InvalidHandleError(f"shared storage of {size_bytes} bytes at offset "
                                          f"{offset_bytes} exceeds its allocation of {memory.size}")
             placed = memory.device if target is None else _placement(hooks, memory, target)
+            stream = current_stream(placed)  # the stream its users will queue on
             if event_sync_required:
-                wait_for_producer(placed, event_handle)  # the stream its users will queue on
+                _wait_for_producer(hooks, stream, event_handle)
             receipt = Receipt(handle, offset_bytes, counter_handle, index)
             key = (str(placed), memory.ptr + offset_bytes, size_bytes)
 
@@ -165,8 +191,8 @@ def new_shared_device(device: torch.device | str | int, handle: bytes | None, si
                 _counters.release(counter_handle, index)
                 _opened.release(handle)
 
-            def on_free() -> None:  # a deleter: no lock here (see DeferredReleases)
-                _deferred.add(placed, release)
+            def on_free() -> None:  # from reap_freed: no lock here (see DeferredReleases)
+                _deferred.add(stream, release)
                 _background.wake()
 
             storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free)
@@ -174,6 +200,8 @@ def new_shared_device(device: torch.device | str | int, handle: bytes | None, si
             _background.wake()  # its rounds see the storage die
             # Pending releases run after the acquire: an allocation sent again (weights synced
             # every step) stays mapped, rather than unmapped and mapped again, pages re-faulted.
+            # Here rather than in the collector: every slot a process holds makes the kernel's
+            # next lock of the counter file slower.
             _deferred.poll()
             return storage
         except BaseException:
@@ -255,10 +283,13 @@ def check_grad(dtype: object, requires_grad: object) -> None:
 
 def wait_for_producer(device: torch.device, event_handle: bytes) -> None:
     """Make the current stream of (local) `device` wait for the producer's event."""
+    _wait_for_producer(hooks_for(device), current_stream(device), event_handle)
+
+
+def _wait_for_producer(hooks: IpcHooks, stream: torch.Stream, event_handle: bytes) -> None:
     if not isinstance(event_handle, bytes):
         raise InvalidHandleError(f"an event handle is bytes, got {type(event_handle).__name__}")
-    stream = torch.get_device_module(device).current_stream(device)
-    hooks_for(device).wait_ipc_event(event_handle, stream)
+    hooks.wait_ipc_event(event_handle, stream)
 
 
 def release_ipc_counter_device(ref_counter_handle: bytes | None, ref_counter_offset: int,

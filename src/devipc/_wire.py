@@ -11,6 +11,7 @@ count must neither crash nor allocate without bound. P2P descriptors use it too:
 takes a new number, a changed layout a new version.
 """
 import builtins
+import functools
 import re
 import struct
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ VERSION = 3  # 2: a bucket's table as columns; 3: an arena attachment names its 
 _HEADER = struct.Struct("<4sHH")
 _LENGTH = struct.Struct("<I")
 _INT = struct.Struct("<q")
+_STORAGES_KEPT = 4096  # storage handles whose wrapping is remembered, each way
 
 # Kinds of message. Numbers are never reused.
 STORAGE = 1  # a hooks' storage handle wrapped with the sender's device (reduce_tensor's args[7])
@@ -241,8 +243,10 @@ class Decoded(dict[bytes, _T]):
         return value
 
 
+@functools.lru_cache(maxsize=_STORAGES_KEPT)
 def wrap_storage_handle(device: torch.device, handle: bytes) -> bytes:
-    """reduce_tensor's args[7]: the hooks' handle, with the device the sender put in args[6]."""
+    """reduce_tensor's args[7]: the hooks' handle, with the device the sender put in args[6].
+    Cached: an allocation sent again (every step's weights) costs a lookup."""
     return Writer(STORAGE).device(device).bytes(handle).done()
 
 
@@ -250,10 +254,20 @@ def is_wrapped(handle: object) -> TypeGuard[bytes]:
     return isinstance(handle, bytes) and handle[:4] == MAGIC
 
 
-def unwrap_storage_handle(data: bytes | bytearray | memoryview) -> tuple[torch.device, bytes]:
-    """(the sender's device, the hooks' handle) of `wrap_storage_handle`'s bytes."""
+def _read_storage_handle(data: bytes | bytearray | memoryview) -> tuple[torch.device, bytes]:
     reader = Reader(data, (STORAGE,))
     device = reader.device()
     handle = reader.bytes("memory handle")
     reader.end()
     return device, handle
+
+
+_unwrapped = Decoded(_read_storage_handle, _STORAGES_KEPT)
+
+
+def unwrap_storage_handle(data: bytes | bytearray | memoryview) -> tuple[torch.device, bytes]:
+    """(the sender's device, the hooks' handle) of `wrap_storage_handle`'s bytes; the handles
+    of allocations received before are looked up, not parsed again."""
+    if type(data) is bytes:
+        return _unwrapped.decode(data)
+    return _read_storage_handle(data)

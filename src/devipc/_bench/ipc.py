@@ -1,13 +1,20 @@
 """Per-tensor round trip through a torch.multiprocessing Queue: the producer puts a tensor, the
-consumer reads one element of it and replies. Three ways, measured in one run:
+consumer reads one element of it and replies. Three ways, measured in one run, beside the floor
+(a small message that is not a tensor, through the same queues):
 
   devipc     a tensor of a device with IPC hooks, shared zero-copy by devipc
   cpu-shm    torch's own CPU tensor already in shared memory (fd passing)
   via-cpu    copy through the host: .cpu(), the queue, .to(device) in the consumer
+
+`phases` splits devipc's part of a round trip: the producer's pickling (reduce_tensor: a slot,
+the handle), the consumer's unpickling (the open: slot held, memory mapped, storage made, and the
+release of the tensor received before, which a drop leaves pending until then), its read of one
+element, and the drop.
 """
 import statistics
 import time
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -16,7 +23,7 @@ import torch.multiprocessing as mp
 from .._tools import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
-__all__ = ["METHODS", "SIZES", "measure", "panel", "table"]
+__all__ = ["METHODS", "SIZES", "measure", "panel", "phase_table", "phases", "table"]
 
 TIMEOUT = 120
 WARM_UP = 10  # untimed round trips per mode and size
@@ -31,6 +38,9 @@ def consumer(inbox: Any, outbox: Any, device: str, modules: list[str]) -> None:
         if mode == "flush":
             outbox.put(None)
             continue
+        if mode == "message":  # the floor: a small object that is not a tensor
+            outbox.put(tensor)
+            continue
         if mode == "via-cpu":
             tensor = tensor.to(device)
         value = int(tensor[-1].item())
@@ -43,7 +53,7 @@ def iterations(nbytes: int, quick: bool) -> int:
     return max(3, n // 4) if quick else n
 
 
-def _round_trip(inbox: Any, outbox: Any, mode: str, make: Callable[[], torch.Tensor]) -> float:
+def _round_trip(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any]) -> float:
     start = time.perf_counter()
     inbox.put((mode, make()))
     value = outbox.get(timeout=TIMEOUT)
@@ -56,7 +66,7 @@ def _round_trip(inbox: Any, outbox: Any, mode: str, make: Callable[[], torch.Ten
     return elapsed
 
 
-def _median_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], torch.Tensor],
+def _median_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any],
                count: int) -> float:
     """Median microseconds of one mode. Modes run one after the other, not interleaved: a
     256 MiB copy of via-cpu leaves the caches cold and would slow whatever comes right after."""
@@ -66,7 +76,8 @@ def _median_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], torch.Tens
 
 def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
             progress: Progress | None = None) -> list[dict]:
-    """[{"size": bytes, "devipc": us, "cpu-shm": us, "via-cpu": us}], medians per size."""
+    """[{"size": bytes, "devipc": us, "cpu-shm": us, "via-cpu": us, "message": us}], medians
+    per size; "message" is the small message's round trip, measured before each size."""
     progress = progress or Progress("ipc", lines=True)
     progress.start(len(sizes) * len(METHODS))
     ctx = mp.get_context("spawn")
@@ -81,7 +92,9 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
             on_device = torch.full((n,), 7, dtype=torch.int32, device=device)
             host = torch.full((n,), 7, dtype=torch.int32).share_memory_()
             count = iterations(nbytes, quick)
-            row: dict = {"size": nbytes}
+            row: dict = {"size": nbytes,
+                         "message": _median_us(inbox, outbox, "message", lambda: 7,
+                                               iterations(0, quick))}
             for mode, make in (("devipc", lambda t=on_device: t),
                                ("cpu-shm", lambda t=host: t),
                                ("via-cpu", lambda t=on_device: t.cpu())):
@@ -101,11 +114,69 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
 
 def table(rows: list[dict], device: str) -> str:
     return markdown(
-        ["size", f"devipc {device} (us)", "torch CPU shared (us)", "copy via CPU (us)",
-         "cpu-shm / devipc", "via-cpu / devipc"],
-        [[human(r["size"]), f"{r['devipc']:.0f}", f"{r['cpu-shm']:.0f}", f"{r['via-cpu']:.0f}",
+        ["size", "small message (us)", f"devipc {device} (us)", "devipc / message",
+         "torch CPU shared (us)", "copy via CPU (us)", "cpu-shm / devipc", "via-cpu / devipc"],
+        [[human(r["size"]), f"{r['message']:.0f}", f"{r['devipc']:.0f}",
+          f"{r['devipc'] / r['message']:.2f}x", f"{r['cpu-shm']:.0f}", f"{r['via-cpu']:.0f}",
           f"{r['cpu-shm'] / r['devipc']:.2f}x", f"{r['via-cpu'] / r['devipc']:.1f}x"]
          for r in rows])
+
+
+PHASES = ("reduce", "open", "read", "release")
+
+
+def phase_consumer(conn: Any, modules: list[str]) -> None:
+    """Unpickles what comes through `conn` (a Pipe: no queue thread), reads one element, drops
+    it, and replies with the times of each."""
+    load_modules(modules)
+    while (data := conn.recv_bytes()) != b"stop":
+        start = time.perf_counter()
+        tensor = ForkingPickler.loads(data)
+        opened = time.perf_counter()
+        value = int(tensor[-1].item())
+        read = time.perf_counter()
+        del tensor
+        conn.send((value, opened - start, read - opened, time.perf_counter() - read))
+
+
+def phases(device: str, sizes: list[int], count: int = 200) -> list[dict]:
+    """[{"size", "reduce", "open", "read", "release"}]: medians in us of each part of a send."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=phase_consumer,
+                       args=(theirs, hook_modules([torch.device(device).type])), daemon=True)
+    proc.start()
+    rows = []
+    try:
+        for nbytes in sizes:
+            tensor = torch.full((nbytes // 4,), 7, dtype=torch.int32, device=device)
+            times: list[tuple[float, ...]] = []
+            for _ in range(count + WARM_UP):
+                start = time.perf_counter()
+                data = ForkingPickler.dumps(tensor)
+                reduced = time.perf_counter() - start
+                mine.send_bytes(data)
+                if not mine.poll(TIMEOUT):
+                    raise TimeoutError("the consumer did not answer")
+                value, *parts = mine.recv()
+                assert value == 7, f"the consumer read {value}"
+                times.append((reduced, *parts))
+            medians = [statistics.median(column) * 1e6 for column in zip(*times[WARM_UP:])]
+            rows.append({"size": nbytes, **dict(zip(PHASES, medians))})
+            del tensor
+        mine.send_bytes(b"stop")
+        proc.join(TIMEOUT)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(TIMEOUT)
+    return rows
+
+
+def phase_table(rows: list[dict]) -> str:
+    return markdown(["size", "producer: reduce (us)", "consumer: open, previous release (us)",
+                     "consumer: read one element (us)", "consumer: drop (us)"],
+                    [[human(r["size"]), *(f"{r[p]:.0f}" for p in PHASES)] for r in rows])
 
 
 def panel(rows: list[dict], device: str) -> Panel:
