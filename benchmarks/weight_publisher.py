@@ -9,16 +9,25 @@
                    same bytes
   (d) 1,000        share_tensors (copy=True, 7 MiB) opened by a consumer, against 1,000 per-tensor
                    devipc handles through a Queue (put, get: opened)
+  (e) nixl         WeightPublisher(transport="nixl"), 64 MiB packed weights: a subscriber in its
+                   own process (and PID namespace, where `unshare` works) pulls each generation
+                   (wait: generation word, one read of the whole range, generation word again),
+                   against a plain NIXL read of the same 64 MiB between the same two processes;
+                   UCX over TCP loopback, as between two hosts
 
 Subscribers and engines live on openreg:1, the publisher on openreg:0, as in an RL loop.
 (a) and (b) alternate over 10 rounds (the machine's speed drifts from second to second); each
 median is over all of a kind's samples.
-Usage: python benchmarks/weight_publisher.py [--generations N]
+Usage: python benchmarks/weight_publisher.py [--generations N] [--only-nixl]
 """
 import argparse
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 
 import torch
 import torch.multiprocessing as mp
@@ -155,11 +164,107 @@ def many_tensors(inbox, done, tensors, how):
     return seconds
 
 
+NIXL_BYTES = 64 << 20
+NIXL_ROUNDS = 20  # (e): generations, each followed by a plain read; the first 2 untimed
+LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def nixl_subscriber(commands, replies):
+    """(e), the subscriber's process: after each publish, times its pull (`wait`) and then a
+    plain NIXL read of the same bytes into its own registered memory."""
+    import devipc.p2p as p2p
+
+    token, metadata, descriptor = commands.recv()
+    pulls, reads = [], []
+    with devipc.WeightSubscriber(token, device=ENGINE) as sub, \
+            p2p.Endpoint(transport="nixl") as endpoint:
+        connection = endpoint.connect(metadata)
+        local, local_id = p2p.create_tensor((NIXL_BYTES,), torch.uint8, ENGINE)
+        replies.send("ready")
+        while commands.recv() is not None:
+            start = time.perf_counter()
+            sub.wait(timeout=TIMEOUT)
+            pulls.append(time.perf_counter() - start)
+            sub.ack()
+            start = time.perf_counter()
+            connection.read(local, descriptor)
+            reads.append(time.perf_counter() - start)
+            replies.send("done")
+        sums = [t.double().sum().item() for t in sub.tensors().values()]
+        p2p.deregister(local_id)
+    replies.send((pulls, reads, sums))
+
+
+def nixl_row():
+    """(e): (rows, ratio of the pull's bandwidth to the plain read's), or (rows, None) without
+    NIXL."""
+    import devipc.p2p as p2p
+
+    try:
+        from devipc.p2p._nixl import load_nixl
+
+        load_nixl()
+    except ImportError as error:
+        return [["(e) nixl: skipped", str(error), "", ""]], None
+    os.environ.update(LOOPBACK)
+    unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if shutil.which("unshare") is None or subprocess.run(
+            [*unshare, "true"], capture_output=True).returncode != 0:
+        unshare = []  # the subscriber is then only another process
+    ours_in, theirs_out = os.pipe()
+    theirs_in, ours_out = os.pipe()
+    proc = subprocess.Popen([*unshare, sys.executable, os.path.abspath(__file__),
+                             "--nixl-subscriber", str(theirs_in), str(theirs_out)],
+                            pass_fds=(theirs_in, theirs_out))
+    os.close(theirs_in)
+    os.close(theirs_out)
+    commands, replies = Connection(ours_out), Connection(ours_in)
+    try:
+        weights = packed_tensors(64, NIXL_BYTES // 64 // 4)
+        storage = next(iter(weights.values())).untyped_storage()
+        with devipc.WeightPublisher(weights, transport="nixl") as publisher, \
+                p2p.Endpoint(transport="nixl") as endpoint:
+            plain = endpoint.advertise(p2p.get_tensor_id_by_tensor(storage))
+            commands.send((publisher.token(), endpoint.metadata(), plain))
+            assert receive(replies) == "ready"
+            for _ in range(NIXL_ROUNDS):
+                generation = publisher.publish(wait=False)
+                commands.send("pull")
+                assert receive(replies) == "done"
+                publisher.wait_acks(generation, timeout=TIMEOUT)
+            commands.send(None)
+            pulls, reads, sums = receive(replies)
+        assert sums == [t.double().sum().item() for t in weights.values()], "the pull differs"
+        assert proc.wait(TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        commands.close()
+        replies.close()
+    pull = NIXL_BYTES / statistics.median(pulls[2:]) / 1e9
+    read = NIXL_BYTES / statistics.median(reads[2:]) / 1e9
+    where = "own PID namespace" if unshare else "another process"
+    return [[f"(e) nixl: subscriber pull of 64 MiB ({where})", f"{pull:.2f} GB/s",
+             f"NIXL read {read:.2f} GB/s", f"{pull / read:.2f}x of NIXL read"]], pull / read
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generations", type=int, default=30,
                         help="(a), (b): timed round trips and generations per round")
+    parser.add_argument("--only-nixl", action="store_true", help="run (e) alone")
+    parser.add_argument("--nixl-subscriber", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.nixl_subscriber:
+        nixl_subscriber(*(Connection(fd) for fd in args.nixl_subscriber))
+        return
+    if args.only_nixl:
+        rows, ratio = nixl_row()
+        print(markdown(["what", "median", "against", "ratio"], rows))
+        if ratio is not None:
+            print(f"\n(e) >= 0.80x NIXL read: {ratio:.2f}x")
+        return
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     done, theirs = ctx.Pipe(duplex=False)
@@ -229,6 +334,10 @@ def main():
                      f"{bucket * 1e3:.1f} ms", f"per-tensor {single * 1e3:.1f} ms",
                      f"{single / bucket:.1f}x faster"])
 
+        note("(e) NIXL: 64 MiB pulled by a subscriber, against a plain NIXL read")
+        nixl_rows, nixl_ratio = nixl_row()
+        rows += nixl_rows
+
         inbox.put(None)
         for conn in subs:
             conn.send(None)
@@ -247,6 +356,8 @@ def main():
     print(f"(c) >= 0.70x memcpy per engine: {', '.join(f'{r:.2f}x' for r in per_engine)} "
           f"(both at once), {alone_rate:.2f}x alone")
     print(f"(d) >= 10x: {single / bucket:.1f}x")
+    if nixl_ratio is not None:
+        print(f"(e) >= 0.80x NIXL read: {nixl_ratio:.2f}x")
 
 
 if __name__ == "__main__":

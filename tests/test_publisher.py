@@ -201,7 +201,7 @@ def test_bad_tokens_and_closed_publishers_are_clear_errors():
         devipc.WeightSubscriber(unopened)  # revoked with the publisher
     subscriber.close()
     with pytest.raises(ValueError, match="transport"):
-        devipc.WeightPublisher(model, transport="nixl")
+        devipc.WeightPublisher(model, transport="rdma")
     _drain()
 
 

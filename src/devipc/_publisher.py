@@ -22,6 +22,10 @@ subscriber that joins meanwhile gets the next generation. With `copy=True` the w
 (one batched device operation) into one of two staging buffers: the trainer never waits for the
 engines' reading, only for the acknowledgement of the generation two publishes back, and a
 subscriber that joins gets the newest generation at once.
+
+With `transport="nixl"` the same classes work across hosts (`_publisher_remote`): a token then
+carries a NIXL endpoint's metadata instead of an arena attachment, and each subscriber pulls
+the generations into its own memory with one-sided reads.
 """
 from collections.abc import Mapping
 
@@ -30,11 +34,12 @@ import torch
 from . import _handles, _wire
 from ._arena import Arena, ArenaReader
 from ._copies import copy_pairs, copy_rows
+from ._errors import InvalidHandleError
 from ._table import Table
 
-__all__ = ["WeightPublisher", "WeightSubscriber", "pack_module"]
+__all__ = ["ACK_TIMEOUT", "WeightPublisher", "WeightSubscriber", "named_weights", "pack_module"]
 
-_ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
+ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
 
 
 def pack_module(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,7 +61,8 @@ def pack_module(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.data for name, tensor in named.items()}
 
 
-def _named(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def named_weights(weights: torch.nn.Module | Mapping[str, torch.Tensor],
+                  ) -> list[tuple[str, torch.Tensor]]:
     if isinstance(weights, torch.nn.Module):
         return [(name, tensor.detach()) for name, tensor in weights.state_dict().items()]
     if isinstance(weights, Mapping):
@@ -65,16 +71,24 @@ def _named(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[
 
 
 class WeightPublisher:
-    """The trainer's side: `token()` per subscriber, `publish()` per generation."""
+    """The trainer's side: `token()` per subscriber, `publish()` per generation. With
+    `transport="nixl"` subscribers may be on other hosts (`_publisher_remote`)."""
+
+    def __new__(cls, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
+                copy: bool = False, transport: str = "ipc") -> "WeightPublisher":
+        if transport not in ("ipc", "nixl"):
+            raise ValueError(f"transport is 'ipc' (one host) or 'nixl' (across hosts), not "
+                             f"{transport!r}")
+        if cls is WeightPublisher and transport == "nixl":
+            from ._publisher_remote import NixlWeightPublisher
+
+            return super().__new__(NixlWeightPublisher)
+        return super().__new__(cls)
 
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
                  copy: bool = False, transport: str = "ipc"):
-        if transport != "ipc":
-            raise ValueError(f"transport {transport!r}: this release publishes on one host "
-                             f"(transport='ipc'); across hosts, move the packed allocation with "
-                             f"devipc.p2p's Endpoint(transport='nixl')")
         self._source = model_or_state_dict
-        items = _handles.named_items(_named(model_or_state_dict), "WeightPublisher")
+        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher")
         self.copy = bool(copy)
         if self.copy:
             self._table, end = Table.packed(items)
@@ -98,14 +112,14 @@ class WeightPublisher:
         that wrote them is done; returns it. With `wait`, returns once every live subscriber
         acknowledged it (`wait_acks`)."""
         fill = self._fill if self.copy else None
-        generation = self._arena.publish(fill, _ACK_TIMEOUT if timeout is None else timeout)
+        generation = self._arena.publish(fill, ACK_TIMEOUT if timeout is None else timeout)
         self.generation = generation
         if wait:
             self.wait_acks(generation, timeout)
         return generation
 
     def _fill(self, storage: torch.UntypedStorage, base: int) -> None:
-        items = _named(self._source)
+        items = named_weights(self._source)
         if [(name, t.dtype, tuple(t.shape)) for name, t in items] != list(
                 zip(self._table.names, self._table.dtypes, self._table.shapes)):
             raise ValueError("the published tensors changed names, dtypes or shapes since the "
@@ -152,9 +166,28 @@ class WeightPublisher:
                 f"{'copy' if self.copy else 'in place'}, generation {self.generation}>")
 
 
+def _remote_token(token: bytes | bytearray | memoryview) -> bool:
+    """Whether a token's way in is a NIXL endpoint's metadata (else: an arena attachment, or bad
+    bytes that the same-host path names)."""
+    try:
+        reader = _wire.Reader(token, (_wire.WEIGHTS,))
+        way_in = reader.bytes("way in", 1 << 20)  # _publisher_remote's _WAY_IN_BYTES
+        return _wire.Reader(way_in, (_wire.P2P_METADATA,)).kind == _wire.P2P_METADATA
+    except InvalidHandleError:
+        return False
+
+
 class WeightSubscriber:
     """An engine's side: `wait()` for a generation, read `tensors()` or `copy_into(...)` its
     own weights, then `ack()`."""
+
+    def __new__(cls, token: bytes | bytearray | memoryview,
+                device: torch.device | str | int | None = None) -> "WeightSubscriber":
+        if cls is WeightSubscriber and _remote_token(token):
+            from ._publisher_remote import NixlWeightSubscriber
+
+            return super().__new__(NixlWeightSubscriber)
+        return super().__new__(cls)
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
@@ -199,7 +232,7 @@ class WeightSubscriber:
         """Copy the held generation into the engine's own tensors of the same names (one device
         operation where the hooks batch copies). Every name must match in dtype and shape."""
         source = self.tensors()
-        targets = _named(module_or_state_dict)
+        targets = named_weights(module_or_state_dict)
         missing = sorted(set(source) - {name for name, _ in targets})
         if missing:
             raise KeyError(f"the engine has no tensors named {missing[:5]}"

@@ -1,0 +1,437 @@
+"""`WeightPublisher(..., transport="nixl")` and its subscribers: the publisher's API across hosts,
+every byte moved by one-sided NIXL transfers (`devipc.p2p`), the publisher's code taking no part.
+
+The publisher registers two things with a NIXL endpoint: the weights (the packed allocation
+itself with `copy=False`, two staging buffers with `copy=True`) and a small host control block
+of int64 words:
+
+    header: published generation | filling
+    record per subscriber: state | pid | serial | acknowledged generation | heartbeat
+
+A token carries the endpoint's metadata, the descriptors of the header, of the subscriber's
+record and of the weights, and the table (names, dtypes, shapes, offsets: fixed for the
+publisher's life). A subscriber reads the header with small NIXL reads (polling with a backoff
+of 0.1 to 2 ms: nothing wakes a process across hosts), pulls a new generation's whole range into
+its own memory with one read, then reads the header again: `filling` says whether the publisher
+(copy=True) or the trainer (copy=False, once the acks arrived) may have begun to overwrite that
+buffer meanwhile; if so the pull is dropped and done again (a seqlock). It writes its claim, its
+acks and a heartbeat (a counter, every HEARTBEAT seconds, from a thread) into its record with
+one-sided NIXL writes. The publisher waits by looking at its own memory; a subscriber whose
+heartbeat stood still for LIVENESS seconds is dead: named once (ConsumerDiedError), then dropped.
+A subscriber that attached while the trainer may be writing (copy=False) is not waited for the
+published generation, which it cannot get: its first is the next one.
+"""
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+
+import torch
+
+from . import _handles, _wire, p2p
+from ._backoff import Backoff
+from ._errors import (
+    AckTimeoutError,
+    ConsumerDiedError,
+    DevIpcError,
+    InvalidHandleError,
+    NotRegisteredError,
+    PeerGoneError,
+    RemoteTensorFreedError,
+)
+from ._publisher import ACK_TIMEOUT, WeightPublisher, WeightSubscriber, named_weights
+from ._table import ALIGNMENT, Table
+
+__all__ = ["NixlWeightPublisher", "NixlWeightSubscriber"]
+
+MAX_SUBSCRIBERS = 64
+HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
+LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts as dead
+_WAY_IN_BYTES = 1 << 20  # the endpoint metadata field of a token (as `_publisher` reads it)
+_JOIN = 5.0  # seconds a closing subscriber waits for its heartbeat thread
+_DESCRIPTOR_BYTES = 1 << 20
+_PUBLISHED, _FILLING = 0, 1
+_HEADER = 2  # words
+_STATE, _PID, _SERIAL, _ACK, _BEAT = range(5)
+_FIELDS = 5
+_WORDS = _HEADER + MAX_SUBSCRIBERS * _FIELDS
+FREE, PENDING, ATTACHED, CLOSED, GONE = 0, 1, 2, 3, 4
+# a subscriber's words: where the header and its record land, what it writes
+_HEAD, _RECORD = slice(0, _HEADER), slice(_HEADER, _HEADER + _FIELDS)
+_CLAIM, _ACKED, _BEATS = slice(8, 10), slice(10, 11), slice(11, 12)  # state and pid; ack; beat
+_STATE_NAMES = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached", CLOSED: "closed",
+                GONE: "died"}
+
+
+def _word(index: int, field: int) -> int:
+    return _HEADER + index * _FIELDS + field
+
+
+class NixlWeightPublisher(WeightPublisher):
+    """A WeightPublisher whose subscribers may be on other hosts (`transport="nixl"`)."""
+
+    def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
+                 copy: bool = False, transport: str = "nixl"):
+        self._source = model_or_state_dict
+        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher")
+        self.copy = bool(copy)
+        if self.copy:
+            self._table, end = Table.packed(items)
+            self._nbytes = -(-max(end, 1) // ALIGNMENT) * ALIGNMENT
+            self._buffers = 2
+            self._storage: torch.UntypedStorage | None = torch.empty(
+                2 * self._nbytes, dtype=torch.uint8, device=items[0][1].device).untyped_storage()
+        else:
+            self._storage, self._table = _handles.in_place(items)
+            self._nbytes, self._buffers = self._storage.nbytes(), 1
+        self.device = self._storage.device
+        self.generation = -1
+        self._serials = itertools.count(1)
+        self._beats: dict[int, tuple[int, int, float]] = {}  # record -> (serial, beat, seen at)
+        self._adopted: dict[int, int] = {}  # record -> serial of the subscriber seen attached
+        self._endpoint = p2p.Endpoint(transport="nixl")
+        self._ids: list[int] = []  # registrations this publisher made, ended by close()
+        self._let_go = weakref.finalize(self, _let_go, [self._endpoint], self._ids)
+        try:
+            self._words, control = p2p.create_tensor((_WORDS,), torch.int64, "cpu")
+            self._ids.append(control)
+            self._words.zero_()
+            self._words[_PUBLISHED] = -1
+            self._words[_FILLING] = -1 if self.copy else 0  # copy=False: the trainer writes now
+            try:
+                data = p2p.get_tensor_id_by_tensor(self._storage)  # the user registered it
+            except NotRegisteredError:
+                data = p2p.register(self._storage)
+                self._ids.append(data)
+            self._data = [self._endpoint.advertise(data, b * self._nbytes, self._nbytes)
+                          for b in range(self._buffers)]
+            self._header = self._control(0, _HEADER)
+        except BaseException:
+            self._release()
+            raise
+
+    def _control(self, word: int, count: int) -> bytes:
+        return self._endpoint.advertise(self._ids[0], 8 * word, 8 * count)
+
+    def token(self) -> bytes:
+        """One subscriber's way in, on this host or another: open it once with
+        `WeightSubscriber`. A token nobody opens keeps its record until the publisher closes."""
+        self._check_open()
+        words = self._words.tolist()
+        # a record of a dead subscriber last: one that was only frozen may still write into it
+        free = sorted((i for i in range(MAX_SUBSCRIBERS)
+                       if words[_word(i, _STATE)] in (FREE, CLOSED, GONE)),
+                      key=lambda i: words[_word(i, _STATE)] == GONE)
+        if not free:
+            raise ValueError(f"a publisher across hosts has at most {MAX_SUBSCRIBERS} tokens "
+                             f"open or unopened: close subscribers, or make a new publisher")
+        index, serial = free[0], next(self._serials)
+        for field, value in ((_PID, 0), (_SERIAL, serial), (_ACK, -1), (_BEAT, 0),
+                             (_STATE, PENDING)):
+            self._words[_word(index, field)] = value
+        writer = _wire.Writer(_wire.WEIGHTS).bytes(self._endpoint.metadata(), _WAY_IN_BYTES)
+        writer.device(self.device).int(self._nbytes).int(serial)
+        for desc in (self._header, self._control(_word(index, _STATE), _FIELDS),
+                     self._control(_word(index, _STATE), 2), self._control(_word(index, _ACK), 1),
+                     self._control(_word(index, _BEAT), 1)):
+            writer.bytes(desc, _DESCRIPTOR_BYTES)
+        writer.int(self._buffers)
+        for desc in self._data:
+            writer.bytes(desc, _DESCRIPTOR_BYTES)
+        self._table.write(writer)
+        return writer.done()
+
+    def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
+        """As for one host: the new generation is visible once the device work that wrote it is
+        done; `wait` waits for every live subscriber's acknowledgement."""
+        self._check_open()
+        generation = self.generation + 1
+        self._wait(generation - self._buffers, ACK_TIMEOUT if timeout is None else timeout)
+        if self.copy:
+            assert self._storage is not None
+            self._words[_FILLING] = generation  # subscribers reading that buffer drop the pull
+            self._fill(self._storage, (generation % 2) * self._nbytes)
+        torch.get_device_module(self.device).synchronize(self.device)
+        self.generation = generation
+        self._words[_PUBLISHED] = generation
+        if wait:
+            self.wait_acks(generation, timeout)
+        return generation
+
+    def wait_acks(self, generation: int, timeout: float | None = None) -> None:
+        """As for one host; dead subscribers are those whose heartbeat stood still for
+        LIVENESS seconds. With copy=False, once the newest generation is acknowledged the
+        trainer may write: a subscriber still pulling it then pulls again."""
+        self._check_open()
+        self._wait(generation, timeout)
+        if not self.copy and generation == self.generation:
+            self._words[_FILLING] = generation + 1
+
+    def _wait(self, generation: int, timeout: float | None) -> None:
+        backoff = Backoff(timeout, first=0.00005, longest=0.001)
+        while True:
+            words, now = self._adopt(), time.monotonic()
+            waiting = [i for i in range(MAX_SUBSCRIBERS)
+                       if words[_word(i, _STATE)] == ATTACHED
+                       and words[_word(i, _ACK)] < generation]
+            dead = [(i, words[_word(i, _PID)]) for i in waiting if self._silent(i, words, now)]
+            if dead:
+                for i, _ in dead:
+                    self._words[_word(i, _STATE)] = GONE
+                raise ConsumerDiedError(dead, generation)
+            if not waiting:
+                return
+            if backoff.expired():
+                raise AckTimeoutError(
+                    f"after {timeout} s, subscribers " + ", ".join(
+                        f"{i} (pid {words[_word(i, _PID)]}, acknowledged {words[_word(i, _ACK)]})"
+                        for i in waiting) + f" have not acknowledged generation {generation}")
+            backoff.pause()
+
+    def _adopt(self) -> list[int]:
+        """The control words, once every subscriber that attached since the last look is no
+        longer waited for a generation it cannot get: with copy=False, the published one once
+        the trainer may write it. (It acknowledges nothing newer before that is published.)"""
+        words = self._words.tolist()
+        published, filling = words[_PUBLISHED], words[_FILLING]
+        for i in range(MAX_SUBSCRIBERS):
+            serial = words[_word(i, _SERIAL)]
+            if words[_word(i, _STATE)] != ATTACHED or self._adopted.get(i) == serial:
+                continue
+            self._adopted[i] = serial
+            if filling >= published + self._buffers and words[_word(i, _ACK)] < published:
+                self._words[_word(i, _ACK)] = words[_word(i, _ACK)] = published
+        return words
+
+    def _silent(self, index: int, words: list[int], now: float) -> bool:
+        """Whether the record's heartbeat stood still for LIVENESS seconds of our looking."""
+        serial, beat = words[_word(index, _SERIAL)], words[_word(index, _BEAT)]
+        seen = self._beats.get(index)
+        if seen is None or seen[:2] != (serial, beat):
+            self._beats[index] = (serial, beat, now)
+            return False
+        return now - seen[2] > LIVENESS
+
+    def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
+        """Return once `count` subscribers opened their tokens; TimeoutError after `timeout`."""
+        backoff = Backoff(timeout, first=0.0001, longest=0.01)
+        while True:
+            self._check_open()
+            words, now = self._words.tolist(), time.monotonic()
+            attached = sum(words[_word(i, _STATE)] == ATTACHED and not self._silent(i, words, now)
+                           for i in range(MAX_SUBSCRIBERS))
+            if attached >= count:
+                return
+            if backoff.expired():
+                raise TimeoutError(f"{attached} of {count} subscribers attached within "
+                                   f"{timeout} s")
+            backoff.pause()
+
+    def subscribers(self) -> dict[int, dict]:
+        words = self._words.tolist()
+        return {i: {"state": _STATE_NAMES.get(state, str(state)),
+                    "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
+                for i in range(MAX_SUBSCRIBERS) if (state := words[_word(i, _STATE)]) != FREE}
+
+    def _check_open(self) -> None:
+        if self._storage is None:
+            raise ValueError("this publisher is closed")
+
+    def close(self) -> None:
+        """The registrations and the endpoint go: subscribers' next reads fail (PeerGoneError,
+        saying so). Idempotent."""
+        if self._storage is None:
+            return
+        self._release()
+
+    def _release(self) -> None:
+        self._let_go()
+        self._storage, self._source = None, {}
+        if hasattr(self, "_words"):  # its fd-backed memory goes; subscribers() still answers
+            self._words = self._words.clone()
+
+
+class NixlWeightSubscriber(WeightSubscriber):
+    """A WeightSubscriber of a `transport="nixl"` publisher: each generation is pulled into this
+    process's memory, so `tensors()` stay valid until the next `wait()`, not only until `ack()`."""
+
+    def __init__(self, token: bytes | bytearray | memoryview,
+                 device: torch.device | str | int | None = None):
+        reader = _wire.Reader(token, (_wire.WEIGHTS,))
+        metadata = reader.bytes("publisher endpoint metadata", _WAY_IN_BYTES)
+        publisher_device = reader.device()
+        nbytes = reader.int("buffer size", 1)
+        serial = reader.int("token serial", 1)
+        header, record, claim, ack, beat = (reader.bytes("control descriptor", _DESCRIPTOR_BYTES)
+                                            for _ in range(5))
+        self._buffers = reader.int("buffer count", 1, 2)
+        self._data = [reader.bytes("weights descriptor", _DESCRIPTOR_BYTES)
+                      for _ in range(self._buffers)]
+        self._table = Table.read(reader, nbytes)
+        reader.end()
+        self.device = torch.device(publisher_device if device is None else device)
+        self.generation = -1
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._header, self._record, self._claim, self._ack = header, record, claim, ack
+        self._ids: list[int] = []
+        self._stop = threading.Event()
+        self._heart: list[threading.Thread] = []
+        # two agents: a heartbeat through the one that pulls would wait for the whole pull
+        self._endpoints: list[p2p.Endpoint] = []
+        self._let_go = weakref.finalize(self, _let_go, self._endpoints, self._ids, self._stop,
+                                        self._heart)  # dropped unclosed: its agents go too
+        try:
+            self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
+            self._words, words_id = p2p.create_tensor((16,), torch.int64, "cpu")
+            self._ids.append(words_id)
+            self._local, local_id = p2p.create_tensor((nbytes,), torch.uint8, self.device)
+            self._ids.append(local_id)
+            _, _, state = self._poll()
+            if state != PENDING or int(self._words[_RECORD][_SERIAL]) != serial:
+                raise InvalidHandleError("this weight token was already opened (one token per "
+                                         "subscriber), or its record was reused")
+            self._words[_CLAIM] = torch.tensor([ATTACHED, os.getpid()])
+            self._remote(lambda: self._connection.write(self._words[_CLAIM], claim))
+            self._heart.append(threading.Thread(
+                target=_heartbeat, daemon=True, name="devipc-weights-heartbeat",
+                args=(beats, self._words[_BEATS], beat, self._stop)))
+            self._heart[0].start()
+        except BaseException:
+            self._release()
+            raise
+
+    @staticmethod
+    def _remote(transfer: Callable[[], None]) -> None:
+        """One NIXL transfer, its failures said as the publisher's state."""
+        try:
+            transfer()
+        except RemoteTensorFreedError:
+            raise PeerGoneError("the weight publisher closed: nothing more will be published "
+                                "(ask a new publisher for a token)") from None
+        except PeerGoneError as error:
+            raise PeerGoneError(f"the weight publisher closed, exited or cannot be reached "
+                                f"(its host is down or unreachable): {error}") from None
+        except Exception as error:
+            if not type(error).__module__.startswith("nixl"):
+                raise
+            # devipc.p2p lets some of NIXL's own errors through (a peer that disconnects during
+            # its liveness read): the same news
+            raise PeerGoneError(f"the weight publisher exited or cannot be reached: NIXL says "
+                                f"{type(error).__name__}: {error}") from None
+
+    def _poll(self) -> tuple[int, int, int]:
+        """(published, filling, this record's state), one NIXL read."""
+        self._remote(lambda: self._connection.readv([self._words[_HEAD], self._words[_RECORD]],
+                                                    [self._header, self._record]))
+        published, filling, state = self._words[:_HEADER + 1].tolist()
+        return published, filling, state
+
+    def _pull(self, data: bytes) -> None:
+        self._remote(lambda: self._connection.read(self._local, data))
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until a generation newer than the one held is published, and pull it (one
+        NIXL read of the whole range); returns it. Polls with a backoff (0.1 ms up to 2 ms).
+        PeerGoneError if the publisher closed, exited or dropped this subscriber (its heartbeat
+        stopped for LIVENESS seconds); TimeoutError after `timeout`."""
+        self._check_open()
+        backoff = Backoff(timeout, first=0.0001, longest=0.002)
+        while True:
+            published, filling, state = self._poll()
+            if state != ATTACHED:
+                raise PeerGoneError(f"the weight publisher dropped this subscriber (its "
+                                    f"heartbeat stopped for {LIVENESS} s): open a new token")
+            if published > self.generation and filling < published + self._buffers:
+                self._pull(self._data[published % self._buffers])
+                if self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
+                    self.generation = published
+                    return published
+                continue
+            if backoff.expired():
+                raise TimeoutError(f"no new generation within {timeout} s (the newest is "
+                                   f"{published})")
+            backoff.pause()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The held generation's tensors by name, in this process's memory: valid until the next
+        `wait()` overwrites them."""
+        if self.generation < 0:
+            raise ValueError("no generation yet: wait() first")
+        self._check_open()
+        views = self._views.get(0)
+        if views is None:
+            views = self._views[0] = self._table.views(self._local.untyped_storage())
+        return views
+
+    def ack(self) -> None:
+        """Done with the held generation: written into this subscriber's record."""
+        if self.generation < 0:
+            raise ValueError("no generation to acknowledge: wait() first")
+        self._check_open()
+        self._words[_ACKED] = self.generation
+        self._remote(lambda: self._connection.write(self._words[_ACKED], self._ack))
+
+    def _check_open(self) -> None:
+        if self._stop.is_set():
+            raise ValueError("this weight subscriber is closed")
+
+    def close(self) -> None:
+        """Unsubscribe (the publisher stops waiting for this engine), end the endpoint and the
+        registrations. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._words[_CLAIM][0] = CLOSED
+        try:
+            self._remote(lambda: self._connection.write(self._words[_CLAIM], self._claim))
+        except (DevIpcError, ValueError):
+            pass  # the publisher is gone: nothing waits for this subscriber
+        self._release()
+
+    def _release(self) -> None:
+        self._let_go()
+        self._views.clear()
+        self._words = self._local = torch.empty(0)  # the registered memory goes with them
+
+
+def _let_go(endpoints: list[p2p.Endpoint], ids: list[int], stop: threading.Event | None = None,
+            threads: list[threading.Thread] | None = None) -> None:
+    """End what a publisher or a subscriber holds (its heartbeat, registrations, endpoints),
+    also when it is dropped unclosed: a registry listener would keep its NIXL agents alive."""
+    if stop is not None:
+        stop.set()  # a subscriber no longer beats: the publisher finds it dead
+    for thread in threads or ():
+        if thread is not threading.current_thread():
+            thread.join(_JOIN)  # longer only while a write hangs on a vanished publisher
+    for reg_id in ids:
+        p2p.deregister(reg_id)
+    ids.clear()
+    for endpoint in endpoints:
+        endpoint.close()
+
+
+def _connect(endpoints: list[p2p.Endpoint], metadata: bytes) -> p2p.Connection:
+    """A connection to the publisher through a new endpoint (added to `endpoints`)."""
+    endpoints.append(p2p.Endpoint(transport="nixl"))
+    try:
+        return endpoints[-1].connect(metadata)
+    except InvalidHandleError as error:
+        raise InvalidHandleError(f"this weight token does not reach its publisher: it closed or "
+                                 f"exited, or the token is damaged ({error}); ask the publisher "
+                                 f"for a new token") from None
+
+
+def _heartbeat(connection: p2p.Connection, word: torch.Tensor, desc: bytes,
+               stop: threading.Event) -> None:
+    """A subscriber's proof of life: a counter written into its record every HEARTBEAT s, until
+    it closes, is dropped, or the publisher is gone."""
+    beats = 0
+    while not stop.wait(HEARTBEAT):
+        beats += 1
+        word[0] = beats
+        try:
+            connection.write(word, desc)
+        except Exception:  # the publisher is gone, or this subscriber is closing: no one to tell
+            return

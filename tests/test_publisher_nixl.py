@@ -1,0 +1,296 @@
+"""The weight publisher across hosts (`transport="nixl"`): UCX over TCP loopback, the subscriber in
+its own PID and mount namespace (`unshare --pid --fork --mount-proc`), so that it cannot reach the
+publisher's memory through /proc and only the NIXL path can pass. Skipped, with the reason, where
+NIXL or namespaces are absent."""
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from multiprocessing.connection import Connection
+
+import _workers
+import pytest
+import torch
+from _support import TIMEOUT, open_fds, recv, shm_entries
+
+import devipc
+from devipc import _publisher_remote
+
+try:
+    from devipc.p2p._nixl import load_nixl
+
+    load_nixl()
+    NIXL = None
+except ImportError as error:
+    NIXL = str(error)
+
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def _unshare_works() -> str | None:
+    if shutil.which("unshare") is None:
+        return "unshare(1) is not installed"
+    probe = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True, timeout=TIMEOUT)
+    return None if probe.returncode == 0 else f"unshare --pid is not permitted: {probe.stderr}"
+
+
+pytestmark = pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})")
+
+# The subscriber: commands from the test through a pipe, replies through another.
+SUBSCRIBER = textwrap.dedent("""
+    import os, sys
+    from multiprocessing.connection import Connection
+    sys.path.insert(0, sys.argv[3])
+    import torch, devipc, devipc_openreg
+    from _workers import TinyGPT
+
+    commands, replies = Connection(int(sys.argv[1])), Connection(int(sys.argv[2]))
+    sub = None
+    while True:
+        command, *args = commands.recv()
+        if command == "open":
+            token, publisher_pid = args
+            sub = devipc.WeightSubscriber(token)
+            replies.send((os.getpid(), os.path.exists(f"/proc/{publisher_pid}")))
+        elif command == "generations":
+            engine = TinyGPT()
+            for _ in range(args[0]):
+                generation = sub.wait(timeout=60)
+                views = {n: t.cpu().tolist() for n, t in sub.tensors().items()}
+                sub.copy_into(engine)
+                own = {n: t.cpu().tolist() for n, t in engine.state_dict().items()}
+                sub.ack()
+                replies.send((generation, views, own))
+        elif command == "hang":
+            replies.send(sub.wait(timeout=60))  # then never acknowledges, until killed
+        elif command == "close":
+            sub.close()
+            replies.send("closed")
+        else:
+            break
+""")
+
+
+# A publisher whose process the test kills.
+PUBLISHER = textwrap.dedent("""
+    import sys, threading
+    from multiprocessing.connection import Connection
+    import torch, devipc, devipc_openreg
+
+    commands, replies = Connection(int(sys.argv[1])), Connection(int(sys.argv[2]))
+    model = torch.nn.Linear(4, 4, device="openreg")
+    devipc.pack_module(model)
+    publisher = devipc.WeightPublisher(model, transport="nixl")
+    replies.send(publisher.token())
+    commands.recv()
+    replies.send(publisher.publish(wait=False))
+    threading.Event().wait(60)
+""")
+
+
+class Remote:
+    """A process in its own PID and mount namespace, driven through two pipes."""
+
+    def __init__(self, script=SUBSCRIBER):
+        here = os.path.dirname(os.path.abspath(__file__))
+        ours_in, theirs_out = os.pipe()
+        theirs_in, ours_out = os.pipe()
+        env = {**os.environ, **LOOPBACK}
+        self.proc = subprocess.Popen(
+            [*UNSHARE, sys.executable, "-c", script, str(theirs_in), str(theirs_out), here],
+            pass_fds=(theirs_in, theirs_out), env=env)
+        os.close(theirs_in)
+        os.close(theirs_out)
+        self.commands, self.replies = Connection(ours_out), Connection(ours_in)
+
+    def ask(self, *command):
+        self.commands.send(command)
+        return recv(self.replies)
+
+    def kill(self):
+        with contextlib.suppress(OSError):
+            self.commands.send(("exit",))
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # --kill-child: the namespace's processes go with it
+            self.proc.wait(TIMEOUT)
+        self.commands.close()
+        self.replies.close()
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    import devipc_openreg  # noqa: F401 - openreg tensors in this process too
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in LOOPBACK.items():
+            patch.setenv(name, value)
+        yield
+
+
+@pytest.fixture(scope="module")
+def remote(loopback):
+    if why := _unshare_works():
+        pytest.skip(why)
+    subscriber = Remote()
+    try:
+        yield subscriber
+    finally:
+        subscriber.kill()
+
+
+def _step(model, value):
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+        model.mask.add_(1)
+
+
+def _snapshot(model):
+    return {name: t.detach().cpu().tolist() for name, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_subscriber_in_other_namespaces_gets_every_generation_exactly(remote, copy):
+    model = _workers.TinyGPT()
+    if not copy:
+        devipc.pack_module(model)
+    with devipc.WeightPublisher(model, copy=copy, transport="nixl") as publisher:
+        first = 0
+        if copy:  # a late subscriber gets the newest generation at once
+            _step(model, 0.5)
+            assert publisher.publish(timeout=TIMEOUT) == 0  # nobody to wait for
+            first = 1
+        pid, sees_publisher = remote.ask("open", publisher.token(), os.getpid())
+        assert not sees_publisher  # no /proc way to the publisher: only NIXL
+        publisher.wait_subscribers(1, timeout=TIMEOUT)
+        remote.commands.send(("generations", 3))
+        if copy:
+            generation, views, own = recv(remote.replies)
+            assert generation == 0 and views == own == _snapshot(model)
+        for step in range(first, 3):
+            _step(model, float(step + 1))
+            expected = _snapshot(model)
+            assert publisher.publish(timeout=TIMEOUT) == step  # returns once acknowledged
+            assert publisher.subscribers() == {
+                0: {"state": "attached", "acknowledged": step, "pid": pid}}
+            generation, views, own = recv(remote.replies)
+            assert generation == step and views == own == expected, (copy, step)
+        assert remote.ask("close") == "closed"
+        assert publisher.subscribers()[0]["state"] == "closed"
+        publisher.publish(timeout=TIMEOUT)  # nobody left to wait for
+
+
+def test_a_killed_subscriber_is_named_once_not_waited_for(loopback, monkeypatch):
+    if why := _unshare_works():
+        pytest.skip(why)
+    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    subscriber = Remote()
+    try:
+        with devipc.WeightPublisher(model, transport="nixl") as publisher:
+            pid, _ = subscriber.ask("open", publisher.token(), os.getpid())
+            publisher.wait_subscribers(1, timeout=TIMEOUT)
+            subscriber.commands.send(("hang",))
+            with pytest.raises(devipc.AckTimeoutError, match="not acknowledged generation 0"):
+                publisher.publish(timeout=0.5)  # alive (it beats), not acknowledging
+            assert recv(subscriber.replies) == 0
+            subscriber.proc.kill()
+            subscriber.proc.wait(TIMEOUT)
+            with pytest.raises(devipc.ConsumerDiedError, match=f"pid {pid}\\)") as dead:
+                publisher.wait_acks(0, timeout=TIMEOUT)
+            assert dead.value.consumers == [(0, pid)]
+            assert publisher.publish(timeout=TIMEOUT) == 1  # named once: no longer waited for
+            assert publisher.subscribers()[0]["state"] == "died"
+    finally:
+        subscriber.kill()
+
+
+def test_a_killed_publisher_ends_the_subscribers_wait(loopback):
+    if why := _unshare_works():
+        pytest.skip(why)
+    publisher = Remote(PUBLISHER)
+    try:
+        subscriber = devipc.WeightSubscriber(recv(publisher.replies))
+        assert publisher.ask("publish") == 0
+        assert subscriber.wait(timeout=TIMEOUT) == 0
+        assert subscriber.tensors()["weight"].shape == (4, 4)
+        subscriber.ack()
+        publisher.proc.kill()
+        publisher.proc.wait(TIMEOUT)
+        with pytest.raises(devipc.PeerGoneError, match="exited"):
+            subscriber.wait(timeout=TIMEOUT)
+        subscriber.close()
+    finally:
+        publisher.kill()
+
+
+def test_bad_tokens_closed_publishers_and_nothing_left_behind(loopback):
+    """In one process: two NIXL endpoints reach each other as across hosts."""
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    devipc.WeightPublisher(model, transport="nixl").close()  # NIXL's first use keeps some fds
+    fds, shm = open_fds(), shm_entries()
+    publisher = devipc.WeightPublisher(model, transport="nixl")
+    token = publisher.token()
+    for forged in (token[:-3], token[:40], token[:300] + b"x" + token[301:],
+                   token.replace(b"openreg", b"openrex")):
+        with pytest.raises(devipc.InvalidHandleError):
+            devipc.WeightSubscriber(forged)
+    subscriber = devipc.WeightSubscriber(token)
+    with pytest.raises(devipc.InvalidHandleError, match="already opened"):
+        devipc.WeightSubscriber(token)
+    with pytest.raises(ValueError, match="wait"):
+        subscriber.tensors()
+    with pytest.raises(TimeoutError):
+        subscriber.wait(timeout=0.05)
+    publisher.publish(wait=False)
+    assert subscriber.wait(timeout=TIMEOUT) == 0
+    subscriber.ack()
+    unopened = publisher.token()
+    publisher.close()
+    with pytest.raises(devipc.PeerGoneError, match="closed"):
+        subscriber.wait(timeout=TIMEOUT)
+    with pytest.raises(devipc.InvalidHandleError, match="closed or exited"):
+        devipc.WeightSubscriber(unopened)  # its endpoint went with the publisher
+    subscriber.close()
+    with pytest.raises(ValueError, match="transport"):
+        devipc.WeightPublisher(model, transport="rdma")
+    assert open_fds() == fds
+    mine = f"_{os.getpid()}_"  # other processes of the machine may come and go meanwhile
+    assert not {e for e in shm_entries() - shm if mine in e or "devipc" in e}
+
+
+def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, monkeypatch):
+    """copy=False: a late subscriber waits for the next generation; a pull that overlapped the
+    trainer's writes (the `filling` word moved meanwhile) is dropped, not returned."""
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        publisher.publish(timeout=TIMEOUT)  # nobody subscribed: the trainer may write now
+        late = devipc.WeightSubscriber(publisher.token())
+        with pytest.raises(TimeoutError):
+            late.wait(timeout=0.2)
+        _step(model, 1.0)
+        publisher.publish(wait=False)
+        pull = late._pull
+
+        def overlapped(data):
+            pull(data)
+            publisher._words[_publisher_remote._FILLING] = 2  # the trainer writes meanwhile
+
+        monkeypatch.setattr(late, "_pull", overlapped)
+        with pytest.raises(TimeoutError):
+            late.wait(timeout=0.2)
+        monkeypatch.undo()
+        publisher._words[_publisher_remote._FILLING] = 1  # generation 1 is stable again
+        assert late.wait(timeout=TIMEOUT) == 1
+        assert {n: t.cpu().tolist() for n, t in late.tensors().items()} == _snapshot(model)
+        late.ack()
+        publisher.wait_acks(1, timeout=TIMEOUT)
+        late.close()
