@@ -19,6 +19,7 @@ collector thread.
 """
 import ctypes
 import logging
+import weakref
 from collections.abc import Callable
 from typing import cast
 
@@ -65,6 +66,9 @@ _DLManagedTensor._fields_ = [
 ]
 _libc = ctypes.CDLL(None)
 _MARK_FREED = ctypes.cast(_libc.pthread_spin_unlock, ctypes.c_void_p).value
+_malloc, _free = _libc.malloc, _libc.free
+_malloc.restype, _malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+_free.restype, _free.argtypes = None, [ctypes.c_void_p]
 
 
 def _locked_word() -> int:
@@ -186,8 +190,15 @@ def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Calla
     """A non-resizable storage of `nbytes` at `ptr` whose DataPtr, wherever it moves, runs
     `on_free()` once it died (from the next `reap_freed()`); and the mark that `lives` reads."""
     template = _templates.get((device.type, device.index or 0)) or _template(device)
-    words = _Words.from_buffer_copy(template)
-    address = ctypes.addressof(words)
+    # malloc'ed and freed with `words`, which `_live` keeps until the deleter ran; never freed
+    # once the interpreter exits (a finalizer does not run then), when Python frees its objects
+    # in any order and torch may call the deleter later
+    address = _malloc(len(template))
+    if not address:
+        raise MemoryError("devipc: no memory for a DLPack struct")
+    ctypes.memmove(address, template, len(template))
+    words = _Words.from_address(address)
+    weakref.finalize(words, _free, address).atexit = False
     words[0] = ptr
     words[_SHAPE_WORD] = address + 8 * _STRUCT_WORDS
     words[_STRUCT_WORDS] = nbytes

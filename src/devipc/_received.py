@@ -107,28 +107,32 @@ def _accelerator_type() -> str | None:
 class DeferredReleases:
     """Releases of received storages, in two steps. Once a storage died, `add` (from
     `reap_freed`, wherever it runs, the garbage collector included, so it takes no lock) notes
-    what the stream that was current when the storage was received has queued: the stream the
-    producer's event was waited on, where its users queue their work; `poll` (a collector round,
-    or `ipc_collect`) runs each release once that work is done. So the producer never frees
-    memory this process still reads or writes, and no thread blocks for it (torch's CUDA
-    consumer synchronizes its stream in the deleter instead)."""
+    what two streams have queued: the one that was current when the storage was received (the
+    producer's event was waited on it; its users queue their work there), and the current
+    stream of the thread that found the storage dead (usually the one that dropped it); `poll`
+    (a collector round, an open, or `ipc_collect`) runs each release once that work is done. So
+    the producer never frees memory this process still reads or writes, and no thread blocks for
+    it (torch's CUDA consumer synchronizes its stream in the deleter instead)."""
 
     _SYNCHRONIZE = object()  # the stream could not be asked: wait for the device
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._added: collections.deque = collections.deque()  # appended by deleters
-        self._waiting: list = []  # (event, device, release), work not done yet
+        self._waiting: list = []  # (events, device, release), work not done yet
 
     def add(self, stream: torch.Stream, release: Callable[[], None]) -> None:
-        event: object = None
+        events: list = []
         try:
-            if not stream.query():
-                event = torch.Event(device=stream.device)
-                event.record(stream)
+            here = current_stream(stream.device)
+            for queue in (stream,) if here == stream else (stream, here):
+                if not queue.query():
+                    event = torch.Event(device=queue.device)
+                    event.record(queue)
+                    events.append(event)
         except Exception:  # e.g. at interpreter shutdown
-            event = self._SYNCHRONIZE
-        self._added.append((event, stream.device, release))
+            events = [self._SYNCHRONIZE]
+        self._added.append((events, stream.device, release))
 
     def poll(self) -> bool:
         """Run the releases whose work is done; returns whether some are still waiting."""
@@ -141,15 +145,15 @@ class DeferredReleases:
             for entry in self._waiting:
                 (ready if self._done(*entry[:2]) else waiting).append(entry)
             self._waiting = waiting
-        for _event, _device, release in ready:
+        for _events, _device, release in ready:
             release()
         return bool(waiting) or bool(self._added)
 
-    def _done(self, event: "torch.Event | object | None", device: torch.device) -> bool:
-        if event is self._SYNCHRONIZE:
+    def _done(self, events: list, device: torch.device) -> bool:
+        if any(event is self._SYNCHRONIZE for event in events):
             torch.accelerator.synchronize(device)
             return True
-        return event is None or cast(torch.Event, event).query()
+        return all(cast(torch.Event, event).query() for event in events)
 
     def forget_after_fork(self) -> None:
         self._lock = threading.Lock()
