@@ -199,6 +199,32 @@ class NixlOwn:
         self.agent.deregister_memory(self.registered)
 
 
+class _Owner:
+    """The spawned process that registers and advertises what the benchmarks read and write."""
+
+    def __init__(self, device: str, nbytes: int, nixl: bool):
+        ctx = mp.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        modules = hook_modules([torch.device(device).type])
+        self._process = ctx.Process(target=owner, args=(theirs, nbytes, device, nixl, modules),
+                                    daemon=True)
+        self._process.start()
+
+    def info(self) -> dict:
+        """What it advertised: metadata and descriptors by method and size."""
+        assert self._conn.poll(TIMEOUT), "the owner did not answer"
+        return self._conn.recv()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("exit")
+            self._conn.poll(TIMEOUT) and self._conn.recv()
+        self._process.join(TIMEOUT)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(TIMEOUT)
+
+
 def measure(device: str, max_bytes: int = 256 << 20, seconds: float = 0.8, rounds: int = 9,
             nixl: bool | None = None,
             progress: Progress | None = None) -> tuple[list[tuple[str, str]], dict]:
@@ -208,20 +234,14 @@ def measure(device: str, max_bytes: int = 256 << 20, seconds: float = 0.8, round
     methods = METHODS if nixl else METHODS[:2]
     progress = progress or Progress("p2p", lines=True)
     progress.start(2 * (len(sizes(max_bytes)) + 1))
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    modules = hook_modules([torch.device(device).type])
-    child = ctx.Process(target=owner, args=(theirs, max_bytes, device, nixl, modules),
-                        daemon=True)
-    child.start()
+    child = _Owner(device, max_bytes, nixl)
     progress.note("p2p: the owner registers and advertises")
     endpoints: dict[str, p2p.Endpoint] = {}
     nixl_own: NixlOwn | None = None
     rows: list[tuple[str, str]] = []
     results: dict[tuple[str, str, str], float] = {}
     try:
-        assert ours.poll(TIMEOUT), "the owner did not answer"
-        info = ours.recv()
+        info = child.info()
         span = max(max_bytes, BATCH * BATCH_STRIDE)
         endpoints = {"devipc": p2p.Endpoint()}
         if nixl:
@@ -265,13 +285,7 @@ def measure(device: str, max_bytes: int = 256 << 20, seconds: float = 0.8, round
             nixl_own.close()
         for endpoint in endpoints.values():
             endpoint.close()
-        with contextlib.suppress(OSError):
-            ours.send("exit")
-            ours.poll(TIMEOUT) and ours.recv()
-        child.join(TIMEOUT)
-        if child.is_alive():
-            child.kill()
-            child.join(TIMEOUT)
+        child.stop()
     return rows, results
 
 
@@ -284,19 +298,14 @@ def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | Non
     nixl = have_nixl(device) if nixl is None else nixl
     progress = progress or Progress("p2p latency", lines=True)
     progress.start(len(LATENCY_SIZES))
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    modules = hook_modules([torch.device(device).type])
     top = max(LATENCY_SIZES)
-    child = ctx.Process(target=owner, args=(theirs, top, device, nixl, modules), daemon=True)
-    child.start()
+    child = _Owner(device, top, nixl)
     endpoint: p2p.Endpoint | None = None
     nixl_own: NixlOwn | None = None
     results: dict[tuple[str, int], float] = {}
     sync = torch.accelerator.synchronize
     try:
-        assert ours.poll(TIMEOUT), "the owner did not answer"
-        info = ours.recv()
+        info = child.info()
         endpoint = p2p.Endpoint()
         connection = endpoint.connect(info["devipc"])
         if nixl:
@@ -334,13 +343,7 @@ def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | Non
             nixl_own.close()
         if endpoint is not None:
             endpoint.close()
-        with contextlib.suppress(OSError):
-            ours.send("exit")
-            ours.poll(TIMEOUT) and ours.recv()
-        child.join(TIMEOUT)
-        if child.is_alive():
-            child.kill()
-            child.join(TIMEOUT)
+        child.stop()
     return results
 
 
