@@ -176,12 +176,15 @@ def test_a_word_table_lays_records_after_its_header():
     try:
         table = WordTable(shared.buffer, 2)
         assert shared.buffer.size == 64 + 3 * 16
-        table.header().value = -1
-        table.word(2, 1).value = 7
+        table.store_header(0, -1)
+        table.store(2, 1, 7)
         assert shared.buffer.int64(0).value == -1 and shared.buffer.int64(8 + 5).value == 7
+        assert table.load_header(0) == -1 and table.load(2, 1) == 7
         assert table.lock_range(2) == (64 + 32, 16)
     finally:
         shared.close()
+    with pytest.raises(ValueError):
+        table.load(2, 1)  # never a load from unmapped memory
 
 
 @pytest.mark.parametrize("flip, where", [(0, "another host"), (4, "another PID namespace")])

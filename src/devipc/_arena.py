@@ -59,59 +59,59 @@ class _Records(WordTable):
         super().__init__(mapping, _FIELDS)
 
     def state(self, index: int) -> int:
-        return self.word(index, 0).value
+        return self.load(index, 0)
 
     def set_state(self, index: int, state: int) -> None:
-        self.word(index, 0).value = state
+        self.store(index, 0, state)
 
     def ack(self, index: int) -> int:
-        return self.word(index, 1).value
+        return self.load(index, 1)
 
     def set_ack(self, index: int, generation: int) -> None:
-        self.word(index, 1).value = generation
+        self.store(index, 1, generation)
 
     def pid(self, index: int) -> int:
-        return self.word(index, 2).value
+        return self.load(index, 2)
 
     def set_pid(self, index: int, pid: int) -> None:
-        self.word(index, 2).value = pid
+        self.store(index, 2, pid)
 
     def serial(self, index: int) -> int:
-        return self.word(index, 3).value
+        return self.load(index, 3)
 
     def set_serial(self, index: int, serial: int) -> None:
-        self.word(index, 3).value = serial
+        self.store(index, 3, serial)
 
     def filling(self) -> int:
         """The newest generation the producer started to fill (-1: none). Under the header lock."""
-        return self.header(0).value
+        return self.load_header(0)
 
     def set_filling(self, generation: int) -> None:
-        self.header(0).value = generation
+        self.store_header(0, generation)
 
     def published(self) -> int:
         """The newest generation complete and visible (-1: none)."""
-        return self.header(_PUBLISHED).value
+        return self.load_header(_PUBLISHED)
 
     def set_published(self, generation: int) -> None:
-        self.header(_PUBLISHED).value = generation
+        self.store_header(_PUBLISHED, generation)
         _futex.wake(self.address(_PUBLISHED))
 
     def acks(self) -> int:
         """A count of acknowledgements (and closes): it changes whenever one lands."""
-        return self.header(_ACKS).value
+        return self.load_header(_ACKS)
 
     def bump_acks(self) -> None:
         """After an acknowledgement: wake a producer waiting for it. Racing bumps may count
         one: the word changes all the same, which is all a waiter looks at."""
-        self.header(_ACKS).value += 1
+        self.store_header(_ACKS, self.load_header(_ACKS) + 1)
         _futex.wake(self.address(_ACKS))
 
     def closed(self) -> bool:
-        return self.header(_CLOSED).value != 0
+        return self.load_header(_CLOSED) != 0
 
     def set_closed(self) -> None:
-        self.header(_CLOSED).value = 1
+        self.store_header(_CLOSED, 1)
         _futex.wake(self.address(_PUBLISHED))
 
     def address(self, header_word: int) -> int:

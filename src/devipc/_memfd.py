@@ -33,10 +33,11 @@ class MappedFile:
     """A MAP_SHARED mapping that, unlike mmap.mmap, keeps no duplicate of the file descriptor.
 
     `fd` is the descriptor of a peer's file this process opened and keeps for byte-range locks
-    (closed with the mapping), or -1.
+    (closed with the mapping), or -1. `words` is the mapping as aligned int64s: a load or store
+    of one is a single instruction, and raises ValueError once the mapping is closed.
     """
 
-    __slots__ = ("address", "size", "fd")
+    __slots__ = ("address", "size", "fd", "words")
 
     def __init__(self, fd: int, size: int, keep_fd: bool = False):
         address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
@@ -44,6 +45,8 @@ class MappedFile:
             raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
         self.address, self.size = address, size
         self.fd = fd if keep_fd else -1
+        whole = (ctypes.c_char * (size // 8 * 8)).from_address(address)
+        self.words = memoryview(whole).cast("B").cast("q")
 
     def int64(self, index: int) -> ctypes.c_int64:
         """The aligned int64 at `index`: loads and stores of it are single instructions."""
@@ -60,6 +63,7 @@ class MappedFile:
     def close(self) -> None:
         """Idempotent."""
         if self.address:
+            self.words.release()  # before the pages go: no load through it reaches them
             _libc.munmap(self.address, self.size)
             self.address = 0
         if self.fd >= 0:
@@ -198,20 +202,27 @@ class WordTable:
 
     HEADER = 64
 
-    __slots__ = ("mapping", "fields")
+    __slots__ = ("mapping", "fields", "_words")
 
     def __init__(self, mapping: MappedFile, fields: int):
         self.mapping, self.fields = mapping, fields
+        self._words = mapping.words
+
+    def load(self, record: int, field: int = 0) -> int:
+        return self._words[self.HEADER // 8 + self.fields * record + field]
+
+    def store(self, record: int, field: int, value: int) -> None:
+        self._words[self.HEADER // 8 + self.fields * record + field] = value
+
+    def load_header(self, index: int = 0) -> int:
+        return self._words[index]
+
+    def store_header(self, index: int, value: int) -> None:
+        self._words[index] = value
 
     @classmethod
     def size(cls, records: int, fields: int) -> int:
         return cls.HEADER + 8 * fields * records
-
-    def header(self, index: int = 0) -> ctypes.c_int64:
-        return self.mapping.int64(index)
-
-    def word(self, record: int, field: int = 0) -> ctypes.c_int64:
-        return self.mapping.int64(self.HEADER // 8 + self.fields * record + field)
 
     def lock_range(self, record: int) -> tuple[int, int]:
         """(start, length) of a record's bytes in the file."""

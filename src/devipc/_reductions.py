@@ -128,8 +128,9 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tu
      event_handle, event_sync_required) = share_device(storage)
     # args[7] carries the device written into args[6]: an overwritten args[6] shows.
     wrapped = wrap_storage_handle(device, handle or b"")
+    # The sizes as a plain tuple, as the strides are: a torch.Size pickles as a global and a call.
     return (rebuild_device_tensor, (
-        type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(), type(storage),
+        type(tensor), tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), type(storage),
         tensor.dtype, device, wrapped, size_bytes, offset_bytes, tensor.requires_grad,
         ref_counter_handle, ref_counter_offset, event_handle, event_sync_required))
 

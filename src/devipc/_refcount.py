@@ -54,16 +54,16 @@ class CounterFile:
 
     # -- layout --
     def cursor(self) -> int:
-        return self._words.header().value
+        return self._words.load_header()
 
     def state(self, index: int) -> int:
-        return self._words.word(index, 0).value
+        return self._words.load(index, 0)
 
     def export(self, index: int) -> int:
-        return self._words.word(index, 1).value
+        return self._words.load(index, 1)
 
     def _set(self, index: int, state: int) -> None:
-        self._words.word(index, 0).value = state
+        self._words.store(index, 0, state)
 
     def _range(self, index: int) -> tuple[int, int]:
         return self._words.lock_range(index)
@@ -86,19 +86,21 @@ class CounterFile:
             if not 0 <= start < SLOTS_PER_FILE:
                 return range(0)
             end = min(start + count, SLOTS_PER_FILE)
-            self._words.header().value = end
+            self._words.store_header(0, end)
             return range(start, end)
         finally:
             _locks.unlock(self.fd, *_CURSOR)
 
     def assign(self, index: int, export: int) -> None:
         """A reserved slot becomes a SENT one for `export`."""
-        self._words.word(index, 1).value = export
-        self._words.word(index, 0).value = SENT
+        self._words.store(index, 1, export)
+        self._words.store(index, 0, SENT)
 
     def _lock_slot(self, index: int) -> None:
         """Lock a slot that nobody holds; SlotError if a consumer holds it."""
         start, length = self._range(index)
+        if _locks.try_lock(self.fd, start, length):
+            return
         # the producer or a forwarder holds it for a few instructions
         backoff = Backoff(_BUSY_SECONDS, first=0.0001, longest=0.0001)
         while not _locks.try_lock(self.fd, start, length):

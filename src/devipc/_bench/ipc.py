@@ -74,10 +74,27 @@ def _median_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any],
     return statistics.median(times[WARM_UP:]) * 1e6
 
 
+def _returns(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _paired_medians_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any],
+                       count: int) -> tuple[float, float]:
+    """Median microseconds of `mode` and of the small message, their round trips alternating:
+    this machine's speed drifts by 2x over seconds, and a ratio of two blocks measured one after
+    the other would carry that drift."""
+    times: list[tuple[float, float]] = []
+    for _ in range(count + WARM_UP):
+        times.append((_round_trip(inbox, outbox, mode, make),
+                      _round_trip(inbox, outbox, "message", lambda: 7)))
+    mode_times, message_times = zip(*times[WARM_UP:])
+    return statistics.median(mode_times) * 1e6, statistics.median(message_times) * 1e6
+
+
 def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
             progress: Progress | None = None) -> list[dict]:
     """[{"size": bytes, "devipc": us, "cpu-shm": us, "via-cpu": us, "message": us}], medians
-    per size; "message" is the small message's round trip, measured before each size."""
+    per size; "message" is the small message's round trip, alternating with devipc's."""
     progress = progress or Progress("ipc", lines=True)
     progress.start(len(sizes) * len(METHODS))
     ctx = mp.get_context("spawn")
@@ -92,11 +109,11 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
             on_device = torch.full((n,), 7, dtype=torch.int32, device=device)
             host = torch.full((n,), 7, dtype=torch.int32).share_memory_()
             count = iterations(nbytes, quick)
-            row: dict = {"size": nbytes,
-                         "message": _median_us(inbox, outbox, "message", lambda: 7,
-                                               iterations(0, quick))}
-            for mode, make in (("devipc", lambda t=on_device: t),
-                               ("cpu-shm", lambda t=host: t),
+            row: dict = {"size": nbytes}
+            row["devipc"], row["message"] = _paired_medians_us(
+                inbox, outbox, "devipc", _returns(on_device), count)
+            progress.step(f"{human(nbytes)} devipc {row['devipc']:.0f} us")
+            for mode, make in (("cpu-shm", lambda t=host: t),
                                ("via-cpu", lambda t=on_device: t.cpu())):
                 row[mode] = _median_us(inbox, outbox, mode, make, count)
                 progress.step(f"{human(nbytes)} {mode} {row[mode]:.0f} us")

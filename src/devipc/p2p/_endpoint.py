@@ -30,6 +30,8 @@ __all__ = ["Connection", "Endpoint", "PreparedTransfer"]
 
 READ, WRITE = "READ", "WRITE"
 _DECODED_KEPT = 4096  # decoded descriptors a connection remembers, by their bytes
+_VECTORS_KEPT = 64  # vectors of descriptors a connection remembers, decoded, by all their bytes
+_VECTOR_MIN = 16  # descriptors from which a vector is remembered whole
 
 
 def _make_transport(transport: str | Transport, agent_name: str) -> Transport:
@@ -177,6 +179,7 @@ class Connection:
         self._endpoint, self.peer_pid = endpoint, meta.pid
         self._page_handle = meta.page
         self._decoded = _wire.Decoded(Descriptor.from_bytes, _DECODED_KEPT)
+        self._vectors: dict[tuple, list[Descriptor]] = {}  # vectors of bytes, decoded and checked
         self._link: Link | None = endpoint._transport.connect(meta)
         self._sub_ranges = bool(getattr(self._link, "sub_ranges", False))
         # (id(descriptor), offset, nbytes) -> (descriptor, its sub-range)
@@ -268,17 +271,42 @@ class Connection:
         if len(locals_) != len(remotes):
             raise ValueError(f"{len(locals_)} local tensors for {len(remotes)} remote "
                              f"descriptors")
-        decoded, page, descs = self._decoded, self._page_handle, []
-        for remote in remotes:  # the common case first: bytes decoded before, of this peer
-            desc = decoded.get(remote) if type(remote) is bytes else None
-            descs.append(desc if desc is not None and desc.page == page
-                         else self._descriptor(remote))
-        if offsets is None:
-            for local, desc in zip(locals_, descs):
-                if type(local) is not torch.Tensor or local.nbytes != desc.nbytes:
-                    _check_local(local, desc)  # says what is wrong (or takes a subclass)
+        whole, tensor = offsets is None, torch.Tensor
+        key = tuple(remotes) if len(remotes) >= _VECTOR_MIN and type(remotes[0]) is bytes \
+            else None
+        try:
+            known = None if key is None else self._vectors.get(key)
+        except TypeError:  # unhashable remotes (a bytearray): decoded one by one
+            key = known = None
+        if known is not None:  # a vector seen before (bytes hash once): only the locals change
+            if whole:
+                for local, desc in zip(locals_, known):
+                    if type(local) is not tensor or local.nbytes != desc.nbytes:
+                        _check_local(local, desc)
+                return known
+            return self._narrow(locals_, known, list(offsets or ()))
+        decoded, page = self._decoded, self._page_handle
+        descs: list[Descriptor] = []
+        append = descs.append
+        for local, remote in zip(locals_, remotes):
+            # the common case first: bytes decoded before, of this peer, the whole range
+            found = decoded.get(remote) if type(remote) is bytes else None
+            desc = found if found is not None and found.page == page \
+                else self._descriptor(remote)
+            if whole and (type(local) is not tensor or local.nbytes != desc.nbytes):
+                _check_local(local, desc)  # says what is wrong (or takes a subclass)
+            append(desc)
+        if key is not None and all(type(remote) is bytes for remote in key):
+            if len(self._vectors) >= _VECTORS_KEPT:
+                self._vectors.clear()
+            self._vectors[key] = descs
+        if whole:
             return descs
-        offsets = list(offsets)
+        return self._narrow(locals_, descs, list(offsets or ()))
+
+    def _narrow(self, locals_: list, descs: list[Descriptor],
+                offsets: list[int]) -> list[Descriptor]:
+        """The sub-ranges of `descs` at `offsets`, as long as the local tensors."""
         if len(offsets) != len(descs):
             raise ValueError(f"{len(offsets)} offsets for {len(descs)} remote descriptors")
         narrowed, kept = [], self._narrowed

@@ -170,27 +170,21 @@ class IpcLink:
             return False
         _, entry, address, device, index = plan
         if local.is_cpu:
-            if index is not None and not torch.accelerator.current_stream(index).query():
+            if index is not None and not _current_stream(index).query():
                 return False
         else:
             here = local.device
             if here == device:
-                if not torch.accelerator.current_stream(index).query():
+                if not _current_stream(index).query():
                     return False
             elif not host_addressable(here) or not _idle((here,) if device is None
                                                          else (here, device)):
                 return False
-        here_address = local.data_ptr()
-        peer = self._peer
-        with peer._lock:  # no unmapping meanwhile: the entry is dropped under this lock first
-            words = peer._words
-            if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
-                return False  # the caller's path says why
-            if op == READ:
-                ctypes.memmove(here_address, address, desc.nbytes)
-            else:
-                ctypes.memmove(address, here_address, desc.nbytes)
-        return True
+        mine = local.data_ptr()
+        # False once the registration ended: the caller's path says why
+        if op == READ:
+            return self._peer.copy_live(entry, mine, address, desc.nbytes)
+        return self._peer.copy_live(entry, address, mine, desc.nbytes)
 
     def _on_host(self, pairs: Iterable[tuple], entries: list[RemoteEntry],
                  locals_: list[torch.Tensor]) -> Transfer:
@@ -231,21 +225,20 @@ class _Vector:
         """The batch again with these local tensors; None where the first path must run (a
         local tensor elsewhere or strided, a registration that ended, no `copy_batch`)."""
         device = self.device
-        here = [local.data_ptr() for local in locals_
-                if local.is_contiguous() and (local.is_cpu or local.device == device)]
         copy_batch = getattr(hooks_for(device), "copy_batch", None)
-        if len(here) != len(self.descs) or copy_batch is None:
+        if copy_batch is None:
             return None
-        distinct = self.distinct
-        with peer._lock:
-            words = peer._words
-            if words is None or any(words[entry.slot] != entry.reg_id or entry._dropped
-                                    for entry in distinct):
+        here = array.array("q")
+        add = here.append
+        for local in locals_:  # the only per-pair work of a post: keep it to three calls
+            if not local.is_contiguous() or not (local.device == device or local.is_cpu):
                 return None
-            for entry in distinct:
-                entry._pins += 1
+            add(local.data_ptr())
+        distinct = self.distinct
+        if not peer.pin_live(distinct):
+            return None
         try:
-            local = torch.frombuffer(array.array("q", here), dtype=torch.int64)
+            local = torch.frombuffer(here, dtype=torch.int64)
             columns = (local, self.remote) if op == READ else (self.remote, local)
             table = torch.stack((*columns, self.sizes), dim=1)
             copy_batch(device.index, table)
@@ -277,7 +270,7 @@ class IpcPrepared:
                 and len(rows[0]) <= _INLINE_PAIRS and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
             # the copies the calling thread may make when these streams are idle
             self._rows = rows[0] if rows is not None and small else None
-            self._streams = streams
+            self._streams = [index for index in streams if index is not None]  # if small
             self._batch = _batch(op, locals_, entries, descs, devices)
             self._pairs = [] if self._batch is not None else [
                 _pair(op, local, entry, desc) for local, entry, desc in
@@ -308,7 +301,7 @@ class IpcPrepared:
                                         for e, d in zip(*owner)):
                 self._owner = owner = None
         if rows is not None and owner is None and all(
-                torch.accelerator.current_stream(index).query() for index in self._streams):
+                _current_stream(index).query() for index in self._streams):
             _move(rows)
             return DONE
         if not devices:  # host memory only: copied here (`close` may unmap it afterwards)
@@ -361,12 +354,17 @@ def _idle(devices: Iterable[torch.device]) -> bool:
     """Whether the current stream of each device (the accelerator's) ran all its work: a copy
     the calling thread makes now is then ordered after that work as one queued there would be,
     and without the hand-over to the stream and back (most of a small copy's cost)."""
-    current = torch.accelerator.current_stream
     for device in devices:
         index = _stream_index(device)
-        if index is None or not current(index).query():
+        if index is None or not _current_stream(index).query():
             return False
     return True
+
+
+def _current_stream(index: int) -> torch.Stream:
+    """The accelerator's current stream of device `index`: torch.accelerator.current_stream
+    without its checks of the argument in Python (the index comes from `_stream_index`)."""
+    return torch._C._accelerator_getStream(index)
 
 
 @functools.lru_cache(maxsize=64)

@@ -129,7 +129,7 @@ class Registry:
     def is_alive(self, reg: Registration) -> bool:
         page = self._page
         return page is not None and page.buffer.address != 0 \
-            and WordTable(page.buffer, 1).word(reg.slot).value == reg.id
+            and WordTable(page.buffer, 1).load(reg.slot) == reg.id
 
     # -- registering --
     def register(self, tensor_or_storage: TensorOrStorage) -> Registration:
@@ -162,7 +162,7 @@ class Registry:
                     finalizer.atexit = False
                     self._by_storage[id(storage)] = reg
                     self._by_id[reg.id] = reg
-                    WordTable(page.buffer, 1).word(reg.slot).value = reg.id
+                    WordTable(page.buffer, 1).store(reg.slot, 0, reg.id)
                     listeners = list(self._listeners)
         finally:
             if reg is None and held is not None:
@@ -221,7 +221,7 @@ class Registry:
                     return False
                 raise NotRegisteredError(f"tensor id {reg_id} was never registered here")
             # Peers stop first: the word goes before anything else does.
-            WordTable(self.page().buffer, 1).word(reg.slot).value = 0
+            WordTable(self.page().buffer, 1).store(reg.slot, 0, 0)
             if self._by_storage.get(reg._key) is reg:
                 del self._by_storage[reg._key]
             self._free_slots.append(reg.slot)

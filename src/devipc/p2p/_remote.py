@@ -280,6 +280,28 @@ class Peer:
         return RemoteEntry(desc, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
 
     # -- copies pin the entries they use: a pinned entry is unmapped only once unpinned --
+    def pin_live(self, entries: list[RemoteEntry]) -> bool:
+        """Pin each of `entries` (cached before) once, if every one is still live and mapped;
+        False, nothing pinned, once one ended (the caller's full path then says why)."""
+        with self._lock:
+            words = self._words
+            if words is None or any(words[entry.slot] != entry.reg_id or entry._dropped
+                                    for entry in entries):
+                return False
+            for entry in entries:
+                entry._pins += 1
+        return True
+
+    def copy_live(self, entry: RemoteEntry, dst: int, src: int, nbytes: int) -> bool:
+        """memmove between host addresses, one of them in `entry`'s mapping, if its registration
+        is still live and mapped: under the lock, so nothing unmaps it meanwhile."""
+        with self._lock:
+            words = self._words
+            if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
+                return False
+            ctypes.memmove(dst, src, nbytes)
+        return True
+
     def unpin(self, entries: Iterable[RemoteEntry]) -> None:
         closing = []
         with self._lock:
