@@ -7,7 +7,8 @@ consumer reads one element of it and replies. Three ways, measured in one run:
 
 The measuring is devipc's own (`devipc bench ipc`, any device); this script runs it on openreg,
 with the sizes and checks of docs/benchmarks.md, then splits devipc's part of a send into its
-phases (producer reduce, consumer open, read, release).
+phases (producer reduce, consumer open, read, release), also while the consumer holds 1,000 and
+10,000 tensors it received before.
 Usage: python benchmarks/ipc_latency.py [--quick]
 """
 import argparse
@@ -30,9 +31,15 @@ def main():
     print(f"4 KiB: devipc / cpu-shm = {small['devipc'] / small['cpu-shm']:.2f} (target <= 1)")
     print(f"devipc 256 MiB / 4 KiB = {large['devipc'] / small['devipc']:.2f} (target <= 1.2)")
     print(f"64 MiB: via-cpu / devipc = {mid['via-cpu'] / mid['devipc']:.1f}x (target >= 20)")
-    split = ipc.phases("openreg", [4 << 10, 256 << 20], count=40 if args.quick else 200)
+    count = 40 if args.quick else 200
+    split = ipc.phases("openreg", [4 << 10, 256 << 20], count=count)
+    for held in (1000, 10_000):  # an engine holding its weights: an open must not scan them
+        split += ipc.phases("openreg", [4 << 10], count=count, held=held)
     print("\nWhere devipc's time goes (a Pipe, no queue thread; medians):\n")
     print(ipc.phase_table(split))
+    print(f"\n4 KiB open with 10,000 received tensors held / with 1,000 held = "
+          f"{split[-1]['open'] / split[-2]['open']:.2f} (target <= 1.2: it does not grow with "
+          f"what is held); / with none = {split[-1]['open'] / split[0]['open']:.2f}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,22 @@ def test_storage_owns_the_memory_until_it_dies():
     assert reap_freed() == 0 and freed == [True]  # once
 
 
+def test_a_bounded_reap_looks_at_the_newest_storages_only():
+    """A hot path's look (an open, a send) costs the same however many storages a process
+    holds: it sees the newest deaths; a full reap (the collector's) sees every one."""
+    backing = torch.zeros(64, dtype=torch.uint8, device="openreg")
+    reap_freed()
+    freed: list[int] = []
+    storages = [storage_from_memory(backing.data_ptr() + i, 1, backing.device,
+                                    lambda i=i: freed.append(i)) for i in range(40)]
+    del storages[0], storages[-1]  # the oldest and the newest die
+    assert reap_freed(newest=8) == 1 and freed == [39]
+    assert reap_freed(newest=8) == 0  # the oldest is not among the 8 newest
+    assert reap_freed() == 1 and freed == [39, 0]
+    del storages
+    assert reap_freed() == 38
+
+
 def test_a_storage_dying_while_an_exception_unwinds_keeps_the_exception():
     """The deleter runs no Python: CPython cannot call it while an exception is set (a ctypes
     callback there turned the user's exception into a SystemError, or crashed)."""

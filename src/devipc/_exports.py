@@ -94,8 +94,8 @@ class Exports:
     def send(self, storage: torch.UntypedStorage, wire: tuple[bytes, int],
              ) -> tuple[ProducerFile, int]:
         """A slot for one more send of `storage`'s memory, which the hooks named `wire`."""
-        reap_freed()  # an export whose storage died must not be taken for this one
         key = storage_key(storage)
+        self._reap_if_died(key)
         with self._lock:
             finished = self._apply_dropped()
             export = self._export_of(storage, key)
@@ -132,8 +132,8 @@ class Exports:
     def hold(self, storage: torch.UntypedStorage, on_moved: Callable[[], object]) -> Hold:
         """Keep `storage`'s allocation alive until `release(hold)`, whatever becomes of the
         storage; `on_moved` as in `Hold`."""
-        reap_freed()  # as in `send`
         key = storage_key(storage)
+        self._reap_if_died(key)
         with self._lock:
             finished = self._apply_dropped()
             export = self._export_of(storage, key)
@@ -152,6 +152,14 @@ class Exports:
                 self._moved.remove(hold)
             finished = self._apply_dropped(export)
         self._let_go(finished)
+
+    def _reap_if_died(self, key: tuple) -> None:
+        """An export of this key whose storage died (its deleter ran, `reap_freed` has not) must
+        not be taken for a new storage at the same address: reap first. Only then: a scan of
+        every storage would cost a send in proportion to what the process exported."""
+        export = self._by_key.get(key)
+        if export is not None and (export.mark is None or not lives(export.mark)):
+            reap_freed()
 
     def _export_of(self, storage: torch.UntypedStorage, key: tuple) -> Export:
         export = self._by_key.get(key)

@@ -18,6 +18,7 @@ Two kinds, one collection point (`reap_freed`):
 collector thread.
 """
 import ctypes
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -100,12 +101,22 @@ _live: dict[int, tuple] = {}
 _referenced: dict[int, tuple] = {}
 
 
-def reap_freed() -> int:
+def reap_freed(newest: int | None = None) -> int:
     """Run `on_free` of every storage that died since the last call; how many. Safe from any
-    thread and re-entrant: each runs once."""
-    dead = [address for address, entry in list(_live.items()) if entry[0][0] != _LIVE]
+    thread and re-entrant: each runs once.
+
+    `newest`: look only at that many of the storages made last, of each kind: a bounded look
+    for the hot paths, whose cost must not grow with what a process holds (a consumer holding
+    10,000 received weights would otherwise scan them at every open). The storage a loop drops
+    is among the newest; the collector's rounds look at all of them."""
+    if newest is None:
+        aliases, received = list(_live.items()), list(_referenced.items())
+    else:  # C iterators only: no other thread runs, the dicts cannot change meanwhile
+        aliases = list(itertools.islice(reversed(_live.items()), newest))
+        received = list(itertools.islice(reversed(_referenced.items()), newest))
+    dead = [address for address, entry in aliases if entry[0][0] != _LIVE]
     freed = [entry for address in dead if (entry := _live.pop(address, None)) is not None]
-    dead = [key for key, entry in list(_referenced.items()) if entry[0].expired()]
+    dead = [key for key, entry in received if entry[0].expired()]
     freed += [entry for key in dead if (entry := _referenced.pop(key, None)) is not None]
     for entry in freed:
         try:

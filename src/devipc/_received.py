@@ -78,9 +78,12 @@ class ReceivedStorages:
                 self._by_key.pop(key, None)
 
     def get(self, storage: torch.UntypedStorage) -> Receipt | None:
+        """The receipt of a live storage: the newest of its key. An older one is a storage that
+        died, not reaped yet: a receive of memory received here before finds that storage in
+        torch's shared cache while it lives, so only its death lets a second one be made."""
         with self._lock:
             receipts = self._by_key.get(storage_key(storage))
-            return next(iter(receipts)) if receipts else None
+            return next(reversed(receipts)) if receipts else None
 
 
 def current_stream(device: torch.device) -> torch.Stream:
@@ -135,9 +138,10 @@ class DeferredReleases:
             events = [self._SYNCHRONIZE]
         self._added.append((events, stream.device, release))
 
-    def poll(self) -> bool:
-        """Run the releases whose work is done; returns whether some are still waiting."""
-        reap_freed()  # storages that died since: their releases are added first
+    def poll(self, newest: int | None = None) -> bool:
+        """Run the releases whose work is done; returns whether some are still waiting.
+        `newest` bounds the look for storages that died (`reap_freed`)."""
+        reap_freed(newest)  # storages that died since: their releases are added first
         with self._lock:
             while self._added:
                 self._waiting.append(self._added.popleft())

@@ -49,6 +49,7 @@ def _wake_collector() -> None:
     _background.wake()
 
 
+_NEWEST = 16  # storages made last that a send or an open looks at for deaths (`reap_freed`)
 _exports = Exports(wake=_wake_collector)
 _counters = ConsumerCounters()
 _opened = OpenedAllocations()
@@ -112,7 +113,7 @@ def share_device(storage: torch.UntypedStorage) -> SharedStorage:
         return SharedStorage(device, None, 0, 0, None, 0, b"", False)
     sent = _exports.send_again(storage)
     if sent is None:
-        _deferred.poll()  # storages that died since, received ones included, are forgotten
+        _deferred.poll(_NEWEST)  # releases that are due, as an open runs them
         receipt = _received.get(storage)
         if receipt is not None:
             return _forward(storage, receipt)
@@ -201,8 +202,9 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
             # Pending releases run after the acquire: an allocation sent again (weights synced
             # every step) stays mapped, rather than unmapped and mapped again, pages re-faulted.
             # Here rather than in the collector: every slot a process holds makes the kernel's
-            # next lock of the counter file slower.
-            _deferred.poll()
+            # next lock of the counter file slower. Only the newest storages are looked at: what
+            # a loop received and dropped; the collector sees the others.
+            _deferred.poll(_NEWEST)
             return storage
         except BaseException:
             _opened.release(handle)

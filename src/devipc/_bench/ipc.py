@@ -146,7 +146,16 @@ def phase_consumer(conn: Any, modules: list[str]) -> None:
     """Unpickles what comes through `conn` (a Pipe: no queue thread), reads one element, drops
     it, and replies with the times of each."""
     load_modules(modules)
+    kept = []
     while (data := conn.recv_bytes()) != b"stop":
+        if data.startswith(_KEEP):  # received and held, as an engine holds its weights
+            kept.append(ForkingPickler.loads(data[len(_KEEP):]))
+            conn.send(None)
+            continue
+        if data == _DROP:
+            kept.clear()
+            conn.send(None)
+            continue
         start = time.perf_counter()
         tensor = ForkingPickler.loads(data)
         opened = time.perf_counter()
@@ -156,15 +165,26 @@ def phase_consumer(conn: Any, modules: list[str]) -> None:
         conn.send((value, opened - start, read - opened, time.perf_counter() - read))
 
 
-def phases(device: str, sizes: list[int], count: int = 200) -> list[dict]:
-    """[{"size", "reduce", "open", "read", "release"}]: medians in us of each part of a send."""
+_KEEP, _DROP = b"keep:", b"drop"
+
+
+def phases(device: str, sizes: list[int], count: int = 200, held: int = 0) -> list[dict]:
+    """[{"size", "reduce", "open", "read", "release"}]: medians in us of each part of a send;
+    with `held`, while the consumer holds that many tensors it received before (separate
+    allocations of 64 bytes), as an inference engine holds its weights."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=phase_consumer,
                        args=(theirs, hook_modules([torch.device(device).type])), daemon=True)
     proc.start()
     rows = []
+    weights = [torch.full((16,), 1, dtype=torch.int32, device=device) for _ in range(held)]
     try:
+        for weight in weights:
+            mine.send_bytes(_KEEP + bytes(ForkingPickler.dumps(weight)))
+            if not mine.poll(TIMEOUT):
+                raise TimeoutError("the consumer did not answer")
+            mine.recv()
         for nbytes in sizes:
             tensor = torch.full((nbytes // 4,), 7, dtype=torch.int32, device=device)
             times: list[tuple[float, ...]] = []
@@ -179,8 +199,11 @@ def phases(device: str, sizes: list[int], count: int = 200) -> list[dict]:
                 assert value == 7, f"the consumer read {value}"
                 times.append((reduced, *parts))
             medians = [statistics.median(column) * 1e6 for column in zip(*times[WARM_UP:])]
-            rows.append({"size": nbytes, **dict(zip(PHASES, medians))})
+            rows.append({"size": nbytes, "held": held, **dict(zip(PHASES, medians))})
             del tensor
+        mine.send_bytes(_DROP)
+        if mine.poll(TIMEOUT):
+            mine.recv()
         mine.send_bytes(b"stop")
         proc.join(TIMEOUT)
     finally:
@@ -191,9 +214,11 @@ def phases(device: str, sizes: list[int], count: int = 200) -> list[dict]:
 
 
 def phase_table(rows: list[dict]) -> str:
-    return markdown(["size", "producer: reduce (us)", "consumer: open, previous release (us)",
-                     "consumer: read one element (us)", "consumer: drop (us)"],
-                    [[human(r["size"]), *(f"{r[p]:.0f}" for p in PHASES)] for r in rows])
+    return markdown(["size", "tensors the consumer holds", "producer: reduce (us)",
+                     "consumer: open, previous release (us)", "consumer: read one element (us)",
+                     "consumer: drop (us)"],
+                    [[human(r["size"]), f"{r.get('held', 0):,}", *(f"{r[p]:.0f}" for p in PHASES)]
+                     for r in rows])
 
 
 def panel(rows: list[dict], device: str) -> Panel:
