@@ -25,7 +25,7 @@ class Background:
     def __init__(self, name: str, round_: Callable[[], bool]):
         """`round_` does one round of work and says whether more is pending."""
         self._name, self._round = name, round_
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # `wake` may run in a finalizer, inside `wake`
         self._stop = threading.Event()
         self._running = False
         self._kicked = False
@@ -70,6 +70,6 @@ class Background:
         self._stop.set()
 
     def _forget_thread(self) -> None:
-        self._lock = threading.Lock()  # a forked child has no thread, and maybe a held lock
+        self._lock = threading.RLock()  # a forked child has no thread, and maybe a held lock
         self._running = False
         self._kicked = False

@@ -138,6 +138,11 @@ class DeferredReleases:
             events = [self._SYNCHRONIZE]
         self._added.append((events, stream.device, release))
 
+    def keep_until(self, events: list[torch.Event], keep: object) -> None:
+        """Keep `keep` alive until `events` completed: what device copies still read or write
+        (a transfer dropped in flight). No lock, as `add`: a finalizer may call it."""
+        self._added.append((events, events[0].device, lambda: keep))
+
     def poll(self, newest: int | None = None) -> bool:
         """Run the releases whose work is done; returns whether some are still waiting.
         `newest` bounds the look for storages that died (`reap_freed`)."""

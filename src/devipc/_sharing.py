@@ -39,11 +39,10 @@ from ._received import (
 from ._refcount import ConsumerCounters, check_slot
 
 __all__ = ["Hold", "LIMBO_WARN_BLOCKS", "SharedStorage", "check_grad", "empty_storage", "hold",
-           "ipc_collect", "local_device", "new_shared_device", "open_shared", "received_via_ipc",
-           "release_hold",
-           "release_ipc_counter_device", "requested_device", "revoke", "revoke_send",
-           "send_unopened", "set_unopened_deadline", "share_device", "stats", "takes_slots",
-           "unsendable"]
+           "ipc_collect", "keep_until_done", "local_device", "new_shared_device", "open_shared",
+           "received_via_ipc", "release_hold", "release_ipc_counter_device", "requested_device",
+           "revoke", "revoke_send", "send_unopened", "set_unopened_deadline", "share_device",
+           "stats", "takes_slots", "unsendable"]
 
 def _wake_collector() -> None:
     _background.wake()
@@ -318,6 +317,13 @@ def revoke(storage: TensorOrStorage) -> int:
 def revoke_send(counter_handle: bytes, slot: int) -> bool:
     """Producer: take back the one send named by (counter handle, slot) if nobody opened it."""
     return _exports.revoke_slot(counter_handle, slot)
+
+
+def keep_until_done(events: list[torch.Event], keep: object) -> None:
+    """Keep `keep` until the device work before `events` ran (`ipc_collect` or the collector's
+    rounds let go of it then); callable from a finalizer."""
+    _deferred.keep_until(events, keep)
+    _background.wake()
 
 
 def hold(storage: TensorOrStorage, on_moved: Callable[[], object]) -> Hold:

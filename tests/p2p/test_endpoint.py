@@ -110,6 +110,30 @@ def test_device_transfers_are_queued_on_the_callers_current_stream(owner, peer):
 
 
 @both_modes
+def test_a_transfer_dropped_in_flight_keeps_the_peers_memory_until_its_copy_ran(owner, peer):
+    """Queued on a stream of its own, dropped without wait(), its registration ended and the
+    connection closed: the mapping it copies from is released only once the copy ran."""
+    _settle()
+    tensor_id, whole = owner.call("create", torch.arange(16, dtype=torch.float32), "openreg")
+    local = torch.zeros(16, device="openreg")
+    peer.read(local, whole)  # mapped while the default stream is current
+    local.zero_()
+    side = torch.Stream(device="openreg")  # neither the stream it was mapped on nor ours
+    with held_stream(side, TIMEOUT) as gate:
+        with side:
+            peer.read_async(local, whole)  # dropped at once
+        owner.call("drop", tensor_id)  # the owner lets go: only this process keeps its memory
+        peer.close()  # the mapping goes, but for the transfer's copy
+        devipc.ipc_collect()
+        assert devipc.stats()["pending_releases"] >= 1  # not released under the queued copy
+        gate.open()
+        side.synchronize()
+    _settle()  # now it goes
+    assert local.cpu().tolist() == list(range(16))
+    _owner_idle(owner)
+
+
+@both_modes
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_dtypes_cross_bit_for_bit(owner, peer, device):
     generator = torch.Generator().manual_seed(0)

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from .._backoff import Backoff
+from .._sharing import keep_until_done
 
 __all__ = ["DONE", "Transfer", "run_on_host"]
 
@@ -48,6 +49,12 @@ class Transfer:
         self._handle = handle  # a transport's object with done() / wait(timeout)
         self._keep = keep  # what must outlive the copies (remote views, pinned mappings)
         self._finished = finished  # True: done when made (copies the calling thread made)
+
+    def __del__(self) -> None:
+        # Dropped in flight: what its copies read and write (a peer's mapping, the local
+        # tensors) stays until they ran, on whichever streams they were queued.
+        if not self._finished and self._events and self._keep:
+            keep_until_done(self._events, self._keep)
 
     def done(self) -> bool:
         if self._finished:
