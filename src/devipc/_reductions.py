@@ -89,10 +89,17 @@ def _check_view(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
                 size: tuple[int, ...], stride: tuple[int, ...]) -> None:
     """A view must fit its storage: torch would try to grow the storage, which shared memory
     refuses with a RuntimeError that says nothing about a bad handle."""
-    if 0 in size:
-        return
-    last = offset + sum((n - 1) * step for n, step in zip(size, stride))
-    if offset < 0 or min(stride, default=0) < 0 or (last + 1) * dtype.itemsize > storage.nbytes():
+    if len(size) == 1 and len(stride) == 1:  # the common case, without generators
+        (n,), (step,) = size, stride
+        if n == 0:
+            return
+        last, lowest = offset + (n - 1) * step, step
+    else:
+        if 0 in size:
+            return
+        last = offset + sum((n - 1) * step for n, step in zip(size, stride))
+        lowest = min(stride, default=0)
+    if offset < 0 or lowest < 0 or (last + 1) * dtype.itemsize > storage.nbytes():
         raise InvalidHandleError(f"a {dtype} view of size {tuple(size)}, stride {tuple(stride)} "
                                  f"at offset {offset} does not fit a storage of "
                                  f"{storage.nbytes()} bytes")

@@ -11,7 +11,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -182,6 +182,10 @@ class Connection:
         self._vectors: dict[tuple, list[Descriptor]] = {}  # vectors of bytes, decoded and checked
         self._link: Link | None = endpoint._transport.connect(meta)
         self._sub_ranges = bool(getattr(self._link, "sub_ranges", False))
+        # a link's optional `again(op, local, desc) -> bool`: a synchronous copy of one whole
+        # descriptor made again as before, or False for `post`
+        self._again: Callable[[str, torch.Tensor, Descriptor], bool] | None = \
+            getattr(self._link, "again", None)
         # (id(descriptor), offset, nbytes) -> (descriptor, its sub-range)
         self._narrowed: dict[tuple[int, int, int], tuple[Descriptor, Descriptor]] = {}
         self._prepared: weakref.WeakSet[PreparedTransfer] = weakref.WeakSet()
@@ -336,7 +340,7 @@ class Connection:
         if desc is None or offset is not None or link is None or desc.page != self._page_handle \
                 or type(local) is not torch.Tensor or local.nbytes != desc.nbytes:
             self._post(op, [local], [remote], True, None if offset is None else (offset,))
-        else:
+        elif self._again is None or not self._again(op, local, desc):
             link.post(op, [local], [desc], True).wait()
 
     def _post(self, op: str, locals_: list, remotes: list, wait: bool,

@@ -92,6 +92,12 @@ class IpcLink:
     def prepare(self, op: str, locals_: list, descs: list) -> "IpcPrepared":
         return IpcPrepared(self._peer, op, locals_, descs)
 
+    def again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
+        """A synchronous copy of `desc` (whole) made as the last one was, if it can be: the
+        connection's shortcut past `post` for its `read` and `write`."""
+        self._peer.check_alive()
+        return self._again(op, local, desc)
+
     def post(self, op: str, locals_: list, descs: list, wait: bool) -> Transfer:
         peer = self._peer
         peer.check_alive()
@@ -300,8 +306,7 @@ class IpcPrepared:
             if rows is not None and all(not d.event or d.event in e.waited
                                         for e, d in zip(*owner)):
                 self._owner = owner = None
-        if rows is not None and owner is None and all(
-                _current_stream(index).query() for index in self._streams):
+        if rows is not None and owner is None and _all_idle(self._streams):
             _move(rows)
             return DONE
         if not devices:  # host memory only: copied here (`close` may unmap it afterwards)
@@ -357,6 +362,14 @@ def _idle(devices: Iterable[torch.device]) -> bool:
     for device in devices:
         index = _stream_index(device)
         if index is None or not _current_stream(index).query():
+            return False
+    return True
+
+
+def _all_idle(indices: list[int]) -> bool:
+    """Whether the accelerator's current stream of each device index ran all its work."""
+    for index in indices:
+        if not torch._C._accelerator_getStream(index).query():
             return False
     return True
 

@@ -136,7 +136,11 @@ class Peer:
             page = self._words
             if page is None:
                 raise ValueError("this connection is closed: connect again")
-            ended = next((reg_id for slot, reg_id in words if page[slot] != reg_id), None)
+            ended = None
+            for slot, reg_id in words:  # one or a few: a loop, no generator
+                if page[slot] != reg_id:
+                    ended = reg_id
+                    break
         if ended is not None:
             self.sweep()
             raise self._freed(ended)

@@ -44,7 +44,9 @@ class Link(Protocol):
     (`Descriptor.narrow`): `offset`/`nbytes` are the range to move and `shift` how far it starts
     past the advertised one. Only a link with `sub_ranges = True` is given such descriptors (a
     transport whose `extra` names an address adds `shift` to it); an optional
-    `prepare(op, locals_, descs) -> Prepared` replaces the default, which re-posts."""
+    `prepare(op, locals_, descs) -> Prepared` replaces the default, which re-posts; an optional
+    `again(op, local, desc) -> bool` may make a synchronous `read`/`write` of one whole
+    descriptor itself (True once done; False: the connection calls `post`)."""
 
     def post(self, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]",
              wait: bool) -> "Transfer":
