@@ -300,15 +300,15 @@ class IpcPrepared:
     def _post(self) -> Transfer:
         peer = self._peer
         peer.check_alive()
-        peer.check_live(self._words)
         devices, owner, rows = self._devices, self._owner, self._rows
         if owner is not None:  # the owner's advertisement events, waited for once
             if rows is not None and all(not d.event or d.event in e.waited
                                         for e, d in zip(*owner)):
                 self._owner = owner = None
-        if rows is not None and owner is None and _all_idle(self._streams):
-            _move(rows)
+        if rows is not None and owner is None and _all_idle(self._streams) \
+                and peer.move_live(self._words, rows):  # liveness and copies, one lock
             return DONE
+        peer.check_live(self._words)
         if not devices:  # host memory only: copied here (`close` may unmap it afterwards)
             _copy(self._pairs)
             return DONE

@@ -296,6 +296,22 @@ class Peer:
                 entry._pins += 1
         return True
 
+    def move_live(self, words: list[tuple[int, int]],
+                  rows: list[tuple[int, int, int]]) -> bool:
+        """memmove each (destination, source, bytes) of `rows`, host addresses in mappings
+        pinned by the caller, if every (slot, registration id) of `words` is still live; False,
+        nothing copied, once one ended (`check_live` says which) or the connection closed."""
+        with self._lock:
+            page = self._words
+            if page is None:
+                return False
+            for slot, reg_id in words:
+                if page[slot] != reg_id:
+                    return False
+            for dst, src, nbytes in rows:
+                ctypes.memmove(dst, src, nbytes)
+        return True
+
     def copy_live(self, entry: RemoteEntry, dst: int, src: int, nbytes: int) -> bool:
         """memmove between host addresses, one of them in `entry`'s mapping, if its registration
         is still live and mapped: under the lock, so nothing unmaps it meanwhile."""
