@@ -2,6 +2,7 @@
 on, host copies with a future of a small thread pool, network ones with the transport's handle.
 """
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -53,8 +54,8 @@ class Transfer:
     def __del__(self) -> None:
         # Dropped in flight: what its copies read and write (a peer's mapping, the local
         # tensors) stays until they ran, on whichever streams they were queued.
-        if not self._finished and self._events and self._keep:
-            keep_until_done(self._events, self._keep)
+        if not self._finished and self._events and self._keep and not sys.is_finalizing():
+            keep_until_done(self._events, self._keep)  # at exit, all goes with the process
 
     def done(self) -> bool:
         if self._finished:
