@@ -201,3 +201,28 @@ def test_dropping_received_memory_waits_for_copies_queued_on_it():
     assert int(out[0]) == int(out[-1]) == 3
     del source
     _drain()
+
+
+def test_opened_allocations_find_an_address_by_its_range():
+    """`contains` (every first send asks it) bisects the ranges held, per device type."""
+    from devipc._received import OpenedAllocations
+    from devipc.hooks import OpenedMemory
+
+    closed = []
+
+    class Hooks:
+        def open_ipc_mem_handle(self, handle):
+            base = int.from_bytes(handle, "little")
+            return OpenedMemory(base, 100, torch.device("openreg", 0),
+                                lambda: closed.append(base))
+
+    opened, hooks = OpenedAllocations(), Hooks()
+    for base in (5000, 1000, 3000):
+        opened.acquire(hooks, base.to_bytes(4, "little"))
+    device = torch.device("openreg", 0)
+    assert [ptr for ptr in (999, 1000, 1099, 1100, 2999, 3050, 5099, 5100)
+            if opened.contains(device, ptr)] == [1000, 1099, 3050, 5099]
+    assert not opened.contains(torch.device("cpu"), 1000)  # another device type
+    opened.release((3000).to_bytes(4, "little"))
+    assert closed == [3000] and not opened.contains(device, 3050)
+    assert opened.contains(device, 1050) and opened.contains(device, 5050) and len(opened) == 2

@@ -1,6 +1,7 @@
 """Consumer: the producers' allocations this process opened, the storages it made of them, and
 releases that wait for the device work this process queued on them.
 """
+import bisect
 import collections
 import threading
 from collections.abc import Callable
@@ -14,11 +15,13 @@ from ._memory import reap_freed, storage_key
 
 class OpenedAllocations:
     """The consumer's opened base allocations (the hooks' OpenedMemory): each opened once per
-    process, closed with its last storage."""
+    process, closed with its last storage. Their address ranges are kept sorted per device type,
+    so `contains` (asked by every first send) costs a bisection, not a scan of what is held."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_handle: dict[bytes, list] = {}  # handle -> [OpenedMemory, live storages]
+        self._ranges: dict[str, tuple[list[int], list[int]]] = {}  # device type -> starts, ends
 
     def acquire(self, hooks: IpcHooks, handle: bytes) -> OpenedMemory:
         with self._lock:
@@ -29,6 +32,10 @@ class OpenedAllocations:
             # Opening under the lock: two threads must not map the same allocation twice.
             memory = hooks.open_ipc_mem_handle(handle)
             self._by_handle[handle] = [memory, 1]
+            starts, ends = self._ranges.setdefault(memory.device.type, ([], []))
+            at = bisect.bisect_right(starts, memory.ptr)
+            starts.insert(at, memory.ptr)
+            ends.insert(at, memory.ptr + max(memory.size, 1))
             return memory
 
     def release(self, handle: bytes) -> None:
@@ -38,12 +45,20 @@ class OpenedAllocations:
             if entry[1] > 0:
                 return
             del self._by_handle[handle]
-        entry[0].close()
+            memory = entry[0]
+            starts, ends = self._ranges[memory.device.type]
+            at = bisect.bisect_left(starts, memory.ptr)  # live mappings never overlap
+            del starts[at], ends[at]
+        memory.close()
 
     def contains(self, device: torch.device, ptr: int) -> bool:
         with self._lock:
-            return any(m.device.type == device.type and m.ptr <= ptr < m.ptr + max(m.size, 1)
-                       for m, _ in self._by_handle.values())
+            ranges = self._ranges.get(device.type)
+            if ranges is None:
+                return False
+            starts, ends = ranges
+            at = bisect.bisect_right(starts, ptr) - 1
+            return at >= 0 and ptr < ends[at]
 
     def __len__(self) -> int:
         with self._lock:

@@ -196,18 +196,26 @@ def event_elapsed_ms(start, end):
     return ms.value
 
 
+_GATE_BUFFERS: list = []
+
+
 class Gate:
     """A POSIX semaphore that holds streams back deterministically, never with sleeps: a stream
     running `hold(stream)` stops there until someone calls `open()`.
 
-    Without `addr` it lives in a buffer of its own; at `addr` (32 bytes) in openreg memory and
-    `shared`, another process that mapped that memory can open it with `Gate.at(addr).open()`.
+    Without `addr` it lives in a buffer of its own, never freed: a stream worker woken by
+    `open()` may still be inside `sem_wait`, writing the semaphore's words, after `sem_post`
+    returned (POSIX: a semaphore may be destroyed only once no thread waits on it). Freed with
+    the Gate, that write landed in whatever malloc put there next: a rare segfault of the test
+    process, one or two tests later. At `addr` (32 bytes) in openreg memory and `shared`, another
+    process that mapped that memory can open it with `Gate.at(addr).open()`.
     """
 
     def __init__(self, addr=None, shared=False):
         if addr is None:
-            self._buffer = ctypes.create_string_buffer(64)
-            addr = ctypes.addressof(self._buffer)
+            buffer = ctypes.create_string_buffer(64)
+            _GATE_BUFFERS.append(buffer)  # 64 bytes a gate, for the life of the process
+            addr = ctypes.addressof(buffer)
         self.addr = addr
         assert _libc.sem_init(ctypes.c_void_p(addr), int(shared), 0) == 0
 
