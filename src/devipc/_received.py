@@ -103,8 +103,8 @@ class ReceivedStorages:
 
 def current_stream(device: torch.device) -> torch.Stream:
     """This thread's current stream of `device`: for the accelerator, one call into torch's C++
-    (torch.accelerator.current_stream checks its argument in Python first: twice the cost of a
-    whole open), else through the device's module."""
+    (torch.accelerator.current_stream checks its argument in Python first: ~2.5 us a call here,
+    against 0.15 us), else through the device's module."""
     if device.index is not None and device.type == _accelerator_type():
         return torch._C._accelerator_getStream(device.index)
     return torch.get_device_module(device).current_stream(device)
