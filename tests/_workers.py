@@ -384,6 +384,18 @@ class TinyGPT(torch.nn.Module):
         return self.head(hidden * self.mask[: tokens.shape[-1], : tokens.shape[-1]].sum())
 
 
+def train_step(model, value):
+    """What a training step does to the weights: writes every one of them in place."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+        model.mask.add_(1)
+
+
+def snapshot(model):
+    return {name: t.detach().cpu().tolist() for name, t in model.state_dict().items()}
+
+
 def weight_subscriber(conn, token, generations, into):
     """Subscribes, then for each generation: waits, reports what it sees (its own model's state
     after copy_into, or the zero-copy views) and acknowledges."""

@@ -19,18 +19,6 @@ def _drain():
     wait_until(lambda: devipc.stats()["sent"] == 0, "every send ended", collect=True)
 
 
-def _step(model, value):
-    """What a training step does to the weights: writes every one of them in place."""
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.fill_(value)
-        model.mask.add_(1)
-
-
-def _snapshot(model):
-    return {name: t.detach().cpu().tolist() for name, t in model.state_dict().items()}
-
-
 def _subscribe(children, publisher, generations, into=False):
     proc, conn = children.start_piped(_workers.weight_subscriber, publisher.token(), generations,
                                       into)
@@ -43,7 +31,7 @@ def test_pack_module_keeps_identity_ties_and_buffers_and_the_optimizer_works():
     early = torch.optim.SGD(model.parameters(), lr=0.5)  # made before packing
     parameters = list(model.parameters())
     scratch = model.scratch
-    before = _snapshot(model)
+    before = _workers.snapshot(model)
     packed = devipc.pack_module(model)
     assert list(model.parameters()) == parameters  # the same objects
     assert set(packed) == set(model.state_dict())
@@ -52,7 +40,7 @@ def test_pack_module_keeps_identity_ties_and_buffers_and_the_optimizer_works():
     assert model.head.weight is model.embed.weight  # still tied
     assert packed["head.weight"].data_ptr() == packed["embed.weight"].data_ptr()
     assert model.scratch is scratch and scratch.untyped_storage().data_ptr() not in storages
-    assert _snapshot(model) == before
+    assert _workers.snapshot(model) == before
     model(torch.tensor([[1, 2, 3]], device="openreg")).square().mean().backward()
     early.step()
     assert {t.untyped_storage().data_ptr() for t in model.state_dict().values()} == storages
@@ -87,8 +75,8 @@ def test_two_subscribers_see_every_generation_exactly(children, copy):
         with pytest.raises(TimeoutError, match="2 of 3"):
             publisher.wait_subscribers(3, timeout=0.1)
         for step in range(3):
-            _step(model, float(step + 1))
-            expected = _snapshot(model)
+            _workers.train_step(model, float(step + 1))
+            expected = _workers.snapshot(model)
             assert publisher.publish(timeout=TIMEOUT) == step  # both acknowledged
             for _, conn in (views, engine):
                 generation, seen = recv(conn)
@@ -112,10 +100,10 @@ def test_with_copy_the_trainer_writes_at_once_and_subscribers_never_see_it(child
     with devipc.WeightPublisher(model, copy=True) as publisher:  # no packing needed: a copy
         _, conn = _subscribe(children, publisher, 4)
         for step in range(4):
-            _step(model, float(step + 1))
-            expected = _snapshot(model)
+            _workers.train_step(model, float(step + 1))
+            expected = _workers.snapshot(model)
             generation = publisher.publish(wait=False)
-            _step(model, -1.0)  # the next step's writes, while the engine may still read
+            _workers.train_step(model, -1.0)  # the next step writes while the engine may read
             seen_generation, seen = recv(conn)
             assert seen_generation == generation == step
             assert seen == expected, step
@@ -128,9 +116,9 @@ def test_a_late_subscriber_gets_the_newest_generation(children):
     model = _workers.TinyGPT()
     with devipc.WeightPublisher(model, copy=True) as publisher:
         for step in range(3):
-            _step(model, float(step + 1))
+            _workers.train_step(model, float(step + 1))
             publisher.publish(timeout=TIMEOUT)  # nobody subscribed: nothing to wait for
-        expected = _snapshot(model)
+        expected = _workers.snapshot(model)
         _, conn = _subscribe(children, publisher, 1)
         generation, seen = recv(conn)
         assert generation == 2 and seen == expected

@@ -12,7 +12,6 @@ from multiprocessing.connection import Connection
 
 import _workers
 import pytest
-import torch
 from _support import TIMEOUT, open_fds, recv, shm_entries
 
 import devipc
@@ -143,17 +142,6 @@ def remote(loopback):
         subscriber.kill()
 
 
-def _step(model, value):
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.fill_(value)
-        model.mask.add_(1)
-
-
-def _snapshot(model):
-    return {name: t.detach().cpu().tolist() for name, t in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("copy", [False, True])
 def test_a_subscriber_in_other_namespaces_gets_every_generation_exactly(remote, copy):
     model = _workers.TinyGPT()
@@ -162,7 +150,7 @@ def test_a_subscriber_in_other_namespaces_gets_every_generation_exactly(remote, 
     with devipc.WeightPublisher(model, copy=copy, transport="nixl") as publisher:
         first = 0
         if copy:  # a late subscriber gets the newest generation at once
-            _step(model, 0.5)
+            _workers.train_step(model, 0.5)
             assert publisher.publish(timeout=TIMEOUT) == 0  # nobody to wait for
             first = 1
         pid, sees_publisher = remote.ask("open", publisher.token(), os.getpid())
@@ -171,10 +159,10 @@ def test_a_subscriber_in_other_namespaces_gets_every_generation_exactly(remote, 
         remote.commands.send(("generations", 3))
         if copy:
             generation, views, own = recv(remote.replies)
-            assert generation == 0 and views == own == _snapshot(model)
+            assert generation == 0 and views == own == _workers.snapshot(model)
         for step in range(first, 3):
-            _step(model, float(step + 1))
-            expected = _snapshot(model)
+            _workers.train_step(model, float(step + 1))
+            expected = _workers.snapshot(model)
             assert publisher.publish(timeout=TIMEOUT) == step  # returns once acknowledged
             assert publisher.subscribers() == {
                 0: {"state": "attached", "acknowledged": step, "pid": pid}}
@@ -276,7 +264,7 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
         late = devipc.WeightSubscriber(publisher.token())
         with pytest.raises(TimeoutError):
             late.wait(timeout=0.2)
-        _step(model, 1.0)
+        _workers.train_step(model, 1.0)
         publisher.publish(wait=False)
         pull = late._pull
 
@@ -290,7 +278,7 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
         monkeypatch.undo()
         publisher._words[_publisher_remote._FILLING] = 1  # generation 1 is stable again
         assert late.wait(timeout=TIMEOUT) == 1
-        assert {n: t.cpu().tolist() for n, t in late.tensors().items()} == _snapshot(model)
+        assert {n: t.cpu().tolist() for n, t in late.tensors().items()} == _workers.snapshot(model)
         late.ack()
         publisher.wait_acks(1, timeout=TIMEOUT)
         late.close()
