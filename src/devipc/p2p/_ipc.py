@@ -15,6 +15,7 @@ import ctypes
 import functools
 import threading
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -359,17 +360,14 @@ def _idle(devices: Iterable[torch.device]) -> bool:
     """Whether the current stream of each device (the accelerator's) ran all its work: a copy
     the calling thread makes now is then ordered after that work as one queued there would be,
     and without the hand-over to the stream and back (most of a small copy's cost)."""
-    for device in devices:
-        index = _stream_index(device)
-        if index is None or not _current_stream(index).query():
-            return False
-    return True
+    indices = [_stream_index(device) for device in devices]
+    return None not in indices and _all_idle(cast(list[int], indices))
 
 
 def _all_idle(indices: list[int]) -> bool:
-    """Whether the accelerator's current stream of each device index ran all its work."""
+    """`_idle` of the devices of these indices (`_stream_index`)."""
     for index in indices:
-        if not torch._C._accelerator_getStream(index).query():
+        if not _current_stream(index).query():
             return False
     return True
 

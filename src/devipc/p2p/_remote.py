@@ -16,6 +16,7 @@ import os
 import select
 import threading
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -133,17 +134,21 @@ class Peer:
         """RemoteTensorFreedError, after a sweep, if any (slot, registration id) of `words`
         ended; ValueError once closed."""
         with self._lock:
-            page = self._words
-            if page is None:
+            if self._words is None:
                 raise ValueError("this connection is closed: connect again")
-            ended = None
-            for slot, reg_id in words:  # one or a few: a loop, no generator
-                if page[slot] != reg_id:
-                    ended = reg_id
-                    break
+            ended = self._ended(words)
         if ended is not None:
             self.sweep()
             raise self._freed(ended)
+
+    def _ended(self, words: list[tuple[int, int]]) -> int | None:
+        """The first registration id of `words` ((slot, id) pairs) that ended, or None. Call
+        with the lock, the page mapped. A loop, not a generator: one or a few words a post."""
+        page = cast(ctypes.Array, self._words)
+        for slot, reg_id in words:
+            if page[slot] != reg_id:
+                return reg_id
+        return None
 
     def sweep(self) -> int:
         """Drop every cached registration the owner ended; how many."""
@@ -302,12 +307,8 @@ class Peer:
         pinned by the caller, if every (slot, registration id) of `words` is still live; False,
         nothing copied, once one ended (`check_live` says which) or the connection closed."""
         with self._lock:
-            page = self._words
-            if page is None:
+            if self._words is None or self._ended(words) is not None:
                 return False
-            for slot, reg_id in words:
-                if page[slot] != reg_id:
-                    return False
             for dst, src, nbytes in rows:
                 ctypes.memmove(dst, src, nbytes)
         return True
