@@ -25,7 +25,7 @@ from .._sharing import wait_for_producer
 from ._descriptor import CPU, DEVICE, Descriptor, Metadata, host_identity
 from ._export import CpuExport, DeviceExport, export_of, order_for_peers
 from ._registry import Registration
-from ._remote import Peer, RemoteEntry, host_addressable
+from ._remote import Peer, RemoteEntry, host_addressable, host_bytes
 from ._transfer import DONE, Transfer, record_events, run_on_host
 
 __all__ = ["IpcLink", "IpcPrepared", "IpcTransport"]
@@ -163,8 +163,8 @@ class IpcLink:
             device = None if entry.device.type == "cpu" else entry.device
             index = None if device is None else _stream_index(device)
             assert entry.address is not None  # `_host_rows` took it
-            self._again_plans[id(desc)] = (desc, entry, entry.address + desc.offset, device,
-                                           index)
+            self._again_plans[id(desc)] = (desc, entry, host_bytes(entry.address + desc.offset,
+                                                                   desc.nbytes), device, index)
         self._posts += 1
         if not self._posts % _SWEEP_EVERY:  # now and then: `_again` never sweeps
             self._peer.sweep()
@@ -175,7 +175,7 @@ class IpcLink:
         plan = self._again_plans.get(id(desc))
         if plan is None or plan[0] is not desc or not local.is_contiguous():
             return False
-        _, entry, address, device, index = plan
+        _, entry, remote, device, index = plan
         if local.is_cpu:
             if index is not None and not _current_stream(index).query():
                 return False
@@ -187,11 +187,11 @@ class IpcLink:
             elif not host_addressable(here) or not _idle((here,) if device is None
                                                          else (here, device)):
                 return False
-        mine = local.data_ptr()
+        mine = host_bytes(local.data_ptr(), desc.nbytes)
         # False once the registration ended: the caller's path says why
         if op == READ:
-            return self._peer.copy_live(entry, mine, address, desc.nbytes)
-        return self._peer.copy_live(entry, address, mine, desc.nbytes)
+            return self._peer.copy_live(entry, mine, remote)
+        return self._peer.copy_live(entry, remote, mine)
 
     def _on_host(self, pairs: Iterable[tuple], entries: list[RemoteEntry],
                  locals_: list[torch.Tensor]) -> Transfer:
@@ -276,7 +276,8 @@ class IpcPrepared:
             small = rows is not None and None not in streams \
                 and len(rows[0]) <= _INLINE_PAIRS and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
             # the copies the calling thread may make when these streams are idle
-            self._rows = rows[0] if rows is not None and small else None
+            self._rows = [(host_bytes(dst, n), host_bytes(src, n)) for dst, src, n in rows[0]] \
+                if rows is not None and small else None
             self._streams = [index for index in streams if index is not None]  # if small
             self._batch = _batch(op, locals_, entries, descs, devices)
             self._pairs = [] if self._batch is not None else [

@@ -57,6 +57,23 @@ class RemoteEntry:
         self._dropped = False
 
 
+_VIEWS_KEPT = 4096
+_views: dict[tuple[int, int], memoryview] = {}
+
+
+def host_bytes(address: int, nbytes: int) -> memoryview:
+    """The `nbytes` at host `address`, as bytes Python copies with a slice assignment: a quarter
+    of a `ctypes.memmove` call, whose argument conversion is most of a small copy. Views are kept
+    by range; one owns nothing, so it is used only while a live tensor or mapping covers it."""
+    view = _views.get((address, nbytes))
+    if view is None:
+        if len(_views) >= _VIEWS_KEPT:
+            _views.clear()
+        view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+        _views[(address, nbytes)] = view
+    return view
+
+
 @functools.lru_cache(maxsize=64)
 def host_addressable(device: torch.device) -> bool:
     """Whether the CPU may read and write `device`'s memory at its tensors' addresses: the
@@ -302,25 +319,25 @@ class Peer:
         return True
 
     def move_live(self, words: list[tuple[int, int]],
-                  rows: list[tuple[int, int, int]]) -> bool:
-        """memmove each (destination, source, bytes) of `rows`, host addresses in mappings
+                  rows: list[tuple[memoryview, memoryview]]) -> bool:
+        """Copy each (destination, source) of `rows`, host bytes (`host_bytes`) in mappings
         pinned by the caller, if every (slot, registration id) of `words` is still live; False,
         nothing copied, once one ended (`check_live` says which) or the connection closed."""
         with self._lock:
             if self._words is None or self._ended(words) is not None:
                 return False
-            for dst, src, nbytes in rows:
-                ctypes.memmove(dst, src, nbytes)
+            for dst, src in rows:
+                dst[:] = src
         return True
 
-    def copy_live(self, entry: RemoteEntry, dst: int, src: int, nbytes: int) -> bool:
-        """memmove between host addresses, one of them in `entry`'s mapping, if its registration
-        is still live and mapped: under the lock, so nothing unmaps it meanwhile."""
+    def copy_live(self, entry: RemoteEntry, dst: memoryview, src: memoryview) -> bool:
+        """Copy between host bytes (`host_bytes`), one side in `entry`'s mapping, if its
+        registration is still live and mapped: under the lock, so nothing unmaps it meanwhile."""
         with self._lock:
             words = self._words
             if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
                 return False
-            ctypes.memmove(dst, src, nbytes)
+            dst[:] = src
         return True
 
     def unpin(self, entries: Iterable[RemoteEntry]) -> None:
