@@ -4,14 +4,14 @@ import pytest
 import torch
 
 import devipc
-from devipc._memory import reap_freed, storage_from_memory, watched
+from devipc._memory import reap_freed, tensor_from_memory, watched
 
 
 def test_storage_owns_the_memory_until_it_dies():
     backing = torch.arange(8, dtype=torch.uint8, device="openreg")
     freed = []
-    storage = storage_from_memory(backing.data_ptr() + 2, 4, backing.device,
-                                  lambda: freed.append(True))
+    storage = tensor_from_memory(backing.data_ptr() + 2, 4, backing.device,
+                                 lambda: freed.append(True)).untyped_storage()
     assert storage.nbytes() == 4 and storage.device == backing.device
     view = torch.tensor([], dtype=torch.uint8, device="openreg").set_(storage)
     assert view.cpu().tolist() == [2, 3, 4, 5]
@@ -27,14 +27,51 @@ def test_storage_owns_the_memory_until_it_dies():
     assert reap_freed() == 0 and freed == [True]  # once
 
 
+@pytest.mark.parametrize("dtype, shape", [
+    (torch.float32, (2, 3)), (torch.bfloat16, (12,)), (torch.bool, (3, 2, 4)),
+    (torch.complex64, (3,)), (torch.int64, (1, 1, 3)), (torch.uint16, (4, 3))])
+def test_a_tensor_of_any_dlpack_dtype_and_contiguous_shape_is_made_in_one_call(dtype, shape):
+    """What an open makes when a whole storage is sent: that tensor, no empty().set_()."""
+    source = (torch.arange(24) % 5).to(dtype).to("openreg")
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    freed = []
+    tensor = tensor_from_memory(source.data_ptr(), nbytes, source.device,
+                                lambda: freed.append(True), dtype, shape)
+    assert (tensor.dtype, tuple(tensor.shape), tensor.device) == (dtype, shape, source.device)
+    assert tensor.is_contiguous() and tensor.data_ptr() == source.data_ptr()
+    assert tensor.untyped_storage().nbytes() == nbytes
+    assert torch.equal(tensor.cpu(), source.cpu()[:tensor.numel()].reshape(shape))
+    del tensor
+    assert reap_freed() == 1 and freed == [True]
+
+
+def test_the_struct_of_a_dead_tensor_is_reused_and_a_live_one_never():
+    from devipc import _memory
+    backing = torch.arange(16, dtype=torch.uint8, device="openreg")
+    reap_freed()
+    first = tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: None)
+    second = tensor_from_memory(backing.data_ptr() + 4, 4, backing.device, lambda: None)
+    del first
+    reap_freed()
+    third = tensor_from_memory(backing.data_ptr() + 8, 4, backing.device, lambda: None)
+    # the struct `first` had now serves `third`; `second`'s still says that it lives
+    assert third.cpu().tolist() == [8, 9, 10, 11] and second.cpu().tolist() == [4, 5, 6, 7]
+    assert reap_freed() == 0
+    del second, third
+    assert reap_freed() == 2
+    kept = len(_memory._recycled)
+    assert 2 <= kept <= _memory._RECYCLED_KEPT
+
+
 def test_a_bounded_reap_looks_at_the_newest_storages_only():
     """A hot path's look (an open, a send) costs the same however many storages a process
     holds: it sees the newest deaths; a full reap (the collector's) sees every one."""
     backing = torch.zeros(64, dtype=torch.uint8, device="openreg")
     reap_freed()
     freed: list[int] = []
-    storages = [storage_from_memory(backing.data_ptr() + i, 1, backing.device,
-                                    lambda i=i: freed.append(i)) for i in range(40)]
+    storages = [tensor_from_memory(backing.data_ptr() + i, 1, backing.device,
+                                   lambda i=i: freed.append(i)).untyped_storage()
+                for i in range(40)]
     del storages[0], storages[-1]  # the oldest and the newest die
     assert reap_freed(newest=8) == 1 and freed == [39]
     assert reap_freed(newest=8) == 0  # the oldest is not among the 8 newest
@@ -50,8 +87,8 @@ def test_a_storage_dying_while_an_exception_unwinds_keeps_the_exception():
     freed = []
 
     def fail():
-        for _ in (storage_from_memory(backing.data_ptr(), 4, backing.device,
-                                      lambda: freed.append(True)),):
+        for _ in (tensor_from_memory(backing.data_ptr(), 4, backing.device,
+                                     lambda: freed.append(True)).untyped_storage(),):
             raise KeyError("the user's own error")  # the storage dies on the way out
 
     before = watched()
@@ -67,7 +104,7 @@ def test_a_failing_release_is_logged_not_raised(caplog):
     def explode():
         raise OSError("unmap failed")
 
-    storage = storage_from_memory(backing.data_ptr(), 4, backing.device, explode)
+    storage = tensor_from_memory(backing.data_ptr(), 4, backing.device, explode).untyped_storage()
     del storage
     reap_freed()
     assert "releasing a storage's memory failed" in caplog.text
@@ -75,4 +112,4 @@ def test_a_failing_release_is_logged_not_raised(caplog):
 
 def test_devices_dlpack_cannot_express_are_refused():
     with pytest.raises(devipc.UnsupportedDeviceError, match="DLPack"):
-        storage_from_memory(0, 4, torch.device("cuda", 0), lambda: None)
+        tensor_from_memory(0, 4, torch.device("cuda", 0), lambda: None).untyped_storage()

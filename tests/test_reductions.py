@@ -25,7 +25,11 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.com
 def _cases():
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     yield "contiguous", base
+    yield "prefix", base[:2]
     yield "offset", base[1:]
+    yield "scalar", torch.tensor(3.5)
+    yield "nine dimensions", torch.arange(512.0).reshape((2,) * 9)
+    yield "odd stride of a unit dimension", base.as_strided((1, 6), (99, 1))
     yield "strided", base[:, ::2]
     yield "transposed", base.t()
     yield "empty", torch.empty(0, 3)

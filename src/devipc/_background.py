@@ -34,7 +34,13 @@ class Background:
         atexit.register(self._stop_at_exit)
 
     def wake(self) -> None:
-        """Make sure a thread runs rounds until nothing is pending."""
+        """Make sure a thread runs rounds until nothing is pending. Called at every send and
+        receive: while the thread runs, two stores and a load, no lock. The thread marks
+        itself stopped before it looks at `_kicked` for the last time, so a wake that still saw
+        it running is seen by that look."""
+        self._kicked = True
+        if self._running:
+            return
         with self._lock:
             self._kicked = True
             if self._running or self._exiting or sys.is_finalizing():
@@ -59,9 +65,11 @@ class Background:
             # milliseconds, so rounds space out to keep within SHARE of the time.
             pause = max(INTERVAL, (time.monotonic() - started) / SHARE)
             with self._lock:
-                if not more and not self._kicked:
-                    self._running = False
-                    return
+                if not more:
+                    self._running = False  # before the look at `_kicked`: see `wake`
+                    if not self._kicked:
+                        return
+                    self._running = True
                 self._kicked = False
 
     def _stop_at_exit(self) -> None:

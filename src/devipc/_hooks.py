@@ -144,20 +144,26 @@ def get_ipc_hooks(device_type: str) -> IpcHooks | None:
 
 def device_supports_ipc(device_type: str) -> bool:
     """True when `device_type` has hooks that say they can share. Never raises."""
+    return sharing_hooks(device_type) is not None
+
+
+def sharing_hooks(device_type: str) -> IpcHooks | None:
+    """The hooks of `device_type` when they say they can share, else None. Never raises."""
     hooks = _registry.get(device_type)
     if hooks is None:
-        return False
+        return None
     try:
-        return bool(hooks.supports_ipc())
+        return hooks if hooks.supports_ipc() else None
     except Exception:
-        return False
+        return None
 
 
 def hooks_for(device: torch.device) -> IpcHooks:
     """The hooks of a device that can share, or an error that says what to do."""
-    if device_supports_ipc(device.type):
-        return _registry[device.type]
-    raise unsupported_device(device)
+    hooks = sharing_hooks(device.type)
+    if hooks is None:
+        raise unsupported_device(device)
+    return hooks
 
 
 def unsupported_device(device: torch.device) -> UnsupportedDeviceError:

@@ -9,18 +9,15 @@ import errno
 import fcntl
 import struct
 
-# struct flock of Linux on 64-bit: l_type, l_whence, (pad), l_start, l_len, l_pid, (pad).
-_FLOCK = "hhxxxxqqixxxx"
-
-
-def _flock(kind: int, start: int, length: int) -> bytes:
-    return struct.pack(_FLOCK, kind, 0, start, length, 0)  # l_pid must be 0 for OFD locks
+# struct flock of Linux on 64-bit: l_type, l_whence, (pad), l_start, l_len, l_pid (0 for OFD
+# locks), (pad).
+_flock = struct.Struct("hhxxxxqqixxxx").pack
 
 
 def try_lock(fd: int, start: int, length: int) -> bool:
     """Take a write lock on [start, start + length) without waiting; False if another holds it."""
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, start, length))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, 0, start, length, 0))
     except OSError as error:
         if error.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -30,9 +27,9 @@ def try_lock(fd: int, start: int, length: int) -> bool:
 
 def lock(fd: int, start: int, length: int) -> None:
     """Take a write lock, waiting for its holder; only for locks held for a few instructions."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK, start, length))
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK, 0, start, length, 0))
 
 
 def unlock(fd: int, start: int, length: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, start, length))
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, 0, start, length, 0))
 

@@ -1,18 +1,19 @@
-"""Torch storages over memory devipc manages, and how devipc learns that one died, from pure
-Python and without running Python when it dies.
+"""Torch tensors and storages over memory devipc manages, and how devipc learns that one died,
+from pure Python and without running Python when it dies.
 
-Two kinds, one collection point (`reap_freed`):
-- `storage_from_memory`: a storage over memory we mapped (what a consumer receives). It is
-  watched through a weak reference to its StorageImpl: it died when the reference expired. Such a
-  storage is not resizable and nothing swaps its DataPtr, so its StorageImpl's death is the
-  memory's.
+Both are made from a DLPack capsule whose deleter we supply: a C function, never Python (a
+storage may die while an exception unwinds the stack, and CPython cannot call Python code then).
+It is libc's `pthread_spin_unlock`, applied to the first word of the DLPack struct, a word torch
+no longer reads once it made the tensor: devipc puts a held spin lock there after. torch maps
+DLPack's kDLExtDev to PrivateUse1 and kDLOneAPI to XPU. Two kinds, one collection point
+(`reap_freed`):
+- `tensor_from_memory`: a tensor over memory we mapped (what a consumer receives), made in one
+  call into torch: no dispatch of `empty` and `set_`, which cost more than the rest of a receive
+  on a process that just woke up. Its storage is not resizable and nothing swaps its DataPtr, so
+  the DataPtr's death is the storage's. Structs are reused once their tensor died.
 - `aliasing_storage`: the alias of an exported allocation (`_exports`), whose DataPtr the
   producer's storage takes over. What matters there is that DataPtr's death (the storage freed,
-  resized or `set_` elsewhere), so it is a DLPack capsule whose deleter we supply: a C function,
-  never Python (a storage may die while an exception unwinds the stack, and CPython cannot call
-  Python code then). It is libc's `pthread_spin_unlock`, applied to the first word of the DLPack
-  struct, a word torch no longer reads once it made the storage: devipc puts a held spin lock
-  there after. torch maps DLPack's kDLExtDev to PrivateUse1 and kDLOneAPI to XPU.
+  resized or `set_` elsewhere); its struct lives as long as the mark `lives` reads.
 
 `reap_freed()` runs the Python side of every storage that died, from devipc's own calls and its
 collector thread.
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import UnsupportedDeviceError
 
@@ -82,45 +82,57 @@ def _locked_word() -> int:
 
 _LIVE = _locked_word()  # the struct's first word while its storage lives: a held lock
 
-# Each storage's struct is written as int64 words, its one-element shape array right after it:
-# a template per device filled in by ctypes once, then three words per storage (ctypes field
-# access costs more than the rest of making a storage).
+# Each struct is written as int64 words, its shape array right after it: a template per device
+# filled in by ctypes once, then a few words per tensor (ctypes field access costs more than the
+# rest of making a storage).
+MAX_DIMS = 8  # dimensions a struct has room for
 _STRUCT_WORDS = ctypes.sizeof(_DLManagedTensor) // 8
-_Words = ctypes.c_int64 * (_STRUCT_WORDS + 1)
+_Words = ctypes.c_int64 * (_STRUCT_WORDS + MAX_DIMS)
 _SHAPE_WORD = _DLTensor.shape.offset // 8
+_KIND_WORD = _DLTensor.ndim.offset // 8  # ndim (int32), then dtype (code, bits, lanes)
+assert _DLTensor.dtype.offset == _DLTensor.ndim.offset + 4
 _templates: dict[tuple[str, int], bytes] = {}  # (device type, index) -> words, shape zeroed
+
+# torch dtype -> its DLPack (code, bits) in the struct's kind word (one lane), ndim left out
+DLPACK_DTYPES = {dtype: (code << 32) | (bits << 40) | (1 << 48) for dtype, (code, bits) in {
+    torch.bool: (6, 8), torch.uint8: (1, 8), torch.uint16: (1, 16), torch.uint32: (1, 32),
+    torch.uint64: (1, 64), torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32),
+    torch.int64: (0, 64), torch.float16: (2, 16), torch.bfloat16: (4, 16),
+    torch.float32: (2, 32), torch.float64: (2, 64), torch.complex32: (5, 32),
+    torch.complex64: (5, 64), torch.complex128: (5, 128)}.items()}
+_recycled: list[int] = []  # structs of received tensors that died: torch is done with them
+_RECYCLED_KEPT = 1024
 
 _new_capsule = ctypes.pythonapi.PyCapsule_New
 _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# address of a live struct -> (its words, on_free); id of a weak reference -> (it, on_free). No
-# lock: a single dict store or pop is atomic under the GIL, and a lock here could be re-entered by
+# address of a live struct -> (its words, on_free, whether the struct is reused). No lock: a
+# single dict store or pop is atomic under the GIL, and a lock here could be re-entered by
 # `on_free`s that the garbage collector runs inside it.
 _live: dict[int, tuple] = {}
-_referenced: dict[int, tuple] = {}
 
 
 def reap_freed(newest: int | None = None) -> int:
     """Run `on_free` of every storage that died since the last call; how many. Safe from any
     thread and re-entrant: each runs once.
 
-    `newest`: look only at that many of the storages made last, of each kind: a bounded look
-    for the hot paths, whose cost must not grow with what a process holds (a consumer holding
-    10,000 received weights would otherwise scan them at every open). The storage a loop drops
-    is among the newest; the collector's rounds look at all of them."""
+    `newest`: look only at that many of the storages made last: a bounded look for the hot
+    paths, whose cost must not grow with what a process holds (a consumer holding 10,000
+    received weights would otherwise scan them at every open). The storage a loop drops is
+    among the newest; the collector's rounds look at all of them."""
     if newest is None:
-        aliases, received = list(_live.items()), list(_referenced.items())
-    else:  # C iterators only: no other thread runs, the dicts cannot change meanwhile
-        aliases = list(itertools.islice(reversed(_live.items()), newest))
-        received = list(itertools.islice(reversed(_referenced.items()), newest))
-    dead = [address for address, entry in aliases if entry[0][0] != _LIVE]
-    freed = [entry for address in dead if (entry := _live.pop(address, None)) is not None]
-    dead = [key for key, entry in received if entry[0].expired()]
-    freed += [entry for key in dead if (entry := _referenced.pop(key, None)) is not None]
-    for entry in freed:
+        made = list(_live.items())
+    else:  # a C iterator only: no other thread runs, the dict cannot change meanwhile
+        made = list(itertools.islice(reversed(_live.items()), newest))
+    dead = [address for address, entry in made if entry[0][0] != _LIVE]
+    freed = [(address, entry) for address in dead
+             if (entry := _live.pop(address, None)) is not None]
+    for address, (_words, on_free, reused) in freed:
+        if reused:
+            _recycle(address)
         try:
-            entry[1]()
+            on_free()
         except Exception:  # noqa: BLE001 - every other storage must still be released
             _log.exception("devipc: releasing a storage's memory failed")
     return len(freed)
@@ -128,7 +140,7 @@ def reap_freed(newest: int | None = None) -> int:
 
 def watched() -> int:
     """Storages whose death devipc waits to see (received ones, and aliases of sent ones)."""
-    return len(_live) + len(_referenced)
+    return len(_live)
 
 
 TensorOrStorage = torch.Tensor | torch.TypedStorage | torch.UntypedStorage
@@ -151,9 +163,6 @@ def storage_key(storage: torch.UntypedStorage) -> tuple:
     return (str(storage.device), storage.data_ptr(), storage.nbytes())
 
 
-_checked: set[str] = set()  # device types `_dlpack_device_type` accepted
-
-
 def _dlpack_device_type(device: torch.device) -> int:
     if device.type == torch._C._get_privateuse1_backend_name():
         return _KDL_EXT_DEV
@@ -164,23 +173,72 @@ def _dlpack_device_type(device: torch.device) -> int:
         f"devices can be expressed through DLPack")
 
 
-def storage_from_memory(ptr: int, nbytes: int, device: torch.device,
-                        on_free: Callable[[], None]) -> torch.UntypedStorage:
-    """A non-resizable storage of `nbytes` at `ptr` on `device`, owning nothing; `on_free()`
-    runs once it died, from the next `reap_freed()`, in whatever thread calls that, possibly
-    inside the garbage collector: it must take no lock."""
-    if device.type not in _checked:
-        _dlpack_device_type(device)  # what can be received can be exported: the same devices
-        _checked.add(device.type)
-    storage = cast(torch.UntypedStorage,
-                   torch._C._construct_storage_from_data_pointer(ptr, device, nbytes))
-    reference = StorageWeakRef(storage)
-    _referenced[id(reference)] = (reference, on_free)
-    return storage
+def tensor_from_memory(ptr: int, nbytes: int, device: torch.device,
+                       on_free: Callable[[], None], dtype: torch.dtype = torch.uint8,
+                       shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A contiguous tensor of `dtype` (a key of DLPACK_DTYPES) and `shape` (at most MAX_DIMS
+    dimensions, exactly `nbytes`; default: the bytes) at `ptr` on `device`, owning nothing. Its
+    storage is not resizable; `on_free()` runs once it died, from the next `reap_freed()`, in
+    whatever thread calls that, possibly inside the garbage collector: it must take no lock."""
+    template = _templates.get((device.type, device.index or 0)) or _template(device)
+    address = _recycled.pop() if _recycled else _new_struct()
+    tensor, words = _dlpack_tensor(template, address, ptr, nbytes, dtype, shape)
+    _live[address] = (words, on_free, True)
+    return tensor
+
+
+def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Callable[[], None],
+                     ) -> tuple[torch.UntypedStorage, ctypes.Array]:
+    """A non-resizable storage of `nbytes` at `ptr` whose DataPtr, wherever it moves, runs
+    `on_free()` once it died (from the next `reap_freed()`); and the mark that `lives` reads,
+    whose struct is freed with it."""
+    template = _templates.get((device.type, device.index or 0)) or _template(device)
+    address = _new_struct()
+    tensor, words = _dlpack_tensor(template, address, ptr, nbytes)
+    weakref.finalize(words, _free, address).atexit = False
+    _live[address] = (words, on_free, False)
+    return tensor.untyped_storage(), words
+
+
+def _dlpack_tensor(template: bytes, address: int, ptr: int, nbytes: int,
+                   dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None,
+                   ) -> tuple[torch.Tensor, ctypes.Array]:
+    """`tensor_from_memory`'s tensor, its struct at `address` made from the device's
+    `template`, and the struct's words."""
+    ctypes.memmove(address, template, _STRUCT_WORDS * 8)
+    words = _Words.from_address(address)
+    words[0] = ptr
+    if shape is None:
+        words[_KIND_WORD] = 1 | DLPACK_DTYPES[torch.uint8]
+        words[_STRUCT_WORDS] = nbytes
+    else:
+        words[_KIND_WORD] = len(shape) | DLPACK_DTYPES[dtype]
+        words[_STRUCT_WORDS:_STRUCT_WORDS + len(shape)] = list(shape)
+    words[_SHAPE_WORD] = address + 8 * _STRUCT_WORDS
+    # Should this fail, torch may have called the deleter: the struct is never reused then.
+    tensor = torch._C._from_dlpack(_new_capsule(address, b"dltensor", None))
+    words[0] = _LIVE  # torch read the struct; from now on its first word says the storage lives
+    return tensor, words
+
+
+def _new_struct() -> int:
+    """A struct's memory, never freed while its tensor may live: not even at interpreter exit,
+    when Python frees its objects in any order and torch may call the deleter later."""
+    address = _malloc(ctypes.sizeof(_Words))
+    if not address:
+        raise MemoryError("devipc: no memory for a DLPack struct")
+    return cast(int, address)
+
+
+def _recycle(address: int) -> None:
+    if len(_recycled) < _RECYCLED_KEPT:
+        _recycled.append(address)
+    else:
+        _free(address)
 
 
 def _template(device: torch.device) -> bytes:
-    """The words of a storage on `device`, but for its data pointer, shape pointer and size."""
+    """The struct of a tensor on `device`, but for its data pointer, kind and shape pointer."""
     kind = _dlpack_device_type(device)
     managed = _DLManagedTensor()
     managed.dl_tensor.device = _DLDevice(kind, device.index or 0)
@@ -188,33 +246,9 @@ def _template(device: torch.device) -> bytes:
     managed.dl_tensor.dtype = _DLDataType(_KDL_UINT, 8, 1)
     managed.deleter = _MARK_FREED
     return _templates.setdefault((device.type, device.index or 0), ctypes.string_at(
-        ctypes.addressof(managed), ctypes.sizeof(managed)) + bytes(8))
+        ctypes.addressof(managed), ctypes.sizeof(managed)))
 
 
 def lives(mark: ctypes.Array) -> bool:
     """Whether the DataPtr of `aliasing_storage`'s `mark` lives, reaped or not: one load."""
     return mark[0] == _LIVE
-
-
-def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Callable[[], None],
-                     ) -> tuple[torch.UntypedStorage, ctypes.Array]:
-    """A non-resizable storage of `nbytes` at `ptr` whose DataPtr, wherever it moves, runs
-    `on_free()` once it died (from the next `reap_freed()`); and the mark that `lives` reads."""
-    template = _templates.get((device.type, device.index or 0)) or _template(device)
-    # malloc'ed and freed with `words`, which `_live` keeps until the deleter ran; never freed
-    # once the interpreter exits (a finalizer does not run then), when Python frees its objects
-    # in any order and torch may call the deleter later
-    address = _malloc(len(template))
-    if not address:
-        raise MemoryError("devipc: no memory for a DLPack struct")
-    ctypes.memmove(address, template, len(template))
-    words = _Words.from_address(address)
-    weakref.finalize(words, _free, address).atexit = False
-    words[0] = ptr
-    words[_SHAPE_WORD] = address + 8 * _STRUCT_WORDS
-    words[_STRUCT_WORDS] = nbytes
-    storage = torch._C._from_dlpack(_new_capsule(address, b"dltensor", None)).untyped_storage()
-    # torch read the struct; from now on its first word says whether the DataPtr lives
-    words[0] = _LIVE
-    _live[address] = (words, on_free)
-    return storage, words

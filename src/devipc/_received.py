@@ -119,8 +119,20 @@ def synchronize(device: torch.device) -> None:
 
 
 def _accelerator_type() -> str | None:
+    """torch.accelerator's device type. A registered PrivateUse1 backend is the accelerator
+    for good (torch prefers it, and one stays registered): that answer is kept."""
+    global _final_accelerator
+    if _final_accelerator is not None:
+        return _final_accelerator
     accelerator = torch._C._accelerator_getAccelerator()
-    return None if accelerator is None else accelerator.type
+    if accelerator is None:
+        return None
+    if accelerator.type == torch._C._get_privateuse1_backend_name():
+        _final_accelerator = accelerator.type
+    return accelerator.type
+
+
+_final_accelerator: str | None = None
 
 
 class DeferredReleases:

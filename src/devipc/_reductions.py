@@ -15,7 +15,14 @@ import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
 from ._errors import DevIpcError, InvalidHandleError
-from ._hooks import device_supports_ipc, on_register, torch_shares, unsupported_device
+from ._hooks import (
+    device_supports_ipc,
+    on_register,
+    sharing_hooks,
+    torch_shares,
+    unsupported_device,
+)
+from ._memory import DLPACK_DTYPES, MAX_DIMS
 from ._sharing import (
     check_grad,
     empty_storage,
@@ -24,6 +31,7 @@ from ._sharing import (
     release_ipc_counter_device,
     requested_device,
     share_device,
+    share_storage,
     unsendable,
     wait_for_producer,
 )
@@ -35,12 +43,15 @@ _saved: dict[str, Any] = {}  # torch's own functions while installed (or _MISSIN
 
 def _receive_storage(device: torch.device | str | int, handle: bytes | None, size_bytes: int,
                      offset_bytes: int, ref_counter_handle: bytes | None, ref_counter_offset: int,
-                     event_handle: bytes, event_sync_required: bool) -> torch.UntypedStorage:
+                     event_handle: bytes, event_sync_required: bool, *,
+                     view: tuple[torch.dtype, tuple[int, ...]] | None = None,
+                     ) -> tuple[torch.UntypedStorage, torch.Tensor | None]:
     """The shared-cache lookup of rebuild_cuda_tensor, keyed by (the hooks' handle, offset in
-    bytes), wrapped or not; plus the device asked for, when the caller overwrote args[6]."""
+    bytes), wrapped or not; plus the device asked for, when the caller overwrote args[6]. With
+    `view` (`_whole`), a storage opened here comes with that tensor over it, else with None."""
     handle, origin, target = requested_device(device, handle)
     if not handle and size_bytes == 0 and type(size_bytes) is int and ref_counter_handle is None:
-        return empty_storage(target or origin)  # empty: travels without a send
+        return empty_storage(target or origin), None  # empty: travels without a send
     if not isinstance(handle, bytes) or not handle or type(size_bytes) is not int \
             or size_bytes <= 0:
         # a forged empty storage would leave its slot unreleased; a bytearray is unhashable
@@ -49,16 +60,17 @@ def _receive_storage(device: torch.device | str | int, handle: bytes | None, siz
     key = (handle, offset_bytes) if target is None else (handle, offset_bytes, str(target))
     storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
-        storage = open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
-                              ref_counter_offset, event_handle, event_sync_required, target)
+        tensor = open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
+                             ref_counter_offset, event_handle, event_sync_required, target, view)
+        storage = tensor.untyped_storage()
         shared_cache[key] = StorageWeakRef(storage)
-        return storage
+        return storage, tensor if view is not None else None
     # Already mapped here: the producer only needs this send's slot back. Unlike CUDA, still
     # honour this send's event: the producer may have written since the first send.
     release_ipc_counter_device(ref_counter_handle, ref_counter_offset, device)
     if event_sync_required:
         wait_for_producer(storage.device, event_handle)
-    return storage
+    return storage, None
 
 
 def rebuild_device_tensor(tensor_cls: type[torch.Tensor], tensor_size: tuple[int, ...],
@@ -72,17 +84,36 @@ def rebuild_device_tensor(tensor_cls: type[torch.Tensor], tensor_size: tuple[int
     as the producer wrote it, means the local device that owns the memory (found by identity);
     overwritten (an index, as for CUDA), it means that device, where the hooks can map it."""
     check_grad(dtype, requires_grad)  # before the send is taken: the genuine bytes still open
-    storage = _receive_storage(storage_device, storage_handle, storage_size_bytes,
-                               storage_offset_bytes, ref_counter_handle, ref_counter_offset,
-                               event_handle, event_sync_required)
-    _check_view(storage, dtype, tensor_offset, tensor_size, tensor_stride)
-    tensor = torch.empty((0,), dtype=dtype, device=storage.device).set_(
-        storage, tensor_offset, tensor_size, tensor_stride)
+    storage, tensor = _receive_storage(
+        storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
+        ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
+        view=_whole(dtype, tensor_size, tensor_stride, tensor_offset, storage_size_bytes))
+    if tensor is None:
+        _check_view(storage, dtype, tensor_offset, tensor_size, tensor_stride)
+        tensor = torch.empty((0,), dtype=dtype, device=storage.device).set_(
+            storage, tensor_offset, tensor_size, tensor_stride)
     if tensor_cls == torch.nn.parameter.Parameter:
         # Integer parameters need requires_grad=False at construction.
         return torch.nn.parameter.Parameter(tensor, requires_grad=requires_grad)
     tensor.requires_grad = requires_grad
     return tensor
+
+
+def _whole(dtype: torch.dtype, size: object, stride: object, offset: object,
+           nbytes: object) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """(dtype, size) when the view is its whole storage, contiguous, of a dtype DLPack carries:
+    the open then makes the tensor itself (`tensor_from_memory`); None for any other view, or
+    anything malformed (the general path checks it)."""
+    if offset != 0 or type(size) is not tuple or type(stride) is not tuple \
+            or dtype not in DLPACK_DTYPES or not 0 < len(size) <= MAX_DIMS \
+            or len(stride) != len(size):
+        return None
+    expected = 1
+    for n, step in zip(reversed(size), reversed(stride)):
+        if type(n) is not int or n <= 0 or step != expected:
+            return None
+        expected *= n
+    return (dtype, size) if expected * dtype.itemsize == nbytes else None
 
 
 def _check_view(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
@@ -108,11 +139,13 @@ def _check_view(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
 def rebuild_device_storage(storage_cls: type[torch.UntypedStorage],
                            *shared: Any) -> torch.UntypedStorage:
     """Rebuilds an UntypedStorage sent on its own; `shared` is share_device's 8-tuple."""
-    return _receive_storage(*shared)
+    return _receive_storage(*shared)[0]
 
 
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
-    if not device_supports_ipc(tensor.device.type):
+    device = tensor.device
+    hooks = sharing_hooks(device.type)
+    if hooks is None:
         return _saved["reduce_tensor"](tensor)
     if tensor.layout != torch.strided or tensor.is_nested:
         # torch's path sends the components of the kinds it can (through devipc); for the
@@ -132,7 +165,7 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tu
     torch.utils.hooks.warn_if_has_hooks(tensor)
     storage = tensor.untyped_storage()
     (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
-     event_handle, event_sync_required) = share_device(storage)
+     event_handle, event_sync_required) = share_storage(storage, device, hooks)
     # args[7] carries the device written into args[6]: an overwritten args[6] shows.
     wrapped = wrap_storage_handle(device, handle or b"")
     # The sizes as a plain tuple, as the strides are: a torch.Size pickles as a global and a call.

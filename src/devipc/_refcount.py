@@ -65,9 +65,6 @@ class CounterFile:
     def _set(self, index: int, state: int) -> None:
         self._words.store(index, 0, state)
 
-    def _range(self, index: int) -> tuple[int, int]:
-        return self._words.lock_range(index)
-
     # -- transitions --
     def take(self, export: int) -> int | None:
         """A new SENT slot for `export`, or None when the file is full."""
@@ -96,11 +93,12 @@ class CounterFile:
         self._words.store(index, 1, export)
         self._words.store(index, 0, SENT)
 
-    def _lock_slot(self, index: int) -> None:
-        """Lock a slot that nobody holds; SlotError if a consumer holds it."""
-        start, length = self._range(index)
+    def _lock_slot(self, index: int) -> tuple[int, int]:
+        """Lock a slot that nobody holds, and return its lock range; SlotError if a consumer
+        holds it."""
+        start, length = self._words.lock_range(index)
         if _locks.try_lock(self.fd, start, length):
-            return
+            return start, length
         # the producer or a forwarder holds it for a few instructions
         backoff = Backoff(_BUSY_SECONDS, first=0.0001, longest=0.0001)
         while not _locks.try_lock(self.fd, start, length):
@@ -108,38 +106,40 @@ class CounterFile:
                 raise SlotError("this send was already opened by another process: each send "
                                 "may be opened once. Send the tensor again for every consumer.")
             backoff.pause()
+        return start, length
 
     def acquire(self, index: int) -> None:
         """Consumer: SENT -> HELD, keeping the lock until `release`."""
-        self._lock_slot(index)
-        state = self.state(index)
+        start, length = self._lock_slot(index)
+        words = self._words
+        state = words.load(index, 0)
         if state != SENT:
-            _locks.unlock(self.fd, *self._range(index))
+            _locks.unlock(self.fd, start, length)
             raise SlotError({RELEASED: "this send was already opened and released: each send may "
                                        "be opened once",
                              HELD: "this send was already opened by another process",
                              REVOKED: "the producer revoked this send before it was opened "
                                       "(see devipc.revoke and devipc.set_unopened_deadline)",
                              }.get(state, f"ref-counter slot in unknown state {state}"))
-        self._set(index, HELD)
+        words.store(index, 0, HELD)
 
     def release(self, index: int) -> None:
         """Consumer: HELD -> RELEASED, and the lock goes."""
-        self._set(index, RELEASED)
-        _locks.unlock(self.fd, *self._range(index))
+        self._words.store(index, 0, RELEASED)
+        _locks.unlock(self.fd, *self._words.lock_range(index))
 
     def release_unopened(self, index: int) -> None:
         """Consumer that already holds the memory (cache hit): SENT -> RELEASED."""
-        self._lock_slot(index)
+        start, length = self._lock_slot(index)
         try:
             if self.state(index) == SENT:
                 self._set(index, RELEASED)
         finally:
-            _locks.unlock(self.fd, *self._range(index))
+            _locks.unlock(self.fd, start, length)
 
     def reclaim_if_holder_died(self, index: int) -> bool:
         """Producer: HELD -> RELEASED when the consumer's lock is gone (it died)."""
-        start, length = self._range(index)
+        start, length = self._words.lock_range(index)
         if not _locks.try_lock(self.fd, start, length):
             return False  # held: the consumer lives
         try:
@@ -152,7 +152,7 @@ class CounterFile:
 
     def revoke(self, index: int) -> bool:
         """Producer: SENT -> REVOKED unless a consumer is opening it right now."""
-        start, length = self._range(index)
+        start, length = self._words.lock_range(index)
         if not _locks.try_lock(self.fd, start, length):
             return False
         try:
@@ -315,17 +315,28 @@ class ConsumerCounters:
 
     def hold(self, handle: bytes, index: int) -> None:
         """Open a sent slot (checked by `check_slot`) and hold it until `release`."""
-        if (handle, index) in self._mine:
-            raise SlotError("this send is already opened in this process: each send may be "
-                            "opened once")
-        file = self._open(handle)
+        slot = (handle, index)
+        with self._lock:  # the common case: one lock for the file and the slot
+            if slot in self._mine:
+                raise SlotError("this send is already opened in this process: each send may "
+                                "be opened once")
+            self._mine.add(slot)
+            entry = self._held.get(handle)
+            if entry is not None:
+                entry[1] += 1
+        try:
+            file = entry[0] if entry is not None else self._open(handle)
+        except BaseException:
+            with self._lock:
+                self._mine.discard(slot)
+            raise
         try:
             file.acquire(index)
         except BaseException:
+            with self._lock:
+                self._mine.discard(slot)
             self._put(handle)
             raise
-        with self._lock:
-            self._mine.add((handle, index))
 
     def release(self, handle: bytes, index: int) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ from ._errors import (
 )
 from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
 from ._hooks import IpcHooks, OpenedMemory, hooks_for
-from ._memory import TensorOrStorage, reap_freed, storage_from_memory, untyped, watched
+from ._memory import TensorOrStorage, reap_freed, tensor_from_memory, untyped, watched
 from ._received import (
     DeferredReleases,
     OpenedAllocations,
@@ -42,7 +42,7 @@ __all__ = ["Hold", "LIMBO_WARN_BLOCKS", "SharedStorage", "check_grad", "empty_st
            "ipc_collect", "keep_until_done", "local_device", "new_shared_device", "open_shared",
            "received_via_ipc", "release_hold", "release_ipc_counter_device", "requested_device",
            "revoke", "revoke_send", "send_unopened", "set_unopened_deadline", "share_device",
-           "stats", "takes_slots", "unsendable"]
+           "share_storage", "stats", "takes_slots", "unsendable"]
 
 def _wake_collector() -> None:
     _background.wake()
@@ -106,10 +106,16 @@ def share_device(storage: torch.UntypedStorage) -> SharedStorage:
     one on the device's current stream of the calling thread. A received storage is forwarded.
     """
     storage = untyped(storage)
-    device = storage.device
-    hooks = hooks_for(device)
-    if storage.nbytes() == 0:
-        return SharedStorage(device, None, 0, 0, None, 0, b"", False)
+    return SharedStorage(*share_storage(storage, storage.device, hooks_for(storage.device)))
+
+
+def share_storage(storage: torch.UntypedStorage, device: torch.device,
+                  hooks: IpcHooks) -> tuple:
+    """`share_device` as a plain tuple, for a caller that knows the storage's device and its
+    hooks (`reduce_tensor`, at every send)."""
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return device, None, 0, 0, None, 0, b"", False
     sent = _exports.send_again(storage)
     if sent is None:
         _deferred.poll(_NEWEST)  # releases that are due, as an open runs them
@@ -134,17 +140,16 @@ def share_device(storage: torch.UntypedStorage) -> SharedStorage:
         _exports.revoke_slot(file.handle, index)  # never sent: nobody will open it
         raise
     _background.wake()
-    return SharedStorage(device, handle, storage.nbytes(), offset, file.handle, index,
-                         event_handle, event_sync_required)
+    return device, handle, nbytes, offset, file.handle, index, event_handle, event_sync_required
 
 
-def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> SharedStorage:
+def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> tuple:
     """Send on a received storage: the next consumer maps the original producer's memory under a
     slot of its own in the producer's file, so the memory outlives this process."""
     synchronize(storage.device)  # our writes first
     index = _counters.forward(receipt.counter_handle, receipt.slot)
-    return SharedStorage(storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
-                         receipt.counter_handle, index, b"", False)
+    return (storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
+            receipt.counter_handle, index, b"", False)
 
 
 def new_shared_device(device: torch.device | str | int, handle: bytes | None, size_bytes: int,
@@ -158,14 +163,17 @@ def new_shared_device(device: torch.device | str | int, handle: bytes | None, si
     handle, origin, requested = requested_device(device, handle)
     target = local_device(target, origin.type) if target is not None else requested
     return open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
-                       ref_counter_offset, event_handle, event_sync_required, target)
+                       ref_counter_offset, event_handle, event_sync_required,
+                       target).untyped_storage()
 
 
 def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, offset_bytes: int,
                 ref_counter_handle: bytes | None, ref_counter_offset: int, event_handle: bytes,
-                event_sync_required: bool, target: torch.device | None) -> torch.UntypedStorage:
+                event_sync_required: bool, target: torch.device | None,
+                view: tuple[torch.dtype, tuple[int, ...]] | None = None) -> torch.Tensor:
     """new_shared_device once the devices are known: `origin` the sender's, `target` a local
-    device asked for, or None for the one that owns the memory."""
+    device asked for, or None for the one that owns the memory. Returns a tensor over the whole
+    storage: of `view`'s (dtype, contiguous shape), made in the same call, else its bytes."""
     hooks = hooks_for(origin)
     if not isinstance(handle, bytes) or type(size_bytes) is not int \
             or type(offset_bytes) is not int or size_bytes < 0 or offset_bytes < 0:
@@ -195,7 +203,8 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
                 _deferred.add(stream, release)
                 _background.wake()
 
-            storage = storage_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free)
+            tensor = tensor_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free,
+                                        *(view or ()))
             _received.add(key, receipt)
             _background.wake()  # its rounds see the storage die
             # Pending releases run after the acquire: an allocation sent again (weights synced
@@ -204,7 +213,7 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
             # next lock of the counter file slower. Only the newest storages are looked at: what
             # a loop received and dropped; the collector sees the others.
             _deferred.poll(_NEWEST)
-            return storage
+            return tensor
         except BaseException:
             _opened.release(handle)
             raise

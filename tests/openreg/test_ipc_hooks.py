@@ -114,10 +114,11 @@ def test_an_ipc_mode_switch_other_than_0_or_1_is_refused_with_the_value(monkeypa
 
 
 def test_make_resizable_gives_a_storage_its_allocator_back():
-    from devipc._memory import storage_from_memory
+    from devipc._memory import tensor_from_memory
 
     base = torch.arange(16.0, device="openreg")
-    borrowed = storage_from_memory(base.data_ptr(), 64, base.device, lambda: None)
+    borrowed = tensor_from_memory(base.data_ptr(), 64, base.device,
+                                  lambda: None).untyped_storage()
     assert not borrowed.resizable()
     OpenRegIpcHooks().make_resizable(borrowed)
     assert borrowed.resizable()
