@@ -59,7 +59,7 @@ def test_the_struct_of_a_dead_tensor_is_reused_and_a_live_one_never():
     assert reap_freed() == 0
     del second, third
     assert reap_freed() == 2
-    kept = len(_memory._recycled)
+    kept = len(_memory._recycled[("openreg", 0)])
     assert 2 <= kept <= _memory._RECYCLED_KEPT
 
 

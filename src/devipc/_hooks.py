@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._devices import type_of
 from ._errors import UnsupportedDeviceError
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ def sharing_hooks(device_type: str) -> IpcHooks | None:
 
 def hooks_for(device: torch.device) -> IpcHooks:
     """The hooks of a device that can share, or an error that says what to do."""
-    hooks = sharing_hooks(device.type)
+    hooks = sharing_hooks(type_of(device))
     if hooks is None:
         raise unsupported_device(device)
     return hooks

@@ -23,17 +23,16 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable
-from typing import cast
 
 import torch
 
+from ._devices import name_of, type_of
 from ._errors import UnsupportedDeviceError
 
 _log = logging.getLogger("devipc")
 
 _KDL_EXT_DEV = 12
 _KDL_ONEAPI = 14
-_KDL_UINT = 1
 
 
 class _DLDevice(ctypes.Structure):
@@ -100,14 +99,15 @@ DLPACK_DTYPES = {dtype: (code << 32) | (bits << 40) | (1 << 48) for dtype, (code
     torch.int64: (0, 64), torch.float16: (2, 16), torch.bfloat16: (4, 16),
     torch.float32: (2, 32), torch.float64: (2, 64), torch.complex32: (5, 32),
     torch.complex64: (5, 64), torch.complex128: (5, 128)}.items()}
-_recycled: list[int] = []  # structs of received tensors that died: torch is done with them
+# structs of received tensors that died (torch is done with them), by device
+_recycled: dict[tuple[str, int], list[tuple[int, ctypes.Array]]] = {}
 _RECYCLED_KEPT = 1024
 
 _new_capsule = ctypes.pythonapi.PyCapsule_New
 _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# address of a live struct -> (its words, on_free, whether the struct is reused). No lock: a
+# address of a live struct -> (its words, on_free, its device for reuse or None). No lock: a
 # single dict store or pop is atomic under the GIL, and a lock here could be re-entered by
 # `on_free`s that the garbage collector runs inside it.
 _live: dict[int, tuple] = {}
@@ -128,9 +128,9 @@ def reap_freed(newest: int | None = None) -> int:
     dead = [address for address, entry in made if entry[0][0] != _LIVE]
     freed = [(address, entry) for address in dead
              if (entry := _live.pop(address, None)) is not None]
-    for address, (_words, on_free, reused) in freed:
-        if reused:
-            _recycle(address)
+    for address, (words, on_free, device) in freed:
+        if device is not None:
+            _recycle(device, address, words)
         try:
             on_free()
         except Exception:  # noqa: BLE001 - every other storage must still be released
@@ -160,7 +160,7 @@ def untyped(tensor_or_storage: TensorOrStorage) -> torch.UntypedStorage:
 def storage_key(storage: torch.UntypedStorage) -> tuple:
     """(device, data_ptr, nbytes): how devipc's tables recognise a storage's memory. Storages
     are keyed by their bytes, not by object: two Python storages may wrap one allocation."""
-    return (str(storage.device), storage.data_ptr(), storage.nbytes())
+    return (name_of(storage.device), storage.data_ptr(), storage.nbytes())
 
 
 def _dlpack_device_type(device: torch.device) -> int:
@@ -180,10 +180,11 @@ def tensor_from_memory(ptr: int, nbytes: int, device: torch.device,
     dimensions, exactly `nbytes`; default: the bytes) at `ptr` on `device`, owning nothing. Its
     storage is not resizable; `on_free()` runs once it died, from the next `reap_freed()`, in
     whatever thread calls that, possibly inside the garbage collector: it must take no lock."""
-    template = _templates.get((device.type, device.index or 0)) or _template(device)
-    address = _recycled.pop() if _recycled else _new_struct()
-    tensor, words = _dlpack_tensor(template, address, ptr, nbytes, dtype, shape)
-    _live[address] = (words, on_free, True)
+    key = (type_of(device), device.index or 0)
+    recycled = _recycled.get(key)
+    address, words = recycled.pop() if recycled else _new_struct(key)
+    tensor = _dlpack_tensor(address, words, ptr, nbytes, dtype, shape)
+    _live[address] = (words, on_free, key)
     return tensor
 
 
@@ -192,21 +193,17 @@ def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Calla
     """A non-resizable storage of `nbytes` at `ptr` whose DataPtr, wherever it moves, runs
     `on_free()` once it died (from the next `reap_freed()`); and the mark that `lives` reads,
     whose struct is freed with it."""
-    template = _templates.get((device.type, device.index or 0)) or _template(device)
-    address = _new_struct()
-    tensor, words = _dlpack_tensor(template, address, ptr, nbytes)
+    address, words = _new_struct((type_of(device), device.index or 0))
+    tensor = _dlpack_tensor(address, words, ptr, nbytes)
     weakref.finalize(words, _free, address).atexit = False
-    _live[address] = (words, on_free, False)
+    _live[address] = (words, on_free, None)
     return tensor.untyped_storage(), words
 
 
-def _dlpack_tensor(template: bytes, address: int, ptr: int, nbytes: int,
+def _dlpack_tensor(address: int, words: ctypes.Array, ptr: int, nbytes: int,
                    dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None,
-                   ) -> tuple[torch.Tensor, ctypes.Array]:
-    """`tensor_from_memory`'s tensor, its struct at `address` made from the device's
-    `template`, and the struct's words."""
-    ctypes.memmove(address, template, _STRUCT_WORDS * 8)
-    words = _Words.from_address(address)
+                   ) -> torch.Tensor:
+    """`tensor_from_memory`'s tensor, through the struct at `address` (`_new_struct`)."""
     words[0] = ptr
     if shape is None:
         words[_KIND_WORD] = 1 | DLPACK_DTYPES[torch.uint8]
@@ -214,38 +211,44 @@ def _dlpack_tensor(template: bytes, address: int, ptr: int, nbytes: int,
     else:
         words[_KIND_WORD] = len(shape) | DLPACK_DTYPES[dtype]
         words[_STRUCT_WORDS:_STRUCT_WORDS + len(shape)] = list(shape)
-    words[_SHAPE_WORD] = address + 8 * _STRUCT_WORDS
     # Should this fail, torch may have called the deleter: the struct is never reused then.
     tensor = torch._C._from_dlpack(_new_capsule(address, b"dltensor", None))
     words[0] = _LIVE  # torch read the struct; from now on its first word says the storage lives
-    return tensor, words
+    return tensor
 
 
-def _new_struct() -> int:
-    """A struct's memory, never freed while its tensor may live: not even at interpreter exit,
-    when Python frees its objects in any order and torch may call the deleter later."""
+def _new_struct(device: tuple[str, int]) -> tuple[int, ctypes.Array]:
+    """A struct for tensors on `device` (type, index), and its words: the device's template
+    with the shape pointer set. Its memory is never freed while its tensor may live: not even
+    at interpreter exit, when Python frees its objects in any order and torch may call the
+    deleter later."""
+    template = _templates.get(device) or _template(*device)
     address = _malloc(ctypes.sizeof(_Words))
     if not address:
         raise MemoryError("devipc: no memory for a DLPack struct")
-    return cast(int, address)
+    ctypes.memmove(address, template, len(template))
+    words = _Words.from_address(address)
+    words[_SHAPE_WORD] = address + 8 * _STRUCT_WORDS
+    return address, words
 
 
-def _recycle(address: int) -> None:
-    if len(_recycled) < _RECYCLED_KEPT:
-        _recycled.append(address)
+def _recycle(device: tuple[str, int], address: int, words: ctypes.Array) -> None:
+    """A struct whose tensor died, for the next tensor on that device: only the data pointer,
+    kind and shape change."""
+    recycled = _recycled.setdefault(device, [])
+    if len(recycled) < _RECYCLED_KEPT:
+        recycled.append((address, words))
     else:
         _free(address)
 
 
-def _template(device: torch.device) -> bytes:
-    """The struct of a tensor on `device`, but for its data pointer, kind and shape pointer."""
-    kind = _dlpack_device_type(device)
+def _template(device_type: str, index: int) -> bytes:
+    """The struct of a tensor on that device, but for its data pointer, kind and shape."""
+    kind = _dlpack_device_type(torch.device(device_type, index))
     managed = _DLManagedTensor()
-    managed.dl_tensor.device = _DLDevice(kind, device.index or 0)
-    managed.dl_tensor.ndim = 1
-    managed.dl_tensor.dtype = _DLDataType(_KDL_UINT, 8, 1)
+    managed.dl_tensor.device = _DLDevice(kind, index)
     managed.deleter = _MARK_FREED
-    return _templates.setdefault((device.type, device.index or 0), ctypes.string_at(
+    return _templates.setdefault((device_type, index), ctypes.string_at(
         ctypes.addressof(managed), ctypes.sizeof(managed)))
 
 

@@ -9,6 +9,7 @@ from typing import NamedTuple, cast
 
 import torch
 
+from ._devices import type_of
 from ._hooks import IpcHooks, OpenedMemory
 from ._memory import reap_freed, storage_key
 
@@ -105,14 +106,14 @@ def current_stream(device: torch.device) -> torch.Stream:
     """This thread's current stream of `device`: for the accelerator, one call into torch's C++
     (torch.accelerator.current_stream checks its argument in Python first: ~2.5 us a call here,
     against 0.15 us), else through the device's module."""
-    if device.index is not None and device.type == _accelerator_type():
+    if device.index is not None and type_of(device) == _accelerator_type():
         return torch._C._accelerator_getStream(device.index)
     return torch.get_device_module(device).current_stream(device)
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on every stream of `device` (as `current_stream`)."""
-    if device.index is not None and device.type == _accelerator_type():
+    if device.index is not None and type_of(device) == _accelerator_type():
         torch._C._accelerator_synchronizeDevice(device.index)
     else:
         torch.get_device_module(device).synchronize(device)

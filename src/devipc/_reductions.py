@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
+from ._devices import name_of, type_of
 from ._errors import DevIpcError, InvalidHandleError
 from ._hooks import (
     device_supports_ipc,
@@ -35,7 +36,7 @@ from ._sharing import (
     unsendable,
     wait_for_producer,
 )
-from ._wire import wrap_storage_handle
+from ._wire import is_wrapped, unwrap_storage_handle, wrap_storage_handle
 
 _lock = threading.Lock()
 _saved: dict[str, Any] = {}  # torch's own functions while installed (or _MISSING)
@@ -57,7 +58,7 @@ def _receive_storage(device: torch.device | str | int, handle: bytes | None, siz
         # a forged empty storage would leave its slot unreleased; a bytearray is unhashable
         raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
                                  f"size {size_bytes!r}")
-    key = (handle, offset_bytes) if target is None else (handle, offset_bytes, str(target))
+    key = (handle, offset_bytes) if target is None else (handle, offset_bytes, name_of(target))
     storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
         tensor = open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
@@ -144,7 +145,7 @@ def rebuild_device_storage(storage_cls: type[torch.UntypedStorage],
 
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
     device = tensor.device
-    hooks = sharing_hooks(device.type)
+    hooks = sharing_hooks(type_of(device))
     if hooks is None:
         return _saved["reduce_tensor"](tensor)
     if tensor.layout != torch.strided or tensor.is_nested:
@@ -169,10 +170,48 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tu
     # args[7] carries the device written into args[6]: an overwritten args[6] shows.
     wrapped = wrap_storage_handle(device, handle or b"")
     # The sizes as a plain tuple, as the strides are: a torch.Size pickles as a global and a call.
-    return (rebuild_device_tensor, (
-        type(tensor), tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), type(storage),
-        tensor.dtype, device, wrapped, size_bytes, offset_bytes, tensor.requires_grad,
-        ref_counter_handle, ref_counter_offset, event_handle, event_sync_required))
+    args = (type(tensor), tuple(tensor.size()), tensor.stride(), tensor.storage_offset(),
+            type(storage), tensor.dtype, device, wrapped, size_bytes, offset_bytes,
+            tensor.requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+            event_sync_required)
+    if args[0] in _CLASS_NAMES and args[5] in _DTYPE_NAMES and args[4] is torch.UntypedStorage:
+        return rebuild_device_tensor, SentArgs(args)
+    return rebuild_device_tensor, args
+
+
+class SentArgs(tuple):
+    """reduce_tensor's 15 arguments, a tuple as torch's, that pickle without the tensor and
+    storage classes, the dtype and the device: those are globals, an import lookup each on both
+    sides, most of what pickling a send costs. The classes and the dtype travel by name, the
+    device in the wrapped handle (args[7]) already. A copy made to overwrite args[6] is a plain
+    tuple or list, pickled in full."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Callable[..., tuple], tuple]:
+        return _expand, (_CLASS_NAMES[self[0]], _DTYPE_NAMES[self[5]], *self[1:4], *self[7:])
+
+
+def _expand(class_name: str, dtype_name: str, size: tuple[int, ...], stride: tuple[int, ...],
+            offset: int, handle: bytes, *rest: Any) -> tuple:
+    """`SentArgs` unpickled: the 15 arguments of rebuild_device_tensor, args[6] as the sender
+    wrote it."""
+    try:
+        tensor_cls, dtype = _CLASSES[class_name], _DTYPES[dtype_name]
+        device = unwrap_storage_handle(handle)[0] if is_wrapped(handle) else None
+    except (KeyError, TypeError):
+        device = None
+    if device is None:
+        raise InvalidHandleError(f"malformed sent tensor: class {class_name!r}, dtype "
+                                 f"{dtype_name!r}, device handle {type(handle).__name__}")
+    return (tensor_cls, size, stride, offset, torch.UntypedStorage, dtype, device, handle, *rest)
+
+
+_CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.parameter.Parameter}
+_CLASS_NAMES = {cls: name for name, cls in _CLASSES.items()}
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values()
+           if isinstance(dtype, torch.dtype)}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def reduce_storage(storage: torch.UntypedStorage,

@@ -18,6 +18,7 @@ import torch
 
 from . import _statspage, _wire
 from ._background import Background
+from ._devices import name_of
 from ._errors import (
     DevIpcError,
     InvalidHandleError,
@@ -192,7 +193,7 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
             if event_sync_required:
                 _wait_for_producer(hooks, stream, event_handle)
             receipt = Receipt(handle, offset_bytes, counter_handle, index)
-            key = (str(placed), memory.ptr + offset_bytes, size_bytes)
+            key = (name_of(placed), memory.ptr + offset_bytes, size_bytes)
 
             def release() -> None:
                 _received.forget(key, receipt)
