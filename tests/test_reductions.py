@@ -265,6 +265,42 @@ def test_forged_or_truncated_handles_raise(field, value, error):
     devipc.ipc_collect()
 
 
+def test_sent_arguments_pickle_without_globals_and_come_back_as_the_15():
+    """reduce_tensor's arguments pickle the classes and dtype by name and leave the device to
+    the wrapped handle (each global costs an import lookup on both sides); unpickled, they are
+    torch's 15 arguments again, a plain tuple, args[6] as the producer wrote it."""
+    tensor = torch.arange(6, dtype=torch.float16, device="openreg").reshape(2, 3)
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    payload = pickle.dumps(args)
+    assert b"float16" in payload and b"UntypedStorage" not in payload and b"device" not in payload
+    back = pickle.loads(payload)
+    assert type(back) is tuple and back == tuple(args) and back[6] == tensor.device
+    received = rebuild(*back)
+    assert torch.equal(received.cpu(), tensor.cpu()) and received.dtype == torch.float16
+    overwritten = list(args)
+    overwritten[6] = 0  # what frameworks do: a plain list, pickled in full, means device 0
+    assert pickle.loads(pickle.dumps(overwritten))[6] == 0
+    del received
+    devipc.ipc_collect()
+
+
+@pytest.mark.parametrize("field, value", [
+    (0, "Module"), (0, ["unhashable"]), (1, "not_a_dtype"), (1, "Tensor"),
+    (5, b"not a wrapped handle"), (5, None), (5, b"DVIP\x03\x00truncated"),
+])
+def test_forged_sent_arguments_raise(field, value):
+    tensor = torch.ones(4, device="openreg")
+    _, args = torch_reductions.reduce_tensor(tensor)
+    expand, compact = args.__reduce__()
+    compact = list(compact)
+    compact[field] = value
+    with pytest.raises(devipc.InvalidHandleError):
+        expand(*compact)
+    devipc.revoke(tensor)
+    del tensor
+    devipc.ipc_collect()
+
+
 def test_a_bytearray_memory_handle_is_refused():
     tensor = torch.ones(4, device="openreg")
     rebuild, args = torch_reductions.reduce_tensor(tensor)
