@@ -125,9 +125,10 @@ def reap_freed(newest: int | None = None) -> int:
         made = list(_live.items())
     else:  # a C iterator only: no other thread runs, the dict cannot change meanwhile
         made = list(itertools.islice(reversed(_live.items()), newest))
-    dead = [address for address, entry in made if entry[0][0] != _LIVE]
-    freed = [(address, entry) for address in dead
-             if (entry := _live.pop(address, None)) is not None]
+    freed = []
+    for address, entry in made:  # a loop, not comprehensions: this runs at every open
+        if entry[0][0] != _LIVE and _live.pop(address, None) is not None:
+            freed.append((address, entry))
     for address, (words, on_free, device) in freed:
         if device is not None:
             _recycle(device, address, words)

@@ -155,8 +155,9 @@ class DeferredReleases:
 
     def add(self, stream: torch.Stream, release: Callable[[], None]) -> None:
         events: list = []
+        device = stream.device
         try:
-            here = current_stream(stream.device)
+            here = current_stream(device)
             for queue in (stream,) if here == stream else (stream, here):
                 if not queue.query():
                     event = torch.Event(device=queue.device)
@@ -164,7 +165,7 @@ class DeferredReleases:
                     events.append(event)
         except Exception:  # e.g. at interpreter shutdown
             events = [self._SYNCHRONIZE]
-        self._added.append((events, stream.device, release))
+        self._added.append((events, device, release))
 
     def keep_until(self, events: list[torch.Event], keep: object) -> None:
         """Keep `keep` alive until `events` completed: what device copies still read or write
@@ -180,8 +181,8 @@ class DeferredReleases:
                 self._waiting.append(self._added.popleft())
             ready: list[tuple] = []
             waiting: list[tuple] = []
-            for entry in self._waiting:
-                (ready if self._done(*entry[:2]) else waiting).append(entry)
+            for entry in self._waiting:  # no events: the streams were idle, done
+                (ready if not entry[0] or self._done(*entry[:2]) else waiting).append(entry)
             self._waiting = waiting
         for _events, _device, release in ready:
             release()

@@ -125,17 +125,13 @@ class Peer:
 
     # -- liveness --
     def check_alive(self) -> None:
+        """Called before every copy: one `epoll_wait` of the pidfd, no more."""
         if self._page is None:
             raise ValueError("this connection is closed")
-        if not self._running():
+        if self._exited.poll(0) if self._pidfd >= 0 else not pid_alive(self.pid):
             self.close()
             raise PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
                                 f"read or written any more; this connection is closed")
-
-    def _running(self) -> bool:
-        if self._pidfd >= 0:
-            return not self._exited.poll(0)
-        return pid_alive(self.pid)
 
     def _live(self, reg_id: int, slot: int) -> bool:
         """Whether the owner's registration `reg_id` still lives (an aligned 8-byte load). Call
