@@ -59,8 +59,46 @@ def test_the_struct_of_a_dead_tensor_is_reused_and_a_live_one_never():
     assert reap_freed() == 0
     del second, third
     assert reap_freed() == 2
-    kept = len(_memory._recycled[("openreg", 0)])
-    assert 2 <= kept <= _memory._RECYCLED_KEPT
+    assert len(_memory._recycled[("openreg", 0)]) >= 2
+
+
+def test_a_reused_struct_is_a_new_entry_that_a_stale_look_cannot_take():
+    """A reap that listed the storages before a struct was reused (the collector, paused by a
+    thread switch) must not take the new tensor's entry for the dead one's: entries are not
+    keyed by the struct's address."""
+    from devipc import _memory
+    backing = torch.arange(16, dtype=torch.uint8, device="openreg")
+    reap_freed()
+    freed: list[int] = []
+    first = tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: freed.append(1))
+    stale = list(_memory._live.items())  # what a paused reap holds
+    number, entry = stale[-1]
+    del first
+    assert reap_freed() == 1 and freed == [1]
+    second = tensor_from_memory(backing.data_ptr() + 4, 4, backing.device,
+                                lambda: freed.append(2))
+    again, reused = next(reversed(_memory._live.items()))
+    assert reused[0] == entry[0] and again != number  # the same struct, a new entry
+    del second
+    # the stale look sees a dead word at that address, but its entry is gone: nothing to take
+    assert entry[1][0] != _memory._LIVE and _memory._live.pop(number, None) is None
+    assert reap_freed() == 1 and freed == [1, 2]
+
+
+def test_a_struct_torch_refused_goes_back_for_the_next_tensor(monkeypatch):
+    from devipc import _memory
+    backing = torch.arange(8, dtype=torch.uint8, device="openreg")
+    reap_freed()
+    kept = list(_memory._recycled.get(("openreg", 0), []))
+
+    def refuse(capsule):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(torch._C, "_from_dlpack", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: None)
+    monkeypatch.undo()
+    assert len(_memory._recycled[("openreg", 0)]) == len(kept) + (0 if kept else 1)
 
 
 def test_a_bounded_reap_looks_at_the_newest_storages_only():

@@ -1,5 +1,6 @@
 """share_device / new_shared_device / release_ipc_counter_device and the sent-data collector,
 in one process and across processes, in both openreg IPC modes."""
+import logging
 import textwrap
 from multiprocessing.reduction import ForkingPickler
 
@@ -226,3 +227,42 @@ def test_opened_allocations_find_an_address_by_its_range():
     opened.release((3000).to_bytes(4, "little"))
     assert closed == [3000] and not opened.contains(device, 3050)
     assert opened.contains(device, 1050) and opened.contains(device, 5050) and len(opened) == 2
+
+
+def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatch):
+    """An open runs the releases that are due; one that fails is logged, and neither the open
+    nor the other releases are lost (nor is anything released twice)."""
+    logged: list[str] = []
+
+    class Count(logging.Handler):  # keeps no record: a record's traceback holds the open's frame
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    logger, handler = logging.getLogger("devipc"), Count()
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "propagate", False)
+    try:
+        devipc.ipc_collect()
+        before = devipc.stats()["mapped"]
+        tensor, other = torch.arange(4.0, device="openreg"), torch.ones(4, device="openreg")
+        received = [ForkingPickler.loads(ForkingPickler.dumps(t)) for t in (tensor, other)]
+        del received  # both die; their releases wait for the next open
+        original, calls = _sharing._opened.release, []
+
+        def release_then_fail(handle):
+            original(handle)
+            calls.append(handle)
+            raise OSError("unmap failed")
+
+        monkeypatch.setattr(_sharing._opened, "release", release_then_fail)
+        again = ForkingPickler.loads(ForkingPickler.dumps(tensor))
+        monkeypatch.setattr(_sharing._opened, "release", original)
+        assert len(calls) == 2
+        assert logged == ["devipc: releasing a received storage failed"] * 2
+        assert torch.equal(again.cpu(), tensor.cpu())
+        del again
+        devipc.ipc_collect()
+        stats = devipc.stats()
+        assert stats["pending_releases"] == 0 and stats["mapped"] == before
+    finally:
+        logger.removeHandler(handler)

@@ -99,18 +99,22 @@ DLPACK_DTYPES = {dtype: (code << 32) | (bits << 40) | (1 << 48) for dtype, (code
     torch.int64: (0, 64), torch.float16: (2, 16), torch.bfloat16: (4, 16),
     torch.float32: (2, 32), torch.float64: (2, 64), torch.complex32: (5, 32),
     torch.complex64: (5, 64), torch.complex128: (5, 128)}.items()}
-# structs of received tensors that died (torch is done with them), by device
+# Structs of received tensors that died (torch is done with them), by device. Never freed: a
+# reap in another thread may still read one's first word (`reap_freed`); there are at most as
+# many as the received tensors a process held at once.
 _recycled: dict[tuple[str, int], list[tuple[int, ctypes.Array]]] = {}
-_RECYCLED_KEPT = 1024
 
 _new_capsule = ctypes.pythonapi.PyCapsule_New
 _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# address of a live struct -> (its words, on_free, its device for reuse or None). No lock: a
+# A number never reused -> (the struct's address, its words, on_free, its device for reuse or
+# None). Not keyed by address: a reused struct's address comes back, and a reap that took its
+# list of storages before would take the new storage's entry for the old one's. No lock: a
 # single dict store or pop is atomic under the GIL, and a lock here could be re-entered by
 # `on_free`s that the garbage collector runs inside it.
 _live: dict[int, tuple] = {}
+_numbers = itertools.count()
 
 
 def reap_freed(newest: int | None = None) -> int:
@@ -126,10 +130,10 @@ def reap_freed(newest: int | None = None) -> int:
     else:  # a C iterator only: no other thread runs, the dict cannot change meanwhile
         made = list(itertools.islice(reversed(_live.items()), newest))
     freed = []
-    for address, entry in made:  # a loop, not comprehensions: this runs at every open
-        if entry[0][0] != _LIVE and _live.pop(address, None) is not None:
-            freed.append((address, entry))
-    for address, (words, on_free, device) in freed:
+    for number, entry in made:  # a loop, not comprehensions: this runs at every open
+        if entry[1][0] != _LIVE and _live.pop(number, None) is not None:
+            freed.append(entry)
+    for address, words, on_free, device in freed:
         if device is not None:
             _recycle(device, address, words)
         try:
@@ -182,10 +186,16 @@ def tensor_from_memory(ptr: int, nbytes: int, device: torch.device,
     storage is not resizable; `on_free()` runs once it died, from the next `reap_freed()`, in
     whatever thread calls that, possibly inside the garbage collector: it must take no lock."""
     key = (type_of(device), device.index or 0)
-    recycled = _recycled.get(key)
-    address, words = recycled.pop() if recycled else _new_struct(key)
-    tensor = _dlpack_tensor(address, words, ptr, nbytes, dtype, shape)
-    _live[address] = (words, on_free, key)
+    try:
+        address, words = _recycled[key].pop()
+    except (KeyError, IndexError):
+        address, words = _new_struct(key)
+    try:
+        tensor = _dlpack_tensor(address, words, ptr, nbytes, dtype, shape)
+    except BaseException:
+        _recycle(key, address, words)  # torch is done with it, whether or not it took it
+        raise
+    _live[next(_numbers)] = (address, words, on_free, key)
     return tensor
 
 
@@ -195,9 +205,9 @@ def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Calla
     `on_free()` once it died (from the next `reap_freed()`); and the mark that `lives` reads,
     whose struct is freed with it."""
     address, words = _new_struct((type_of(device), device.index or 0))
-    tensor = _dlpack_tensor(address, words, ptr, nbytes)
     weakref.finalize(words, _free, address).atexit = False
-    _live[address] = (words, on_free, None)
+    tensor = _dlpack_tensor(address, words, ptr, nbytes)
+    _live[next(_numbers)] = (address, words, on_free, None)
     return tensor.untyped_storage(), words
 
 
@@ -212,7 +222,6 @@ def _dlpack_tensor(address: int, words: ctypes.Array, ptr: int, nbytes: int,
     else:
         words[_KIND_WORD] = len(shape) | DLPACK_DTYPES[dtype]
         words[_STRUCT_WORDS:_STRUCT_WORDS + len(shape)] = list(shape)
-    # Should this fail, torch may have called the deleter: the struct is never reused then.
     tensor = torch._C._from_dlpack(_new_capsule(address, b"dltensor", None))
     words[0] = _LIVE  # torch read the struct; from now on its first word says the storage lives
     return tensor
@@ -236,11 +245,7 @@ def _new_struct(device: tuple[str, int]) -> tuple[int, ctypes.Array]:
 def _recycle(device: tuple[str, int], address: int, words: ctypes.Array) -> None:
     """A struct whose tensor died, for the next tensor on that device: only the data pointer,
     kind and shape change."""
-    recycled = _recycled.setdefault(device, [])
-    if len(recycled) < _RECYCLED_KEPT:
-        recycled.append((address, words))
-    else:
-        _free(address)
+    _recycled.setdefault(device, []).append((address, words))
 
 
 def _template(device_type: str, index: int) -> bytes:

@@ -3,6 +3,7 @@ releases that wait for the device work this process queued on them.
 """
 import bisect
 import collections
+import logging
 import threading
 from collections.abc import Callable
 from typing import NamedTuple, cast
@@ -12,6 +13,8 @@ import torch
 from ._devices import type_of
 from ._hooks import IpcHooks, OpenedMemory
 from ._memory import reap_freed, storage_key
+
+_log = logging.getLogger("devipc")
 
 
 class OpenedAllocations:
@@ -185,7 +188,10 @@ class DeferredReleases:
                 (ready if not entry[0] or self._done(*entry[:2]) else waiting).append(entry)
             self._waiting = waiting
         for _events, _device, release in ready:
-            release()
+            try:
+                release()
+            except Exception:  # noqa: BLE001 - every other release must still run
+                _log.exception("devipc: releasing a received storage failed")
         return bool(waiting) or bool(self._added)
 
     def _done(self, events: list, device: torch.device) -> bool:

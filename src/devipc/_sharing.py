@@ -206,21 +206,22 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
 
             tensor = tensor_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free,
                                         *(view or ()))
-            _received.add(key, receipt)
-            _background.wake()  # its rounds see the storage die
-            # Pending releases run after the acquire: an allocation sent again (weights synced
-            # every step) stays mapped, rather than unmapped and mapped again, pages re-faulted.
-            # Here rather than in the collector: every slot a process holds makes the kernel's
-            # next lock of the counter file slower. Only the newest storages are looked at: what
-            # a loop received and dropped; the collector sees the others.
-            _deferred.poll(_NEWEST)
-            return tensor
         except BaseException:
             _opened.release(handle)
             raise
     except BaseException:
         _counters.release(counter_handle, index)  # the producer must not wait for us forever
         raise
+    # From here on the tensor's death releases its slot and mapping (`on_free`), nothing else.
+    _received.add(key, receipt)
+    _background.wake()  # its rounds see the storage die
+    # Pending releases run after the acquire: an allocation sent again (weights synced every
+    # step) stays mapped, rather than unmapped and mapped again, pages re-faulted. Here rather
+    # than in the collector: every slot a process holds makes the kernel's next lock of the
+    # counter file slower. Only the newest storages are looked at: what a loop received and
+    # dropped; the collector sees the others.
+    _deferred.poll(_NEWEST)
+    return tensor
 
 
 def _placement(hooks: IpcHooks, memory: OpenedMemory, target: torch.device) -> torch.device:
