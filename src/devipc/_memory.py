@@ -82,15 +82,15 @@ def _locked_word() -> int:
 _LIVE = _locked_word()  # the struct's first word while its storage lives: a held lock
 
 # Each struct is written as int64 words, its shape array right after it: a template per device
-# filled in by ctypes once, then a few words per tensor (ctypes field access costs more than the
-# rest of making a storage).
+# filled in by ctypes once and copied into a new struct, then a few words per tensor (ctypes field
+# access costs more than the rest of making a storage).
 MAX_DIMS = 8  # dimensions a struct has room for
 _STRUCT_WORDS = ctypes.sizeof(_DLManagedTensor) // 8
 _Words = ctypes.c_int64 * (_STRUCT_WORDS + MAX_DIMS)
 _SHAPE_WORD = _DLTensor.shape.offset // 8
 _KIND_WORD = _DLTensor.ndim.offset // 8  # ndim (int32), then dtype (code, bits, lanes)
 assert _DLTensor.dtype.offset == _DLTensor.ndim.offset + 4
-_templates: dict[tuple[str, int], bytes] = {}  # (device type, index) -> words, shape zeroed
+_templates: dict[tuple[str, int], bytes] = {}  # (device type, index) -> the struct's bytes
 
 # torch dtype -> its DLPack (code, bits) in the struct's kind word (one lane), ndim left out
 DLPACK_DTYPES = {dtype: (code << 32) | (bits << 40) | (1 << 48) for dtype, (code, bits) in {
