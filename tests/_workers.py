@@ -1,6 +1,9 @@
 """Module-level child-process bodies for the multi-process tests (spawn must import them)."""
+import os
 import pickle
+import signal
 import socket
+import sys
 import threading
 
 import torch
@@ -24,6 +27,19 @@ def write_shared_file(handle, magic, done):
     buffer.write(0, b"HELLO")
     buffer.close()
     done.put("ok")
+
+
+def hold_lifeline(conn, handle, how):
+    """Hold a lifeline in the shared file `handle` names, send its id, then end as `how` says."""
+    from devipc._lifeline import hold
+    from devipc._memfd import open_shared_file
+
+    buffer = open_shared_file(handle, b"TEST")
+    conn.send(hold(buffer.address))
+    conn.recv()  # "end" (or the parent's end closed)
+    if how == "exit":
+        sys.exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def release_slot(handle, index, done):

@@ -12,6 +12,8 @@ from _support import TIMEOUT, Children, foreign_memfd_maps, open_fds, recv, wait
 
 import devipc
 import devipc.p2p as p2p
+from devipc.p2p import _remote
+from devipc.p2p._registry import PAGE_LIFELINE
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
 from _native import held_stream  # noqa: E402 - the openreg tests' stream gate
@@ -235,8 +237,13 @@ def test_a_freed_remote_tensor_raises_and_its_mapping_is_closed(owner, peer, dev
     _owner_idle(owner)
 
 
-def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monkeypatch):
+@pytest.mark.parametrize("liveness", ["lifeline", "pidfd"])
+def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monkeypatch, liveness):
+    """Peers learn the owner's death from its lifeline word, or from its pidfd where the owner's
+    page has none (another C library): read here as a header word that is always 0."""
     monkeypatch.setenv("OPENREG_IPC_EVENTS", "1")  # the owner's events: pages of its own too
+    if liveness == "pidfd":
+        monkeypatch.setattr(_remote, "PAGE_LIFELINE", PAGE_LIFELINE - 1)
     _settle()
     owner = Owner(children)  # its pipe and sentinel stay open until the test ends
     local = torch.zeros(64, device="openreg")  # this process's own device memory, cached
@@ -246,6 +253,7 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monke
     fds, maps, mapped = open_fds(), foreign_memfd_maps(), devipc.stats()["mapped"]
     endpoint = p2p.Endpoint()
     connection = endpoint.connect(owner.metadata)
+    assert bool(connection._link._peer._lifeline) == (liveness == "lifeline")
     connection.read(local, on_device)
     connection.read(torch.zeros(64), on_cpu)
     owner.proc.kill()

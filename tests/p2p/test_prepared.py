@@ -159,3 +159,22 @@ def test_a_sync_read_is_ordered_after_the_callers_queued_work(owner, peer):
     reader.join(TIMEOUT)
     assert local.cpu().tolist() == list(range(64))
     call("drop", tensor_id)
+
+
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+def test_the_short_path_copies_into_whichever_local_tensor_it_is_given(owner, peer, device):
+    """A descriptor read and written again by the calling thread keeps the last local tensor's
+    bytes: another tensor, at another address, gets its own."""
+    call, _ = owner
+    tensor_id, whole = call("create", torch.arange(64, dtype=torch.float32), "openreg")
+    first, second = (torch.zeros(64, device=device) for _ in range(2))
+    for _ in range(2):  # the second round: both seen before
+        first.zero_(), second.zero_()
+        peer.read(first, whole)
+        assert first.cpu().tolist() == list(range(64))
+        peer.read(second, whole)
+        assert second.cpu().tolist() == list(range(64))
+    peer.write(torch.full((64,), 2.0, device=device), whole)
+    peer.write(second, whole)  # the write takes the local tensor's bytes too, not the last
+    assert call("get", tensor_id).tolist() == list(range(64))
+    call("drop", tensor_id)

@@ -1,6 +1,7 @@
 """The registry: one registration per storage, found through views and slices, ended by
 free_tensor, deregister or the garbage collector; ids never reused; nothing left behind."""
 import gc
+import os
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from _support import open_fds, shm_entries, wait_until
 
 import devipc
 import devipc.p2p as p2p
+from devipc._lifeline import TID_MASK
 from devipc.p2p._descriptor import Descriptor
-from devipc.p2p._registry import registry
+from devipc.p2p._registry import PAGE_LIFELINE, registry
 
 DEVICES = ["openreg", "cpu"]
 
@@ -194,3 +196,12 @@ def test_a_storage_received_through_devipc_is_not_advertised_again():
     p2p.deregister(received_id)
     del received, tensor
     _settle()
+
+
+def test_the_page_carries_this_process_lifeline():
+    """Peers read from the page's header whether this process lives (`_lifeline`)."""
+    page = registry.page().buffer
+    lifeline = page.words[PAGE_LIFELINE]
+    assert lifeline > 0  # glibc, Linux: held
+    assert page.words[0] & TID_MASK == lifeline
+    assert os.path.exists(f"/proc/self/task/{lifeline}")  # the parked thread

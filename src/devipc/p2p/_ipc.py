@@ -4,7 +4,7 @@ storage; a peer (`_remote`) maps it once per registration and copies with the de
 path (one `copy_batch` call where the hooks have it), host memory by memmove.
 
 What does not change between calls is kept: a descriptor copied synchronously before keeps its
-registration and remote address (`_again`), a vector batched before its remote rows (`_Vector`),
+registration and remote address (`again`), a vector batched before its remote rows (`_Vector`),
 a prepared transfer all of it (`IpcPrepared`); a call then checks the registrations' words and
 the local tensors only. One small copy of memory the CPU may address ("DRAM" hooks), when the
 current stream is idle, is made by the calling thread: handing it to the stream and waiting for
@@ -80,8 +80,9 @@ class IpcLink:
     def __init__(self, peer: Peer):
         self._peer = peer
         self._posts = 0  # copies made in the calling thread, which sweep only now and then
-        # id(descriptor) -> (descriptor, entry, remote address, device or None), for `_again`
-        self._again_plans: dict[int, tuple] = {}
+        # id(descriptor) -> [descriptor, entry, remote bytes, device or None, stream index or
+        # None, (local address, bytes)]: `_remember` keeps them for `again`
+        self._again_plans: dict[int, list] = {}
         self._vectors: dict[tuple[int, ...], _Vector] = {}  # by the descriptors' ids
 
     def mapped(self) -> int:
@@ -93,17 +94,11 @@ class IpcLink:
     def prepare(self, op: str, locals_: list, descs: list) -> "IpcPrepared":
         return IpcPrepared(self._peer, op, locals_, descs)
 
-    def again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
-        """A synchronous copy of `desc` (whole) made as the last one was, if it can be: the
-        connection's shortcut past `post` for its `read` and `write`."""
-        self._peer.check_alive()
-        return self._again(op, local, desc)
-
     def post(self, op: str, locals_: list, descs: list, wait: bool) -> Transfer:
         peer = self._peer
         peer.check_alive()
         if len(descs) == 1:
-            if wait and self._again(op, locals_[0], descs[0]):
+            if wait and self.again(op, locals_[0], descs[0]):
                 return DONE
         elif descs:
             vector = self._vectors.get(tuple(map(id, descs)))
@@ -156,26 +151,28 @@ class IpcLink:
         return transfer
 
     def _remember(self, entry: RemoteEntry, desc: Descriptor) -> None:
-        """Keep what a synchronous copy of `desc` by the calling thread needs (`_again`)."""
+        """Keep what a synchronous copy of `desc` by the calling thread needs (`again`)."""
         if desc.nbytes <= _INLINE_BYTES:
             if len(self._again_plans) >= _PLANS_KEPT:
                 self._again_plans.clear()
             device = None if entry.device.type == "cpu" else entry.device
             index = None if device is None else _stream_index(device)
             assert entry.address is not None  # `_host_rows` took it
-            self._again_plans[id(desc)] = (desc, entry, host_bytes(entry.address + desc.offset,
-                                                                   desc.nbytes), device, index)
+            remote = host_bytes(entry.address + desc.offset, desc.nbytes)
+            # the last item: (address, its bytes) of the last local tensor, swapped whole
+            self._again_plans[id(desc)] = [desc, entry, remote, device, index, (0, None)]
         self._posts += 1
-        if not self._posts % _SWEEP_EVERY:  # now and then: `_again` never sweeps
+        if not self._posts % _SWEEP_EVERY:  # now and then: `again` never sweeps
             self._peer.sweep()
 
-    def _again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
-        """A synchronous copy of a descriptor copied before by the calling thread, made again
-        the same way, with what `_remember` kept: whether it was (else the caller's path)."""
+    def again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
+        """A synchronous copy of a descriptor (whole) copied before by the calling thread, made
+        again the same way, with what `_remember` kept: whether it was, else the caller's path
+        (`post`) says why not. The connection's shortcut for its `read` and `write`."""
         plan = self._again_plans.get(id(desc))
         if plan is None or plan[0] is not desc or not local.is_contiguous():
             return False
-        _, entry, remote, device, index = plan
+        _, entry, remote, device, index, last = plan
         if local.is_cpu:
             if index is not None and not _current_stream(index).query():
                 return False
@@ -187,7 +184,12 @@ class IpcLink:
             elif not host_addressable(here) or not _idle((here,) if device is None
                                                          else (here, device)):
                 return False
-        mine = host_bytes(local.data_ptr(), desc.nbytes)
+        address = local.data_ptr()
+        if address == last[0]:
+            mine = last[1]
+        else:
+            mine = host_bytes(address, desc.nbytes)
+            plan[5] = (address, mine)
         # False once the registration ended: the caller's path says why
         if op == READ:
             return self._peer.copy_live(entry, mine, remote)
@@ -301,7 +303,6 @@ class IpcPrepared:
 
     def _post(self) -> Transfer:
         peer = self._peer
-        peer.check_alive()
         devices, owner, rows = self._devices, self._owner, self._rows
         if owner is not None:  # the owner's advertisement events, waited for once
             if rows is not None and all(not d.event or d.event in e.waited
@@ -310,6 +311,7 @@ class IpcPrepared:
         if rows is not None and owner is None and _all_idle(self._streams) \
                 and peer.move_live(self._words, rows):  # liveness and copies, one lock
             return DONE
+        peer.check_alive()
         peer.check_live(self._words)
         if not devices:  # host memory only: copied here (`close` may unmap it afterwards)
             _copy(self._pairs)

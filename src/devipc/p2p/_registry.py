@@ -10,7 +10,8 @@ Peers learn whether a registration is still alive from the registry page, a smal
 process owns and peers map read-only in effect: word `slot` holds the registration's id while it
 lives and 0 after. Ids are never reused, so the id doubles as the generation: a peer that cached
 (handle, id) and reads another value knows its cached mapping is stale. The word is cleared first
-of all when a registration ends, before listeners run and before the memory can go.
+of all when a registration ends, before listeners run and before the memory can go. The page's
+header holds the owner's lifeline (`_lifeline`): peers read from it whether the owner still lives.
 
 A registration covers the memory its storage had when it was registered. Device memory is held
 through devipc's core (`_sharing.hold`) until the registration ends, whatever becomes of the
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _sharing
+from .. import _lifeline, _sharing
 from .._errors import NotRegisteredError
 from .._hooks import hooks_for
 from .._memfd import SharedFile, WordTable
@@ -39,13 +40,17 @@ from .._memory import TensorOrStorage, untyped
 if TYPE_CHECKING:
     from ._export import CpuExport, DeviceExport
 
-__all__ = ["PAGE_BYTES", "PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry", "registry",
-           "word_offset"]
+__all__ = ["PAGE_BYTES", "PAGE_LIFELINE", "PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry",
+           "registry", "word_offset"]
 
 _log = logging.getLogger("devipc")
 PAGE_MAGIC = b"P2PR"
 PAGE_SLOTS = 1 << 16  # live registrations at most; slots are reused, ids never
-PAGE_BYTES = WordTable.size(PAGE_SLOTS, 1)  # one word a slot, after an unused header
+PAGE_BYTES = WordTable.size(PAGE_SLOTS, 1)  # one word a slot, after the header
+# The header: the owner's lifeline (`_lifeline`), its mutex from byte 0 and, in this word, the id
+# its `hold` returned (0: none, peers poll the owner's pidfd).
+PAGE_LIFELINE = 7
+assert _lifeline.RESERVED <= 8 * PAGE_LIFELINE
 
 
 def word_offset(slot: int) -> int:
@@ -123,7 +128,10 @@ class Registry:
     def page(self) -> SharedFile:
         with self._lock:
             if self._page is None:
-                self._page = SharedFile(PAGE_MAGIC, PAGE_BYTES)
+                page = SharedFile(PAGE_MAGIC, PAGE_BYTES)
+                lifeline = _lifeline.hold(page.buffer.address)
+                WordTable(page.buffer, 1).store_header(PAGE_LIFELINE, lifeline)
+                self._page = page
             return self._page
 
     def is_alive(self, reg: Registration) -> bool:

@@ -28,10 +28,11 @@ from .._errors import (
     RemoteTensorFreedError,
 )
 from .._hooks import get_ipc_hooks, hooks_for
+from .._lifeline import TID_MASK as LIFELINE_TID
 from .._memfd import MappedFile, open_shared_file, pid_alive
 from .._refcount import open_counter_file
 from ._descriptor import DEVICE, Descriptor, Metadata
-from ._registry import PAGE_BYTES, PAGE_MAGIC, PAGE_SLOTS, word_offset
+from ._registry import PAGE_BYTES, PAGE_LIFELINE, PAGE_MAGIC, PAGE_SLOTS, word_offset
 
 __all__ = ["Peer", "RemoteEntry"]
 
@@ -116,22 +117,40 @@ class Peer:
         self._page: MappedFile | None = page  # None once closed
         self._words: ctypes.Array[ctypes.c_int64] | None = \
             (ctypes.c_int64 * PAGE_SLOTS).from_address(page.address + word_offset(0))
-        self._exited = select.epoll()  # the pidfd turns readable once the process exits (epoll:
-        try:  # threads may poll it at once); a pidfd never names another process with its pid
-            self._pidfd = os.pidfd_open(self.pid)
-            self._exited.register(self._pidfd, select.EPOLLIN)
-        except (AttributeError, OSError):
-            self._pidfd = -1
+        self._head = page.words  # the page as int64s (released with it)
+        self._lifeline = page.words[PAGE_LIFELINE]  # the owner's lifeline; 0: its pidfd's poll
+        self._exited: select.epoll | None = None
+        self._pidfd = -1
+        if not self._lifeline:  # the pidfd turns readable once the process exits (epoll: threads
+            self._exited = select.epoll()  # may poll it at once); it never names another process
+            with contextlib.suppress(AttributeError, OSError):
+                self._pidfd = os.pidfd_open(self.pid)
+                self._exited.register(self._pidfd, select.EPOLLIN)
 
     # -- liveness --
     def check_alive(self) -> None:
-        """Called before every copy: one `epoll_wait` of the pidfd, no more."""
-        if self._page is None:
-            raise ValueError("this connection is closed")
-        if self._exited.poll(0) if self._pidfd >= 0 else not pid_alive(self.pid):
+        """Called before every copy: PeerGoneError, the connection closed, once the owner
+        exited; ValueError once closed."""
+        if not self._owner_lives():
             self.close()
             raise PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
                                 f"read or written any more; this connection is closed")
+
+    def _owner_lives(self) -> bool:
+        """One load of the owner's lifeline word (`_lifeline`) or, where its page has none, one
+        `epoll_wait` of its pidfd. ValueError once closed."""
+        if self._page is None:
+            raise ValueError("this connection is closed")
+        lifeline = self._lifeline
+        if lifeline:
+            try:
+                return self._head[0] & LIFELINE_TID == lifeline
+            except ValueError:  # closed meanwhile: the view went before the pages
+                raise ValueError("this connection is closed") from None
+        exited = self._exited
+        if self._pidfd >= 0 and exited is not None:
+            return not exited.poll(0)
+        return pid_alive(self.pid)
 
     def _live(self, reg_id: int, slot: int) -> bool:
         """Whether the owner's registration `reg_id` still lives (an aligned 8-byte load). Call
@@ -317,10 +336,11 @@ class Peer:
     def move_live(self, words: list[tuple[int, int]],
                   rows: list[tuple[memoryview, memoryview]]) -> bool:
         """Copy each (destination, source) of `rows`, host bytes (`host_bytes`) in mappings
-        pinned by the caller, if every (slot, registration id) of `words` is still live; False,
-        nothing copied, once one ended (`check_live` says which) or the connection closed."""
+        pinned by the caller, if the owner and every (slot, registration id) of `words` are still
+        live; False, nothing copied, once one ended (`check_alive` and `check_live` say which) or
+        the connection closed."""
         with self._lock:
-            if self._words is None or self._ended(words) is not None:
+            if self._words is None or self._ended(words) is not None or not self._owner_lives():
                 return False
             for dst, src in rows:
                 dst[:] = src
@@ -328,10 +348,16 @@ class Peer:
 
     def copy_live(self, entry: RemoteEntry, dst: memoryview, src: memoryview) -> bool:
         """Copy between host bytes (`host_bytes`), one side in `entry`'s mapping, if its
-        registration is still live and mapped: under the lock, so nothing unmaps it meanwhile."""
+        registration and its owner are still live and it is mapped: under the lock, so nothing
+        unmaps it meanwhile. False, nothing copied, else."""
         with self._lock:
-            words = self._words
+            words, lifeline = self._words, self._lifeline
             if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
+                return False
+            if lifeline:  # `_owner_lives` inline: the page is mapped while `words` is set
+                if self._head[0] & LIFELINE_TID != lifeline:
+                    return False
+            elif not self._owner_lives():
                 return False
             dst[:] = src
         return True
@@ -370,7 +396,8 @@ class Peer:
             page, self._page, self._words = self._page, None, None
             if page is not None:
                 page.close()  # under the lock: no `_live` reads it meanwhile
-            self._exited.close()
+            if self._exited is not None:
+                self._exited.close()
             if self._pidfd >= 0:
                 os.close(self._pidfd)
                 self._pidfd = -1

@@ -1,0 +1,62 @@
+"""A process's life as a word of shared memory, which peers read without a system call.
+
+The owner puts a robust, process-shared pthread mutex in a page its peers map, and a thread of
+its own locks it and then waits for the rest of the process's life. However the process ends
+(exit, a signal, SIGKILL), the kernel goes through each dying thread's robust-futex list before
+the process can be reaped, and marks the mutex's futex word: the holder's thread id gives way
+to FUTEX_OWNER_DIED. So a peer learns whether the owner lives from one load, where it would
+otherwise poll the owner's pidfd (a system call, most of a small copy's cost).
+
+The futex word is the first 4 bytes of glibc's pthread_mutex_t. `hold` checks that once the
+mutex is locked; where it does not hold (another C library, a big-endian machine) `hold`
+returns 0, and peers poll the pidfd as before.
+"""
+import ctypes
+import platform
+import sys
+import threading
+
+__all__ = ["RESERVED", "TID_MASK", "hold"]
+
+RESERVED = 48  # bytes; glibc's pthread_mutex_t: 40 (x86-64, riscv64, ppc64le, s390x), 48 (aarch64)
+TID_MASK = 0x3FFFFFFF  # FUTEX_TID_MASK: the holder's thread id; the bits above it are flags
+_SHARED = _ROBUST = 1  # PTHREAD_PROCESS_SHARED, PTHREAD_MUTEX_ROBUST
+_SUPPORTED = sys.platform == "linux" and sys.byteorder == "little" \
+    and platform.libc_ver()[0] == "glibc"
+
+
+def hold(address: int, timeout: float = 10.0) -> int:
+    """Lock a robust mutex made at `address` (RESERVED zeroed bytes of shared memory, 8-byte
+    aligned) by a thread that then waits as long as this process lives: the thread's id, which
+    the int64 word at `address` holds under TID_MASK until this process dies; 0 where that cannot
+    be done here. A peer reads `word & TID_MASK == id` for "the process lives"."""
+    if not _SUPPORTED:
+        return 0
+    try:
+        libc = ctypes.CDLL(None)
+        steps = (libc.pthread_mutexattr_init, libc.pthread_mutexattr_setpshared,
+                 libc.pthread_mutexattr_setrobust, libc.pthread_mutex_init, libc.pthread_mutex_lock)
+    except (OSError, AttributeError):
+        return 0
+    init_attr, set_shared, set_robust, init, lock = steps
+    attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 bytes in glibc
+    mutex = ctypes.c_void_p(address)
+    if init_attr(attr) or set_shared(attr, _SHARED) or set_robust(attr, _ROBUST) \
+            or init(mutex, attr):
+        return 0
+    locked = threading.Event()
+    holders: list[int] = []
+
+    def park() -> None:
+        if lock(mutex) != 0:
+            locked.set()
+            return
+        holders.append(threading.get_native_id())
+        locked.set()
+        threading.Event().wait()  # never set: the mutex is let go only by the process's end
+
+    threading.Thread(target=park, name="devipc-lifeline", daemon=True).start()
+    if not locked.wait(timeout) or not holders:
+        return 0
+    tid = holders[0]
+    return tid if ctypes.c_int64.from_address(address).value & TID_MASK == tid else 0
