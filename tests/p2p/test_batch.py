@@ -169,3 +169,28 @@ def test_a_vector_posted_again_takes_the_same_batch_with_new_local_tensors(owner
     with pytest.raises(p2p.RemoteTensorFreedError):
         peer.readv(locals_, remotes)
     call("drop", tensor_id)
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_a_long_vector_posted_again_goes_in_slices_and_a_late_odd_pair_still_lands(
+        owner, peer, batches, monkeypatch):
+    """A vector posted again reaches the device in slices (its first copies run while the rest
+    are read); a strided local tensor found after slices went makes the first path copy every
+    pair, after them."""
+    monkeypatch.setattr(_ipc, "_SLICE", 4)
+    call, _ = owner
+    tensor_id, _ = call("create", torch.arange(64, dtype=torch.float32), "openreg")
+    remotes = [call("advertise", tensor_id, 16 * i, 16) for i in range(16)]
+    locals_ = [torch.full((4,), -1.0, device="openreg") for _ in remotes]
+    peer.readv(locals_, remotes)  # the first post: one batch, the vector's rows kept
+    for step in (2, 3):
+        peer.writev([t * step for t in locals_], remotes)
+        assert torch.equal(call("get", tensor_id), torch.arange(64.0) * step)
+    assert batches == [16] + [4] * 8
+    del batches[:]
+    odd = [torch.zeros(4, device="openreg") for _ in remotes]
+    odd[9] = torch.zeros(2, 2, device="openreg").t()  # strided: in the third slice
+    peer.readv(odd, remotes)
+    assert batches == [4, 4]  # two slices went; then the per-pair path copied all 16
+    assert torch.equal(torch.cat([t.cpu().reshape(-1) for t in odd]), torch.arange(64.0) * 3)
+    call("drop", tensor_id)

@@ -37,6 +37,7 @@ _INLINE_BYTES = 1 << 20  # ... and, for a prepared post (asynchronous), at most 
 _SWEEP_EVERY = 64  # such copies between two sweeps of the registrations the owner ended
 _PLANS_KEPT = 4096  # descriptors whose synchronous copies a link remembers
 _VECTORS_KEPT = 64  # vectors whose batches a link remembers
+_SLICE = 256  # pairs: a vector posted again goes to the device in slices of this many
 
 
 class IpcTransport:
@@ -84,6 +85,7 @@ class IpcLink:
         # None, (local address, bytes)]: `_remember` keeps them for `again`
         self._again_plans: dict[int, list] = {}
         self._vectors: dict[tuple[int, ...], _Vector] = {}  # by the descriptors' ids
+        self._last_vector: _Vector | None = None  # the last one posted: found by its list
 
     def mapped(self) -> int:
         return self._peer.mapped()
@@ -101,7 +103,10 @@ class IpcLink:
             if wait and self.again(op, locals_[0], descs[0]):
                 return DONE
         elif descs:
-            vector = self._vectors.get(tuple(map(id, descs)))
+            vector = self._last_vector  # the connection hands a known vector's list again
+            if vector is None or vector.descs is not descs:
+                vector = self._vectors.get(tuple(map(id, descs)))
+                self._last_vector = vector
             again = None if vector is None else vector.post(op, locals_, peer)
             if again is not None:
                 if wait:
@@ -140,8 +145,8 @@ class IpcLink:
                 copy_batch(index, table)
                 if len(self._vectors) >= _VECTORS_KEPT:
                     self._vectors.clear()
-                self._vectors[tuple(map(id, descs))] = _Vector(op, descs, distinct, devices,
-                                                               table)
+                vector = self._last_vector = _Vector(op, descs, distinct, devices, table)
+                self._vectors[tuple(map(id, descs))] = vector
             remote = [entry.data for entry in distinct]  # kept: their memory outlives the copies
             transfer = Transfer(record_events(devices), keep=(pairs, remote, locals_))
             if any(entry.device.type == "cpu" for entry in distinct):
@@ -232,27 +237,34 @@ class _Vector:
 
     def post(self, op: str, locals_: list, peer: Peer) -> Transfer | None:
         """The batch again with these local tensors; None where the first path must run (a
-        local tensor elsewhere or strided, a registration that ended, no `copy_batch`)."""
+        local tensor elsewhere or strided, a registration that ended, no `copy_batch`).
+
+        The device gets it in slices of _SLICE pairs: the first slices' copies run on its stream
+        while this thread reads the next local tensors (two cores, not one after the other)."""
         device = self.device
         copy_batch = getattr(hooks_for(device), "copy_batch", None)
-        if copy_batch is None:
-            return None
-        here = array.array("q")
-        add = here.append
-        for local in locals_:  # the only per-pair work of a post: keep it to three calls
-            if not local.is_contiguous() or not (local.device == device or local.is_cpu):
-                return None
-            add(local.data_ptr())
         distinct = self.distinct
-        if not peer.pin_live(distinct):
+        if copy_batch is None or not peer.pin_live(distinct):
             return None
+        tables: list[torch.Tensor] = []  # the slices handed to the device
         try:
-            local = torch.frombuffer(here, dtype=torch.int64)
-            columns = (local, self.remote) if op == READ else (self.remote, local)
-            table = torch.stack((*columns, self.sizes), dim=1)
-            copy_batch(device.index, table)
+            for start in range(0, len(locals_), _SLICE):
+                here = array.array("q")
+                add = here.append
+                for local in locals_[start:start + _SLICE]:  # per pair: three calls, no more
+                    if not local.is_contiguous() or not (local.device == device or local.is_cpu):
+                        if tables:  # the first path copies every pair again, after these
+                            Transfer(record_events((device,)), keep=(tables,)).wait()
+                        return None
+                    add(local.data_ptr())
+                mine = torch.frombuffer(here, dtype=torch.int64)
+                remote, sizes = self.remote[start:start + _SLICE], self.sizes[start:start + _SLICE]
+                table = torch.stack((mine, remote, sizes) if op == READ else (remote, mine, sizes),
+                                    dim=1)
+                copy_batch(device.index, table)
+                tables.append(table)
             transfer = Transfer(record_events((device,)),
-                                keep=(table, [entry.data for entry in distinct], locals_))
+                                keep=(tables, [entry.data for entry in distinct], locals_))
             if self.cpu_remote:
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
         finally:
