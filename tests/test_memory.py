@@ -1,7 +1,11 @@
 import gc
+import os
+import signal
+import time
 
 import pytest
 import torch
+from _support import TIMEOUT
 
 import devipc
 from devipc._memory import reap_freed, tensor_from_memory, watched
@@ -151,3 +155,30 @@ def test_a_failing_release_is_logged_not_raised(caplog):
 def test_devices_dlpack_cannot_express_are_refused():
     with pytest.raises(devipc.UnsupportedDeviceError, match="DLPack"):
         tensor_from_memory(0, 4, torch.device("cuda", 0), lambda: None).untyped_storage()
+
+
+def test_a_forked_child_runs_none_of_its_parents_releases():
+    """A forked child's copies of received tensors are its parent's to release: their deaths in
+    the child run no `on_free` (which would release the parent's slots a second time)."""
+    backing = torch.arange(8, dtype=torch.uint8, device="openreg")
+    freed = []
+    tensor = tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: freed.append(1))
+    pid = os.fork()
+    if pid == 0:  # the child: no openreg call, no pytest, out by os._exit whatever happens
+        code = 1
+        try:
+            del tensor
+            gc.collect()
+            code = 0 if reap_freed() == 0 and not freed and watched() == 0 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + TIMEOUT
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # bounded poll of the child's exit, not a synchronization
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not exit")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    del tensor
+    assert reap_freed() >= 1 and freed == [1]  # here, the parent's release runs

@@ -143,6 +143,12 @@ def reap_freed(newest: int | None = None) -> int:
     return len(freed)
 
 
+def forget_after_fork() -> None:
+    """A forked child owns none of its parent's storages: their deaths there release nothing
+    (the slots and mappings are the parent's)."""
+    _live.clear()
+
+
 def watched() -> int:
     """Storages whose death devipc waits to see (received ones, and aliases of sent ones)."""
     return len(_live)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _statspage, _wire
+from . import _memory, _statspage, _wire
 from ._background import Background
 from ._devices import name_of
 from ._errors import (
@@ -72,6 +72,7 @@ _background = Background("devipc-collector", _background_round)
 
 def _forget_after_fork() -> None:
     """A forked child holds none of its parent's slots or mappings (see `_refcount`)."""
+    _memory.forget_after_fork()
     _counters.forget_after_fork()
     _deferred.forget_after_fork()
 
