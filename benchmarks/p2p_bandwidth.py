@@ -36,9 +36,9 @@ NOTES = "Method notes:"  # from here to the next section, the doc's notes are ke
 DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
 SECTION = "## P2P bandwidth (`benchmarks/p2p_bandwidth.py`)"
 ABOUT = """\
-One-sided reads and writes between two processes on this project's 2-core machine (no GPU; other
-jobs were running on it), one run, GB/s (10^9 bytes/s), each figure the median of {rounds} rounds
-that interleave the methods ({seconds} s per method and size in all):
+One-sided reads and writes between two processes on this project's 2-core machine (no GPU;
+figures drift with its load from run to run), one run, GB/s (10^9 bytes/s), each figure the
+median of {rounds} rounds that interleave the methods ({seconds} s per method and size in all):
 
 - **memcpy (1 thread)**: `copy_` of CPU tensors in one process, `torch.set_num_threads(1)`;
 - **devipc**: `devipc.p2p`, `Endpoint()`, same host through openreg's IPC hooks; openreg tensors
