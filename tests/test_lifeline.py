@@ -1,4 +1,5 @@
 import ctypes
+import threading
 
 import _workers
 import pytest
@@ -33,3 +34,13 @@ def test_where_it_cannot_be_held_hold_says_0_and_touches_nothing(monkeypatch):
     buffer = ctypes.create_string_buffer(64)
     assert _lifeline.hold(ctypes.addressof(buffer)) == 0
     assert buffer.raw == bytes(64)
+
+
+def test_a_mutex_larger_than_the_room_it_has_is_not_held(monkeypatch):
+    """The C library's mutex must fit in RESERVED bytes, before what follows them in the page."""
+    monkeypatch.setattr(_lifeline, "RESERVED", 8)  # less than any glibc mutex
+    buffer = ctypes.create_string_buffer(64)
+    threads = threading.active_count()
+    assert _lifeline.hold(ctypes.addressof(buffer)) == 0
+    assert threading.active_count() == threads  # no thread parked on it
+    assert buffer.raw[8:16] == bytes(8)  # the check's mark is gone again

@@ -1,13 +1,16 @@
+import ctypes
 import gc
 import os
 import signal
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
 from _support import TIMEOUT
 
 import devipc
+from devipc import _memory
 from devipc._memory import reap_freed, tensor_from_memory, watched
 
 
@@ -157,19 +160,14 @@ def test_devices_dlpack_cannot_express_are_refused():
         tensor_from_memory(0, 4, torch.device("cuda", 0), lambda: None).untyped_storage()
 
 
-def test_a_forked_child_runs_none_of_its_parents_releases():
-    """A forked child's copies of received tensors are its parent's to release: their deaths in
-    the child run no `on_free` (which would release the parent's slots a second time)."""
-    backing = torch.arange(8, dtype=torch.uint8, device="openreg")
-    freed = []
-    tensor = tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: freed.append(1))
+def _in_a_fork(child) -> int:
+    """Fork; the child runs `child()` (no openreg call there, no pytest), and leaves by os._exit:
+    0 if it returned True. The child's exit code, the child killed if it is not out in time."""
     pid = os.fork()
-    if pid == 0:  # the child: no openreg call, no pytest, out by os._exit whatever happens
+    if pid == 0:
         code = 1
         try:
-            del tensor
-            gc.collect()
-            code = 0 if reap_freed() == 0 and not freed and watched() == 0 else 2
+            code = 0 if child() else 2
         finally:
             os._exit(code)
     deadline = time.monotonic() + TIMEOUT
@@ -179,6 +177,41 @@ def test_a_forked_child_runs_none_of_its_parents_releases():
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         pytest.fail("the forked child did not exit")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    return os.waitstatus_to_exitcode(done[1])
+
+
+def test_a_forked_child_runs_none_of_its_parents_releases():
+    """A forked child's copies of received tensors are its parent's to release: their deaths in
+    the child run no `on_free` (which would release the parent's slots a second time)."""
+    backing = torch.arange(8, dtype=torch.uint8, device="openreg")
+    freed = []
+    tensor = tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: freed.append(1))
+
+    def child():
+        nonlocal tensor
+        del tensor
+        return reap_freed() == 0 and not freed and watched() == 0
+
+    assert _in_a_fork(child) == 0
     del tensor
     assert reap_freed() >= 1 and freed == [1]  # here, the parent's release runs
+
+
+def test_a_forked_child_of_a_sender_keeps_the_structs_its_storages_point_at():
+    """A sent storage reaches its memory through an alias's DLPack struct: a forked child that
+    forgets its parent's storages keeps their structs, else the storage's death there would
+    call a deleter in freed (here: reused) memory."""
+    sent = torch.arange(16, dtype=torch.uint8, device="openreg")
+    ForkingPickler.dumps(sent)  # exported: its storage now holds an alias's DataPtr
+    size = ctypes.sizeof(_memory._Words)
+
+    def child():
+        nonlocal sent
+        gc.collect()  # what would free a forgotten struct, before its storage dies
+        reused = [_memory._malloc(size) for _ in range(8)]  # a freed struct's memory comes back
+        for address in reused:
+            ctypes.memset(address, 0xAB, size)
+        del sent
+        return all(ctypes.c_uint64.from_address(a).value == 0xABABABABABABABAB for a in reused)
+
+    assert _in_a_fork(child) == 0

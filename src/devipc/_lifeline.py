@@ -21,13 +21,15 @@ __all__ = ["RESERVED", "TID_MASK", "hold"]
 RESERVED = 48  # bytes; glibc's pthread_mutex_t: 40 (x86-64, riscv64, ppc64le, s390x), 48 (aarch64)
 TID_MASK = 0x3FFFFFFF  # FUTEX_TID_MASK: the holder's thread id; the bits above it are flags
 _SHARED = _ROBUST = 1  # PTHREAD_PROCESS_SHARED, PTHREAD_MUTEX_ROBUST
+_MARK = int.from_bytes(b"lifeline", "little")
 _SUPPORTED = sys.platform == "linux" and sys.byteorder == "little" \
     and platform.libc_ver()[0] == "glibc"
 
 
 def hold(address: int, timeout: float = 10.0) -> int:
     """Lock a robust mutex made at `address` (RESERVED zeroed bytes of shared memory, 8-byte
-    aligned) by a thread that then waits as long as this process lives: the thread's id, which
+    aligned, and 8 more that it uses during the call to check that the mutex fits in RESERVED)
+    by a thread that then waits as long as this process lives: the thread's id, which
     the int64 word at `address` holds under TID_MASK until this process dies; 0 where that cannot
     be done here. A peer reads `word & TID_MASK == id` for "the process lives"."""
     if not _SUPPORTED:
@@ -41,8 +43,13 @@ def hold(address: int, timeout: float = 10.0) -> int:
     init_attr, set_shared, set_robust, init, lock = steps
     attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 bytes in glibc
     mutex = ctypes.c_void_p(address)
-    if init_attr(attr) or set_shared(attr, _SHARED) or set_robust(attr, _ROBUST) \
-            or init(mutex, attr):
+    after = ctypes.c_int64.from_address(address + RESERVED)
+    after.value = _MARK  # a mutex larger than RESERVED would overwrite it
+    failed = init_attr(attr) or set_shared(attr, _SHARED) or set_robust(attr, _ROBUST) \
+        or init(mutex, attr)
+    fits = after.value == _MARK
+    after.value = 0
+    if failed or not fits:
         return 0
     locked = threading.Event()
     holders: list[int] = []
@@ -55,7 +62,10 @@ def hold(address: int, timeout: float = 10.0) -> int:
         locked.set()
         threading.Event().wait()  # never set: the mutex is let go only by the process's end
 
-    threading.Thread(target=park, name="devipc-lifeline", daemon=True).start()
+    try:
+        threading.Thread(target=park, name="devipc-lifeline", daemon=True).start()
+    except RuntimeError:  # at interpreter shutdown
+        return 0
     if not locked.wait(timeout) or not holders:
         return 0
     tid = holders[0]

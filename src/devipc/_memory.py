@@ -115,6 +115,7 @@ _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 # `on_free`s that the garbage collector runs inside it.
 _live: dict[int, tuple] = {}
 _numbers = itertools.count()
+_forgotten: list[tuple] = []  # in a forked child: its parent's entries, structs kept alive
 
 
 def reap_freed(newest: int | None = None) -> int:
@@ -145,7 +146,9 @@ def reap_freed(newest: int | None = None) -> int:
 
 def forget_after_fork() -> None:
     """A forked child owns none of its parent's storages: their deaths there release nothing
-    (the slots and mappings are the parent's)."""
+    (the slots and mappings are the parent's). Their structs stay: the child's copies of the
+    storages still point at them, and an alias's struct would be freed with its last reader."""
+    _forgotten.extend(_live.values())
     _live.clear()
 
 

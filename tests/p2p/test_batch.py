@@ -172,11 +172,10 @@ def test_a_vector_posted_again_takes_the_same_batch_with_new_local_tensors(owner
 
 
 @pytest.mark.usefixtures("ipc_mode")
-def test_a_long_vector_posted_again_goes_in_slices_and_a_late_odd_pair_still_lands(
+def test_a_long_vector_posted_again_goes_in_slices_and_an_odd_pair_sends_all_the_first_way(
         owner, peer, batches, monkeypatch):
     """A vector posted again reaches the device in slices (its first copies run while the rest
-    are read); a strided local tensor found after slices went makes the first path copy every
-    pair, after them."""
+    are read); a strided local tensor anywhere sends every pair the first way, no slice first."""
     monkeypatch.setattr(_ipc, "_SLICE", 4)
     call, _ = owner
     tensor_id, _ = call("create", torch.arange(64, dtype=torch.float32), "openreg")
@@ -191,6 +190,36 @@ def test_a_long_vector_posted_again_goes_in_slices_and_a_late_odd_pair_still_lan
     odd = [torch.zeros(4, device="openreg") for _ in remotes]
     odd[9] = torch.zeros(2, 2, device="openreg").t()  # strided: in the third slice
     peer.readv(odd, remotes)
-    assert batches == [4, 4]  # two slices went; then the per-pair path copied all 16
+    assert batches == []  # no slice went: the per-pair path copied all 16
     assert torch.equal(torch.cat([t.cpu().reshape(-1) for t in odd]), torch.arange(64.0) * 3)
+    call("drop", tensor_id)
+
+
+@pytest.mark.usefixtures("ipc_mode")
+def test_a_device_error_in_a_later_slice_is_raised_and_leaves_the_connection_working(
+        owner, peer, monkeypatch):
+    monkeypatch.setattr(_ipc, "_SLICE", 4)
+    call, _ = owner
+    tensor_id, _ = call("create", torch.arange(64, dtype=torch.float32), "openreg")
+    remotes = [call("advertise", tensor_id, 16 * i, 16) for i in range(16)]
+    locals_ = [torch.zeros(4, device="openreg") for _ in remotes]
+    peer.readv(locals_, remotes)
+    original, calls = OpenRegIpcHooks.copy_batch, []
+
+    def failing(self, device_index, table):
+        calls.append(table.shape[0])
+        if len(calls) == 3:
+            raise RuntimeError("the device refused the third slice")
+        return original(self, device_index, table)
+
+    monkeypatch.setattr(OpenRegIpcHooks, "copy_batch", failing)
+    with pytest.raises(RuntimeError, match="third slice"):
+        peer.writev(locals_, remotes)
+    monkeypatch.setattr(OpenRegIpcHooks, "copy_batch", original)
+    peer.readv(locals_, remotes)  # nothing left pinned or half-done
+    assert torch.equal(torch.cat([t.cpu() for t in locals_]), torch.arange(64.0))
+    call("free", tensor_id)
+    with pytest.raises(p2p.RemoteTensorFreedError):
+        peer.readv(locals_, remotes)
+    assert peer.mapped() == 0  # unpinned: the ended registration's mapping could go
     call("drop", tensor_id)

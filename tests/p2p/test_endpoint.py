@@ -2,6 +2,7 @@
 whole tensors and byte ranges, dtypes, strided local tensors, vectors, async transfers, several
 peers; a freed, deregistered or collected remote tensor raises and its mapping is closed; a
 SIGKILLed owner gives a clear error and leaves nothing behind."""
+import array
 import os
 import sys
 
@@ -268,6 +269,27 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monke
     assert devipc.stats()["mapped"] == mapped
     wait_until(lambda: foreign_memfd_maps() <= maps, "no mapping of the dead owner's memory")
     wait_until(lambda: open_fds() <= fds, "no descriptor left", 10)
+
+
+def test_an_owner_whose_lifeline_was_never_marked_is_still_found_dead(children):
+    """The OOM killer's reaper may free a dying process's memory before the kernel walks its
+    robust list, so its lifeline word may never be marked: the pidfd, polled every
+    _POLL_EVERY reads of the word, still finds the owner dead."""
+    owner = Owner(children)
+    _, remote = owner.call("create", torch.arange(64, dtype=torch.float32), "openreg")
+    local = torch.zeros(64, device="openreg")
+    with p2p.Endpoint() as endpoint:
+        connection = endpoint.connect(owner.metadata)
+        connection.read(local, remote)
+        peer = connection._link._peer
+        assert peer._lifeline
+        peer._head = memoryview(array.array("q", [peer._lifeline]))  # a word left unmarked
+        owner.proc.kill()
+        owner.proc.join(30)
+        with pytest.raises(p2p.PeerGoneError, match=f"{owner.pid} has exited"):
+            for _ in range(_remote._POLL_EVERY):
+                connection.read(local, remote)  # the short path, on the word: still copies
+        assert connection.mapped() == 0
 
 
 def test_several_peers_at_once(children):

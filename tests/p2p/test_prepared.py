@@ -164,17 +164,23 @@ def test_a_sync_read_is_ordered_after_the_callers_queued_work(owner, peer):
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_the_short_path_copies_into_whichever_local_tensor_it_is_given(owner, peer, device):
     """A descriptor read and written again by the calling thread keeps the last local tensor's
-    bytes: another tensor, at another address, gets its own."""
+    bytes (found again by its address); another tensor, at another address, gets its own."""
     call, _ = owner
     tensor_id, whole = call("create", torch.arange(64, dtype=torch.float32), "openreg")
     first, second = (torch.zeros(64, device=device) for _ in range(2))
-    for _ in range(2):  # the second round: both seen before
-        first.zero_(), second.zero_()
+    for _ in range(2):  # the first path (which waits once for the owner's event, if any)
         peer.read(first, whole)
-        assert first.cpu().tolist() == list(range(64))
-        peer.read(second, whole)
-        assert second.cpu().tolist() == list(range(64))
-    peer.write(torch.full((64,), 2.0, device=device), whole)
+    (plan,) = peer._link._again_plans.values()  # then the short one is planned
+    for value in (1.0, 2.0):  # the same tensor again, the remote changed in between
+        peer.write(torch.full((64,), value, device=device), whole)
+        peer.read(first, whole)
+        assert first.cpu().tolist() == [value] * 64
+        assert plan[5][0] == first.data_ptr()  # its bytes were kept, then reused
+    peer.read(second, whole)
+    assert second.cpu().tolist() == [2.0] * 64 and plan[5][0] == second.data_ptr()
+    peer.write(torch.arange(64, dtype=torch.float32, device=device), whole)
+    peer.read(first, whole)
+    assert first.cpu().tolist() == list(range(64))
     peer.write(second, whole)  # the write takes the local tensor's bytes too, not the last
-    assert call("get", tensor_id).tolist() == list(range(64))
+    assert call("get", tensor_id).tolist() == [2.0] * 64
     call("drop", tensor_id)

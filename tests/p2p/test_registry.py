@@ -9,6 +9,7 @@ from _support import open_fds, shm_entries, wait_until
 
 import devipc
 import devipc.p2p as p2p
+from devipc import _lifeline
 from devipc._lifeline import TID_MASK
 from devipc.p2p._descriptor import Descriptor
 from devipc.p2p._registry import PAGE_LIFELINE, registry
@@ -198,6 +199,7 @@ def test_a_storage_received_through_devipc_is_not_advertised_again():
     _settle()
 
 
+@pytest.mark.skipif(not _lifeline._SUPPORTED, reason="no glibc here: peers poll the pidfd")
 def test_the_page_carries_this_process_lifeline():
     """Peers read from the page's header whether this process lives (`_lifeline`)."""
     page = registry.page().buffer

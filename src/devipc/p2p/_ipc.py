@@ -13,6 +13,7 @@ it would cost more than the copy, and the order is the same.
 import array
 import ctypes
 import functools
+import operator
 import threading
 from collections.abc import Iterable
 from typing import cast
@@ -38,6 +39,9 @@ _SWEEP_EVERY = 64  # such copies between two sweeps of the registrations the own
 _PLANS_KEPT = 4096  # descriptors whose synchronous copies a link remembers
 _VECTORS_KEPT = 64  # vectors whose batches a link remembers
 _SLICE = 256  # pairs: a vector posted again goes to the device in slices of this many
+_CPU = torch.device("cpu")
+_contiguous, _address = torch.Tensor.is_contiguous, torch.Tensor.data_ptr
+_device_of = operator.attrgetter("device")
 
 
 class IpcTransport:
@@ -240,25 +244,23 @@ class _Vector:
         local tensor elsewhere or strided, a registration that ended, no `copy_batch`).
 
         The device gets it in slices of _SLICE pairs: the first slices' copies run on its stream
-        while this thread reads the next local tensors (two cores, not one after the other)."""
+        while this thread reads the next local tensors' addresses (two cores, not one after the
+        other). Every local tensor is checked before any slice goes."""
         device = self.device
         copy_batch = getattr(hooks_for(device), "copy_batch", None)
+        if copy_batch is None or not all(map(_contiguous, locals_)) \
+                or not set(map(_device_of, locals_)) <= {device, _CPU}:
+            return None  # (the checks are C loops: map, no Python per pair)
         distinct = self.distinct
-        if copy_batch is None or not peer.pin_live(distinct):
+        if not peer.pin_live(distinct):
             return None
         tables: list[torch.Tensor] = []  # the slices handed to the device
         try:
             for start in range(0, len(locals_), _SLICE):
-                here = array.array("q")
-                add = here.append
-                for local in locals_[start:start + _SLICE]:  # per pair: three calls, no more
-                    if not local.is_contiguous() or not (local.device == device or local.is_cpu):
-                        if tables:  # the first path copies every pair again, after these
-                            Transfer(record_events((device,)), keep=(tables,)).wait()
-                        return None
-                    add(local.data_ptr())
-                mine = torch.frombuffer(here, dtype=torch.int64)
-                remote, sizes = self.remote[start:start + _SLICE], self.sizes[start:start + _SLICE]
+                end = start + _SLICE
+                mine = torch.frombuffer(array.array("q", map(_address, locals_[start:end])),
+                                        dtype=torch.int64)
+                remote, sizes = self.remote[start:end], self.sizes[start:end]
                 table = torch.stack((mine, remote, sizes) if op == READ else (remote, mine, sizes),
                                     dim=1)
                 copy_batch(device.index, table)
@@ -267,6 +269,10 @@ class _Vector:
                                 keep=(tables, [entry.data for entry in distinct], locals_))
             if self.cpu_remote:
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
+        except BaseException:
+            if tables:  # slices went: their copies end before the mappings may go
+                Transfer(record_events((device,)), keep=(tables,)).wait()
+            raise
         finally:
             peer.unpin(distinct)
         return transfer

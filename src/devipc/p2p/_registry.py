@@ -50,7 +50,7 @@ PAGE_BYTES = WordTable.size(PAGE_SLOTS, 1)  # one word a slot, after the header
 # The header: the owner's lifeline (`_lifeline`), its mutex from byte 0 and, in this word, the id
 # its `hold` returned (0: none, peers poll the owner's pidfd).
 PAGE_LIFELINE = 7
-assert _lifeline.RESERVED <= 8 * PAGE_LIFELINE
+assert _lifeline.RESERVED + 8 <= 8 * PAGE_LIFELINE
 
 
 def word_offset(slot: int) -> int:

@@ -36,6 +36,8 @@ from ._registry import PAGE_BYTES, PAGE_LIFELINE, PAGE_MAGIC, PAGE_SLOTS, word_o
 
 __all__ = ["Peer", "RemoteEntry"]
 
+_POLL_EVERY = 64  # reads of an owner's lifeline word between two polls of its pidfd
+
 
 class RemoteEntry:
     """One registration of the peer, opened here: `data` is all of its bytes (uint8); `host`
@@ -119,13 +121,13 @@ class Peer:
             (ctypes.c_int64 * PAGE_SLOTS).from_address(page.address + word_offset(0))
         self._head = page.words  # the page as int64s (released with it)
         self._lifeline = page.words[PAGE_LIFELINE]  # the owner's lifeline; 0: its pidfd's poll
-        self._exited: select.epoll | None = None
-        self._pidfd = -1
-        if not self._lifeline:  # the pidfd turns readable once the process exits (epoll: threads
-            self._exited = select.epoll()  # may poll it at once); it never names another process
-            with contextlib.suppress(AttributeError, OSError):
-                self._pidfd = os.pidfd_open(self.pid)
-                self._exited.register(self._pidfd, select.EPOLLIN)
+        self._reads = 0  # of the lifeline, for `_owner_lives`
+        self._exited = select.epoll()  # the pidfd turns readable once the process exits (epoll:
+        try:  # threads may poll it at once); a pidfd never names another process with its pid
+            self._pidfd = os.pidfd_open(self.pid)
+            self._exited.register(self._pidfd, select.EPOLLIN)
+        except (AttributeError, OSError):
+            self._pidfd = -1
 
     # -- liveness --
     def check_alive(self) -> None:
@@ -137,20 +139,26 @@ class Peer:
                                 f"read or written any more; this connection is closed")
 
     def _owner_lives(self) -> bool:
-        """One load of the owner's lifeline word (`_lifeline`) or, where its page has none, one
-        `epoll_wait` of its pidfd. ValueError once closed."""
+        """One load of the owner's lifeline word (`_lifeline`); every _POLL_EVERY-th time, and
+        always where its page has none, an `epoll_wait` of its pidfd too: the memory of a
+        process the OOM killer ended may be reaped before the kernel walks its robust list,
+        and the word then stays as it was. ValueError once closed."""
         if self._page is None:
             raise ValueError("this connection is closed")
         lifeline = self._lifeline
         if lifeline:
             try:
-                return self._head[0] & LIFELINE_TID == lifeline
+                if self._head[0] & LIFELINE_TID != lifeline:
+                    return False
             except ValueError:  # closed meanwhile: the view went before the pages
                 raise ValueError("this connection is closed") from None
-        exited = self._exited
-        if self._pidfd >= 0 and exited is not None:
-            return not exited.poll(0)
-        return pid_alive(self.pid)
+            self._reads += 1
+            if self._reads % _POLL_EVERY:
+                return True
+        lives = not self._exited.poll(0) if self._pidfd >= 0 else pid_alive(self.pid)
+        if not lives:
+            self._lifeline = 0  # the word may say otherwise: the next looks ask the kernel too
+        return lives
 
     def _live(self, reg_id: int, slot: int) -> bool:
         """Whether the owner's registration `reg_id` still lives (an aligned 8-byte load). Call
@@ -351,13 +359,9 @@ class Peer:
         registration and its owner are still live and it is mapped: under the lock, so nothing
         unmaps it meanwhile. False, nothing copied, else."""
         with self._lock:
-            words, lifeline = self._words, self._lifeline
-            if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
-                return False
-            if lifeline:  # `_owner_lives` inline: the page is mapped while `words` is set
-                if self._head[0] & LIFELINE_TID != lifeline:
-                    return False
-            elif not self._owner_lives():
+            words = self._words
+            if words is None or words[entry.slot] != entry.reg_id or entry._dropped \
+                    or not self._owner_lives():
                 return False
             dst[:] = src
         return True
@@ -396,8 +400,7 @@ class Peer:
             page, self._page, self._words = self._page, None, None
             if page is not None:
                 page.close()  # under the lock: no `_live` reads it meanwhile
-            if self._exited is not None:
-                self._exited.close()
+            self._exited.close()
             if self._pidfd >= 0:
                 os.close(self._pidfd)
                 self._pidfd = -1
