@@ -1,9 +1,11 @@
 """torch.compile on openreg: the DeviceInterface dynamo finds, inductor's C++ kernels on openreg
 memory, results equal to eager CPU, and the stream ordering of the generated wrapper.
 
-Each test runs in a fresh interpreter with an inductor cache of its own under tmp_path: compiled
-state and caches never carry over from one test to the next, and importing dynamo stays out of the
-test process.
+Each test runs in a fresh interpreter, so compiled state never carries over from one test to the
+next and importing dynamo stays out of the test process. The tests compile different functions
+and share one inductor cache (`shared_cache`): what inductor sets up once per cache, at its first
+compile there, costs ~8 s of the ~14 s a first compile takes here; no test finds another's graph
+in it.
 """
 import textwrap
 
@@ -11,14 +13,20 @@ import pytest
 from _native import PYTHONPATH
 from _support import json_of
 
-pytestmark = pytest.mark.slow  # a fresh interpreter that compiles: ~35 s a test here
+pytestmark = pytest.mark.slow  # a fresh interpreter that compiles: ~10 s a test here
 
 
-def compiled(code, tmp_path, **env):
-    return json_of(textwrap.dedent(code), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), **env)
+def compiled(code, cache, **env):
+    return json_of(textwrap.dedent(code), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), **env)
 
 
-def test_device_interface_is_registered_when_dynamo_loads(tmp_path):
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One inductor cache for the tests, which compile functions of their own (no two the same)."""
+    return tmp_path_factory.mktemp("shared")
+
+
+def test_device_interface_is_registered_when_dynamo_loads(shared_cache):
     out = compiled("""
         import json, sys, torch, devipc_openreg
         loaded = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
@@ -37,7 +45,7 @@ def test_device_interface_is_registered_when_dynamo_loads(tmp_path):
             "stream_and_event": [issubclass(iface.Stream, torch.Stream),
                                  issubclass(iface.Event, torch.Event)],
             "cpus": iface.Worker.get_device_properties().multi_processor_count}))
-    """, tmp_path)
+    """, shared_cache)
     assert out["loaded_by_import"] == []  # importing openreg does not import dynamo or inductor
     assert out["same_for_device"] and out["available"] and out["count"] == 2
     assert out["exchanged"] == [0, 1, 0]
@@ -46,7 +54,7 @@ def test_device_interface_is_registered_when_dynamo_loads(tmp_path):
     assert out["cpus"] >= 1
 
 
-def test_registered_when_dynamo_and_inductor_came_first(tmp_path):
+def test_registered_when_dynamo_and_inductor_came_first(shared_cache):
     out = compiled("""
         import json, torch
         import torch._dynamo.device_interface as di
@@ -56,11 +64,11 @@ def test_registered_when_dynamo_and_inductor_came_first(tmp_path):
         y = torch.compile(lambda x: x * 2 + 1)(torch.ones(3, device="openreg"))
         print(json.dumps([di.get_interface_for_device("openreg").current_device(), str(y.device),
                           y.cpu().tolist()]))
-    """, tmp_path, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    """, shared_cache, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert out == [0, "openreg:0", [3.0, 3.0, 3.0]]
 
 
-def test_compiled_function_matches_cpu_on_each_device_and_backend(tmp_path):
+def test_compiled_function_matches_cpu_on_each_device_and_backend(shared_cache):
     out = compiled("""
         import json, torch, devipc_openreg
         from torch._inductor.utils import run_and_get_code
@@ -85,7 +93,7 @@ def test_compiled_function_matches_cpu_on_each_device_and_backend(tmp_path):
                     "max_error": max((g.cpu() - e).abs().max().item()
                                      for g, e in zip(got, expected))}
         print(json.dumps({"results": results, "codes": codes}))
-    """, tmp_path)
+    """, shared_cache)
     for key, result in out["results"].items():
         device = "openreg:1" if key.startswith("openreg:1") else "openreg:0"
         assert result["devices"] == [device] * 3 and result["dtypes"], key
@@ -101,7 +109,7 @@ def test_compiled_function_matches_cpu_on_each_device_and_backend(tmp_path):
             for n in launches)
 
 
-def test_compiled_module_forward_and_backward_match_cpu(tmp_path):
+def test_compiled_module_forward_and_backward_match_cpu(shared_cache):
     out = compiled("""
         import json, torch, devipc_openreg
         from torch._inductor.utils import run_and_get_code
@@ -129,25 +137,25 @@ def test_compiled_module_forward_and_backward_match_cpu(tmp_path):
             "devices": sorted({str(d.device) for d, _ in pairs}),
             "max_error": max((d.detach().cpu() - c).abs().max().item() for d, c in pairs),
             "graphs": len(codes), "cpp": all("cpp_fused" in code for code in codes)}))
-    """, tmp_path)
+    """, shared_cache)
     assert out["devices"] == ["openreg:0"]
     assert out["max_error"] < 1e-5
     assert out["graphs"] == 2 and out["cpp"]  # forward and backward, each with C++ kernels
 
 
-def test_cached_compilation_runs_in_a_new_process(tmp_path):
+def test_cached_compilation_runs_in_a_new_process(shared_cache):
     code = """
         import json, torch, devipc_openreg
         from torch._dynamo.utils import counters
         y = torch.compile(lambda x: (x * 2 + 1).sum(0))(torch.ones(3, 4, device="openreg"))
         print(json.dumps([str(y.device), y.cpu().tolist(), sorted(counters["inductor"])]))
     """
-    first, second = compiled(code, tmp_path), compiled(code, tmp_path)  # one cache for both
+    first, second = compiled(code, shared_cache), compiled(code, shared_cache)  # a miss, a hit
     assert first == ["openreg:0", [9.0] * 4, ["fxgraph_cache_miss"]]
     assert second == ["openreg:0", [9.0] * 4, ["fxgraph_cache_hit"]]
 
 
-def test_compiled_kernel_waits_for_pending_copy_on_the_current_stream(tmp_path):
+def test_compiled_kernel_waits_for_pending_copy_on_the_current_stream(shared_cache):
     # The stream is held by a gate that a timer opens; without the wrapper's synchronization the
     # kernel would read the zeros the pending copy has not overwritten yet.
     out = compiled("""
@@ -165,12 +173,12 @@ def test_compiled_kernel_waits_for_pending_copy_on_the_current_stream(tmp_path):
         threading.Timer(0.5, gate.open).start()
         y = f(x)
         print(json.dumps({"pending": pending, "values": y.cpu().unique().tolist()}))
-    """, tmp_path, PYTHONPATH=PYTHONPATH)
+    """, shared_cache, PYTHONPATH=PYTHONPATH)
     assert out["pending"]
     assert out["values"] == [3.0]
 
 
-def test_cpp_wrapper_is_refused_naming_what_is_missing(tmp_path):
+def test_cpp_wrapper_is_refused_naming_what_is_missing(shared_cache):
     out = compiled("""
         import json, torch, devipc_openreg
         import torch._inductor.config as config
@@ -180,5 +188,5 @@ def test_cpp_wrapper_is_refused_naming_what_is_missing(tmp_path):
             torch.compile(lambda x: x + 1)(torch.ones(3, device="openreg"))
         except Exception as error:
             print(json.dumps(str(error)))
-    """, tmp_path)
+    """, shared_cache)
     assert "openreg" in out and "C++ wrapper" in out and "cpp_wrapper" in out
