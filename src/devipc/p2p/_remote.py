@@ -155,6 +155,10 @@ class Peer:
             self._reads += 1
             if self._reads % _POLL_EVERY:
                 return True
+        return self._polled()
+
+    def _polled(self) -> bool:
+        """Whether the owner lives, by its pidfd; once it says no, that answer sticks."""
         lives = not self._exited.poll(0) if self._pidfd >= 0 else pid_alive(self.pid)
         if not lives:
             self._lifeline = 0  # the word may say otherwise: the next looks ask the kernel too
@@ -360,8 +364,16 @@ class Peer:
         unmaps it meanwhile. False, nothing copied, else."""
         with self._lock:
             words = self._words
-            if words is None or words[entry.slot] != entry.reg_id or entry._dropped \
-                    or not self._owner_lives():
+            if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
+                return False
+            lifeline = self._lifeline
+            if lifeline:  # `_owner_lives`, inline: the copy a peer makes most often
+                if self._head[0] & LIFELINE_TID != lifeline:
+                    return False
+                self._reads += 1
+                if not self._reads % _POLL_EVERY and not self._polled():
+                    return False
+            elif not self._polled():
                 return False
             dst[:] = src
         return True
