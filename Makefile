@@ -46,6 +46,7 @@ stress: $(STAMP)
 	OPENREG_IPC_EVENTS=1 $(PY) benchmarks/stress.py
 	$(PY) benchmarks/p2p_stress.py --threads 8 --transfers 10000
 	$(PY) benchmarks/exit_soak.py --runs 100 --limit 5
+	OPENREG_EXIT_RUNS=100 $(PY) -m pytest -q tests/openreg/test_exit.py
 
 # The conformance kit (python -m devipc.conformance) against openreg, in both IPC modes.
 conformance: $(STAMP)

@@ -15,7 +15,7 @@ import ctypes
 import functools
 import operator
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -393,10 +393,9 @@ def _all_idle(indices: list[int]) -> bool:
     return True
 
 
-def _current_stream(index: int) -> torch.Stream:
-    """The accelerator's current stream of device `index`: torch.accelerator.current_stream
-    without its checks of the argument in Python (the index comes from `_stream_index`)."""
-    return torch._C._accelerator_getStream(index)
+# The accelerator's current stream of device `index`: torch.accelerator.current_stream without its
+# checks of the argument in Python (the index comes from `_stream_index`), called directly.
+_current_stream: Callable[[int], torch.Stream] = torch._C._accelerator_getStream
 
 
 @functools.lru_cache(maxsize=64)
