@@ -131,8 +131,8 @@ class Peer:
 
     # -- liveness --
     def check_alive(self) -> None:
-        """Called before every copy: PeerGoneError, the connection closed, once the owner
-        exited; ValueError once closed."""
+        """PeerGoneError, the connection closed, once the owner exited; ValueError once closed.
+        Called before a copy's first path (the short ones look in `copy_live`, `move_live`)."""
         if not self._owner_lives():
             self.close()
             raise PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
