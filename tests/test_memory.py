@@ -215,3 +215,4 @@ def test_a_forked_child_of_a_sender_keeps_the_structs_its_storages_point_at():
         return all(ctypes.c_uint64.from_address(a).value == 0xABABABABABABABAB for a in reused)
 
     assert _in_a_fork(child) == 0
+    assert devipc.revoke(sent) == 1  # nobody opens that send: take it back
