@@ -364,16 +364,8 @@ class Peer:
         unmaps it meanwhile. False, nothing copied, else."""
         with self._lock:
             words = self._words
-            if words is None or words[entry.slot] != entry.reg_id or entry._dropped:
-                return False
-            lifeline = self._lifeline
-            if lifeline:  # `_owner_lives`, inline: the copy a peer makes most often
-                if self._head[0] & LIFELINE_TID != lifeline:
-                    return False
-                self._reads += 1
-                if not self._reads % _POLL_EVERY and not self._polled():
-                    return False
-            elif not self._polled():
+            if words is None or words[entry.slot] != entry.reg_id or entry._dropped \
+                    or not self._owner_lives():
                 return False
             dst[:] = src
         return True
