@@ -1,8 +1,10 @@
 """The weight publisher: pack_module, fan-out to subscribers in spawned processes, acknowledged
 generations, copy and in-place modes, late and dead subscribers, a killed publisher, bad tokens,
 and nothing left behind; in both openreg IPC modes."""
+import contextlib
 import os
 import signal
+import threading
 
 import _workers
 import pytest
@@ -211,4 +213,183 @@ def test_copy_into_names_what_does_not_match():
         assert torch.equal(engine.block.weight.cpu(), model.block.weight.cpu())
         subscriber.ack()
         subscriber.close()
+    _drain()
+
+
+def test_an_old_token_opened_after_the_trainer_wrote_waits_for_the_next_generation(children):
+    """copy=False: once publish() returned the trainer writes its weights; a token made before
+    and opened after must not be handed the generation being overwritten."""
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model) as publisher:
+        early, late = publisher.token(), publisher.token()
+        _workers.train_step(model, 0.0)
+        assert publisher.publish(timeout=TIMEOUT) == 0  # nobody opened a token yet
+        _workers.train_step(model, 1.0)  # the next step, not published
+        here = devipc.WeightSubscriber(early)
+        with pytest.raises(TimeoutError):
+            here.wait(timeout=0.2)  # generation 0 is no longer what the memory holds
+        _, conn = children.start_piped(_workers.weight_subscriber, late, 1, True)
+        assert recv(conn) == ("subscribed", "openreg:0")
+        expected = _workers.snapshot(model)
+        assert publisher.publish(wait=False) == 1
+        assert here.wait(timeout=TIMEOUT) == 1
+        assert all(t.eq(1.0).all() for n, t in here.tensors().items() if n != "mask")
+        here.ack()
+        publisher.wait_acks(1, timeout=TIMEOUT)  # the child was waited for too
+        assert recv(conn) == (1, expected)
+        assert recv(conn) == "closed"
+        here.close()
+    _drain()
+
+
+def test_weights_that_left_the_packed_allocation_are_not_published_stale():
+    model = _workers.TinyGPT()
+    packed = devipc.pack_module(model)
+    with devipc.WeightPublisher(model) as publisher:
+        publisher.publish(timeout=TIMEOUT)
+        model.double()  # every floating tensor gets new memory
+        with pytest.raises(ValueError, match="'embed.weight' no longer lies where"):
+            publisher.publish(timeout=TIMEOUT)
+    model = _workers.TinyGPT()
+    packed = devipc.pack_module(model)
+    storage = packed["block.weight"].untyped_storage()
+    with devipc.WeightPublisher(model) as publisher:
+        keep = torch.empty(storage.nbytes(), dtype=torch.uint8, device="openreg")
+        keep.untyped_storage().copy_(storage)
+        storage.resize_(0)  # FSDP frees the flat parameter after the forward...
+        storage.resize_(keep.numel())  # ...and gathers it again into new memory
+        storage.copy_(keep.untyped_storage())
+        with pytest.raises(ValueError, match="resized"):
+            publisher.publish(timeout=TIMEOUT)
+    weights = devipc.pack({"a": torch.ones(4, device="openreg"),
+                           "b": torch.ones(4, device="openreg")})
+    with devipc.WeightPublisher(weights) as publisher:
+        assert publisher.publish(timeout=TIMEOUT) == 0
+        weights["b"] = torch.zeros(4, device="openreg")
+        with pytest.raises(ValueError, match="'b' no longer lies where"):
+            publisher.publish(timeout=TIMEOUT)
+    del packed, weights, keep
+    _drain()
+
+
+def _forged(token, rows):
+    """`token`'s attachment with another table: a token damaged where only the buffer's size
+    can tell."""
+    from devipc import _table, _wire
+
+    attachment = _wire.Reader(token, (_wire.WEIGHTS,)).bytes("weights attachment")
+    writer = _wire.Writer(_wire.WEIGHTS).bytes(attachment)
+    _table.Table(*zip(*rows)).write(writer)
+    return writer.done()
+
+
+def test_a_refused_damaged_token_leaves_the_genuine_one_openable():
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model) as publisher:
+        token = publisher.token()
+        beyond = _forged(token, [("w", torch.float32, (4,), (1,), 1 << 30)])  # past the end
+        with pytest.raises(devipc.InvalidHandleError):
+            devipc.WeightSubscriber(beyond)
+        subscriber = devipc.WeightSubscriber(token)  # not used up
+        publisher.publish(wait=False)
+        assert subscriber.wait(timeout=TIMEOUT) == 0
+        subscriber.ack()
+        subscriber.close()
+    _drain()
+
+
+def test_a_memory_handle_the_device_refuses_leaves_the_send_openable():
+    from devipc import _handles
+
+    tensor = torch.arange(4.0, device="openreg")
+    handle = devipc.share(tensor)
+    shared = handle._shared
+    damaged = _handles.Handle(bucket=False, identity=handle._identity, table=handle._table,
+                              shared=shared._replace(handle=shared.handle[:-1] + bytes(
+                                  [shared.handle[-1] ^ 0xFF])))
+    with pytest.raises((devipc.InvalidHandleError, RuntimeError)):
+        devipc.open(bytes(damaged))
+    assert handle.unopened()
+    opened = devipc.open(bytes(handle))  # the genuine bytes still open
+    assert opened.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    del opened
+    _drain()
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_publishes_from_two_threads_take_turns(copy):
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, copy=copy) as publisher:
+        subscriber = devipc.WeightSubscriber(publisher.token())
+        got, errors = [], []
+
+        def publish_some():
+            try:
+                got.extend(publisher.publish(wait=False) for _ in range(100))
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=publish_some) for _ in range(2)]
+        if copy:  # the subscriber acknowledges as it goes: copy=True waits two back
+            def acknowledge():
+                while len(got) < 200 and not errors:
+                    with contextlib.suppress(TimeoutError):
+                        subscriber.wait(timeout=0.05)
+                        subscriber.ack()
+            threads.append(threading.Thread(target=acknowledge))
+        else:
+            subscriber.close()  # copy=False: nobody to wait for
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        assert not errors
+        assert sorted(got) == list(range(200))  # each call its own generation
+        assert publisher.generation == 199
+        subscriber.close()
+    _drain()
+
+
+def test_close_from_another_thread_ends_waits_clearly():
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    publisher = devipc.WeightPublisher(model)
+    subscriber = devipc.WeightSubscriber(publisher.token())
+    other = devipc.WeightSubscriber(publisher.token())
+    raised = []
+
+    def wait_acks():
+        try:
+            publisher.publish(timeout=TIMEOUT)  # the subscribers never acknowledge
+        except BaseException as error:  # noqa: BLE001 - checked below
+            raised.append(error)
+
+    def wait_generation():
+        try:
+            other.wait(timeout=TIMEOUT)
+            other.wait(timeout=TIMEOUT)  # nothing more comes
+        except BaseException as error:  # noqa: BLE001 - checked below
+            raised.append(error)
+
+    waiters = [threading.Thread(target=wait_acks), threading.Thread(target=wait_generation)]
+    for thread in waiters:
+        thread.start()
+    assert subscriber.wait(timeout=TIMEOUT) == 0
+    wait_until(lambda: other.generation == 0, "the second subscriber waits again")
+    other.close()  # under its wait
+    waiters[1].join(TIMEOUT)
+    publisher.close()  # under its wait for acknowledgements
+    waiters[0].join(TIMEOUT)
+    assert not any(thread.is_alive() for thread in waiters)
+    messages = sorted(str(error) for error in raised)
+    assert all(type(error) is ValueError for error in raised), raised
+    assert messages == ["this WeightPublisher was closed", "this WeightSubscriber was closed"]
+    with pytest.raises(ValueError, match="WeightPublisher is closed"):
+        publisher.publish()
+    with pytest.raises(ValueError, match="WeightSubscriber is closed"):
+        other.wait(timeout=1)
+    subscriber.close()
     _drain()

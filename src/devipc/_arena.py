@@ -24,11 +24,14 @@ Two more header words are futexes (`_futex`) that processes sleep on instead of 
 newest generation published (`ArenaReader.wait` sleeps on it) and a count of acknowledgements
 (`Arena.wait_for` sleeps on it, waking every few milliseconds to look for dead consumers).
 """
+import functools
 import itertools
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
@@ -38,7 +41,7 @@ from ._hooks import hooks_for
 from ._memfd import MappedFile, SharedFile, WordTable, handle_pid, open_shared_file, pid_alive
 from ._table import ALIGNMENT, Table
 
-__all__ = ["Arena", "ArenaReader", "Chunk", "open_arena"]
+__all__ = ["Arena", "ArenaReader", "Attachment", "Chunk", "open_arena"]
 
 _MAGIC = b"ACKS"
 MAX_CONSUMERS = 64
@@ -121,6 +124,72 @@ class _Records(WordTable):
 _HEADER_LOCK = (0, 8)  # the `filling` word
 
 
+class _Calls:
+    """The calls under way on an object that another thread may close: `close` marks it closed
+    at once (later calls, and waits that wake, raise ValueError naming `what`), and its mappings
+    go when the last call under way leaves, so that no thread reads or sleeps on unmapped
+    memory."""
+
+    __slots__ = ("what", "_lock", "_count", "_closed", "_release")
+
+    def __init__(self, what: str):
+        self.what = what
+        self._lock = threading.Lock()
+        self._count = 0
+        self._closed = False
+        self._release: Callable[[], object] | None = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"this {self.what} is closed")
+            self._count += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
+            release = self._release if self._count == 0 else None
+            if release is not None:
+                self._release = None
+        if release is not None:
+            release()
+
+    def check(self) -> None:
+        """Inside a call's loop: ValueError once another thread closed the object."""
+        if self._closed:
+            raise ValueError(f"this {self.what} was closed")
+
+    def close(self) -> bool:
+        """Mark closed: no call starts any more. False if it was closed already."""
+        with self._lock:
+            was, self._closed = self._closed, True
+        return not was
+
+    def release(self, release: Callable[[], object]) -> None:
+        """After `close`: `release()` now, or when the last call under way leaves."""
+        with self._lock:
+            if self._count:
+                self._release = release
+                return
+        release()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _call(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
+    """A public method of an object with `_calls`: counted as under way while it runs."""
+    @functools.wraps(method)
+    def counted(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._calls.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._calls.leave()
+    return counted
+
+
 def _positive(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
@@ -136,12 +205,16 @@ def _check_timeout(timeout: object) -> float:
 class Arena:
     """Producer: `buffers` buffers of `nbytes` each (rounded up to 256, so that every buffer
     starts aligned for any dtype) on `device`, one allocation. `attach()` once per consumer, then
-    `put()` chunk after chunk. Not thread-safe: one producer thread."""
+    `put()` chunk after chunk. Thread-safe: puts, publishes and attaches from several threads
+    take their turns; `close()` from another thread ends their waits with ValueError."""
 
     def __init__(self, nbytes: int, device: torch.device | str | int, buffers: int = 2, *,
-                 storage: torch.UntypedStorage | None = None):
+                 storage: torch.UntypedStorage | None = None, what: str = "arena"):
         """With `storage`, the arena is that memory as it is (one buffer of exactly its bytes):
-        what its consumers see is what its owner writes, e.g. packed weights."""
+        what its consumers see is what its owner writes, e.g. packed weights. `what` names the
+        object in errors (a WeightPublisher's arena is its publisher)."""
+        self._calls = _Calls(what)
+        self._turns = threading.Lock()  # one put, publish or attach at a time
         self.buffers = _positive(buffers, "buffers")
         if buffers > MAX_BUFFERS:
             raise ValueError(f"an arena has at most {MAX_BUFFERS} buffers, not {buffers}")
@@ -165,12 +238,16 @@ class Arena:
         self._serials = itertools.count(1)
         self.generation = -1  # the last one put
 
+    @_call
     def attach(self, *, from_newest: bool = False) -> bytes:
         """One consumer's way in, for `open_arena`: a send of the arena (opened once) and a
         record in the control file. Chunks put before it are not for that consumer; with
         `from_newest` (and two buffers or more) the newest one is, which is then kept for it
         until it acknowledges."""
-        self._check_open()
+        with self._turns:
+            return self._attach(from_newest)
+
+    def _attach(self, from_newest: bool) -> bytes:
         index = self._take_record()
         serial = next(self._serials)
         newest = from_newest and self.buffers > 1 and self.generation >= 0
@@ -224,7 +301,6 @@ class Arena:
         before (one that never opened its attachment is not waited for);
         returns the chunk's bytes for `ArenaReader.read`. ConsumerDiedError if a consumer died
         meanwhile (it no longer counts: put again), AckTimeoutError after `timeout` seconds."""
-        self._check_open()
         items = _handles.named_items(named_tensors, "Arena.put()")
         if items[0][1].device != self.device:
             raise ValueError(f"the arena is on {self.device}, the chunk on {items[0][1].device}")
@@ -239,26 +315,30 @@ class Arena:
         table.write(writer)
         return writer.done()
 
+    @_call
     def publish(self, fill: Callable[[torch.UntypedStorage, int], object] | None = None,
                 timeout: float = 60.0) -> int:
         """The next generation: announced, then (once every attached consumer acknowledged the
         generation that used its buffer before) `fill(storage, byte offset of its buffer)`,
         the device's work waited for, and the generation published: consumers sleeping in
         `ArenaReader.wait` wake. Returns it. Errors as `put`."""
-        self._check_open()
-        generation = self.generation + 1
-        self._announce(generation)
-        self.wait_for(generation - self.buffers, timeout)
-        if fill is not None:
-            fill(self._storage, (generation % self.buffers) * self.nbytes)
-        torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
-        self.generation = generation
-        self._records.set_published(generation)
-        return generation
+        with self._turns:
+            generation = self.generation + 1
+            self.announce(generation)
+            self._wait_for(generation - self.buffers, timeout)
+            if fill is not None:
+                fill(self._storage, (generation % self.buffers) * self.nbytes)
+            torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
+            self.generation = generation
+            self._records.set_published(generation)
+            return generation
 
-    def _announce(self, generation: int) -> None:
+    @_call
+    def announce(self, generation: int) -> None:
         """Say which generation is about to be filled, before looking at who to wait for: a
-        consumer attaching meanwhile either is waited for or starts after what it overwrites."""
+        consumer attaching meanwhile either is waited for or starts after what it overwrites.
+        (The owner of an arena over its own storage announces the next generation before it
+        writes again: see `WeightPublisher.wait_acks`.)"""
         fd = self._control.fd
         _locks.lock(fd, *_HEADER_LOCK)
         try:
@@ -266,12 +346,17 @@ class Arena:
         finally:
             _locks.unlock(fd, *_HEADER_LOCK)
 
+    @_call
     def wait_for(self, generation: int, timeout: float | None = 60.0) -> None:
         """Return once every attached consumer (one that opened its attachment) acknowledged
         `generation`, or closed. ConsumerDiedError names the consumers found dead, which stop
         counting; AckTimeoutError after `timeout` (None: no bound but the consumers' lives)."""
+        self._wait_for(generation, timeout)
+
+    def _wait_for(self, generation: int, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
         while True:
+            self._calls.check()
             seen = self._records.acks()  # before the records: an ack after it changes it
             waiting = [i for i in range(MAX_CONSUMERS)
                        if self._records.state(i) == ATTACHED
@@ -290,11 +375,13 @@ class Arena:
                     + f" have not acknowledged generation {generation}")
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
+    @_call
     def wait_attached(self, count: int, timeout: float = 60.0) -> None:
         """Return once `count` consumers opened their attachments and are still attached;
         TimeoutError after `timeout` seconds, saying how many did."""
         deadline = time.monotonic() + _check_timeout(timeout)
         while True:
+            self._calls.check()
             seen = self._records.acks()  # an attach changes it too
             attached = sum(self._records.state(i) == ATTACHED and not self._died(i)
                            for i in range(MAX_CONSUMERS))
@@ -319,26 +406,33 @@ class Arena:
         finally:
             _locks.unlock(self._control.fd, start, length)
 
+    @_call
     def consumers(self) -> dict[int, dict]:
         """Each consumer record in use: state, last acknowledged generation, pid."""
         return {i: {"state": _STATE_NAMES[s], "acknowledged": self._records.ack(i),
                     "pid": self._records.pid(i)}
                 for i in range(MAX_CONSUMERS) if (s := self._records.state(i)) != FREE}
 
-    def _check_open(self) -> None:
-        if self._storage is None:
-            raise ValueError("this arena is closed")
-
     def close(self) -> None:
         """Take back unopened sends and drop the producer's references: the memory is freed once
-        the consumers that opened it let go (or died). Idempotent."""
-        if self._storage is None:
+        the consumers that opened it let go (or died). Calls under way in other threads end
+        with ValueError; the control file goes when the last of them has. Idempotent."""
+        if not self._calls.close():
             return
-        for send in self._sends.values():
-            send.revoke()
-        self._sends.clear()
-        self._storage = None  # type: ignore[assignment]
+        self._revoke_sends()
         self._records.set_closed()  # consumers waiting for a generation are told
+        _futex.wake(self._records.address(_ACKS))  # and our own waits look again
+        self._calls.release(self._let_go)
+
+    def _revoke_sends(self) -> None:
+        for index in list(self._sends):
+            send = self._sends.pop(index, None)
+            if send is not None:
+                send.revoke()
+
+    def _let_go(self) -> None:
+        self._revoke_sends()  # an attach that was under way at the close
+        self._storage = None  # type: ignore[assignment]
         self._control.close()
 
     def __enter__(self) -> "Arena":
@@ -365,25 +459,49 @@ class Chunk:
         return f"<devipc.Chunk {self.generation} of {len(self.tensors)} tensors>"
 
 
-class ArenaReader:
-    """Consumer: an arena opened once; `read` each chunk's bytes, then `ack` it."""
+class Attachment(NamedTuple):
+    """An arena attachment's fields, read and checked without opening anything: a caller may
+    check what comes with it (a publisher token's table) before the one open is spent."""
 
-    def __init__(self, data: bytes | bytearray | memoryview,
-                 device: torch.device | str | int | None = None):
+    token: bytes
+    send: _handles.Handle
+    control: bytes
+    record: int
+    nbytes: int
+    buffers: int
+    serial: int
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Attachment":
         reader = _wire.Reader(data, (_wire.ARENA,))
-        self._token = reader.bytes("arena token", 64)
+        token = reader.bytes("arena token", 64)
         send = _handles.Handle.from_bytes(reader.bytes("arena handle"))
         control = reader.bytes("control file handle", 1024)
-        self._index = reader.int("consumer index", 0, MAX_CONSUMERS - 1)
-        self.nbytes = reader.int("buffer size", 1)
-        self.buffers = reader.int("buffer count", 1, MAX_BUFFERS)
+        record = reader.int("consumer index", 0, MAX_CONSUMERS - 1)
+        nbytes = reader.int("buffer size", 1)
+        buffers = reader.int("buffer count", 1, MAX_BUFFERS)
         serial = reader.int("attachment serial")
         reader.end()
-        if send.kind != "bucket" or send.nbytes != self.nbytes * self.buffers:
+        if send.kind != "bucket" or send.nbytes != nbytes * buffers:
             raise InvalidHandleError(f"the arena's allocation has {send.nbytes} bytes, not "
-                                     f"{self.buffers} x {self.nbytes}")
-        self._mapping = open_shared_file(control, _MAGIC)
-        self._producer = handle_pid(control)  # a valid handle: it opened
+                                     f"{buffers} x {nbytes}")
+        return cls(token, send, control, record, nbytes, buffers, serial)
+
+
+class ArenaReader:
+    """Consumer: an arena opened once; `read` each chunk's bytes, then `ack` it. `close()` from
+    another thread ends a `wait` under way there with ValueError."""
+
+    def __init__(self, data: bytes | bytearray | memoryview | Attachment,
+                 device: torch.device | str | int | None = None, *, what: str = "arena reader"):
+        """`data`: `Arena.attach()`'s bytes, or their `Attachment`. `what` names the object in
+        errors."""
+        attachment = data if isinstance(data, Attachment) else Attachment.from_bytes(data)
+        self._calls = _Calls(what)
+        self._token, self._index = attachment.token, attachment.record
+        self.nbytes, self.buffers = attachment.nbytes, attachment.buffers
+        self._mapping = open_shared_file(attachment.control, _MAGIC)
+        self._producer = handle_pid(attachment.control)  # a valid handle: it opened
         try:
             if self._mapping.size != _CONTROL_BYTES:
                 raise InvalidHandleError(f"an arena control file has {_CONTROL_BYTES} bytes, "
@@ -391,10 +509,11 @@ class ArenaReader:
             self._records = _Records(self._mapping)
             if not _locks.try_lock(self._mapping.fd, *self._records.lock_range(self._index)) \
                     or self._records.state(self._index) != PENDING \
-                    or self._records.serial(self._index) != serial:
+                    or self._records.serial(self._index) != attachment.serial:
                 raise InvalidHandleError("this arena attachment was already opened (attach once "
                                          "per consumer), revoked, or the arena is closed")
-            self._storage: torch.UntypedStorage | None = _handles.open_storage(send, device)
+            self._storage: torch.UntypedStorage | None = _handles.open_storage(attachment.send,
+                                                                               device)
         except BaseException:
             self._mapping.close()  # the lock goes with it
             raise
@@ -402,7 +521,7 @@ class ArenaReader:
         records, index = self._records, self._index
         records.set_pid(index, os.getpid())
         records.set_state(index, ATTACHED)
-        _locks.lock(self._mapping.fd, *_HEADER_LOCK)  # after ATTACHED: see `Arena._announce`
+        _locks.lock(self._mapping.fd, *_HEADER_LOCK)  # after ATTACHED: see `Arena.announce`
         try:
             filling = records.filling()
         finally:
@@ -412,6 +531,7 @@ class ArenaReader:
         self._read = self.acknowledged
         records.bump_acks()  # a producer waiting for consumers to attach looks again
 
+    @_call
     def wait(self, timeout: float | None = None) -> int:
         """Sleep until a generation newer than any this reader read or waited for is published
         (`Arena.publish`, `put`); returns the newest, to read until acknowledged. PeerGoneError
@@ -419,7 +539,7 @@ class ArenaReader:
         records = self._records
         deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
         while True:
-            self._check_open()
+            self._calls.check()
             published = records.published()
             if published > self._read:
                 self._read = published
@@ -435,18 +555,18 @@ class ArenaReader:
                                    f"{published})")
             _futex.wait(records.address(_PUBLISHED), published, min(left, _DEATH_CHECK * 5))
 
+    @_call
     def views(self, generation: int, table: Table) -> dict[str, torch.Tensor]:
         """`table`'s tensors in the buffer of `generation`, read and not yet acknowledged."""
-        storage = self._check_open()
         if not self.acknowledged < generation <= self._read:
             raise ValueError(f"generation {generation} is not held: read or waited for up to "
                              f"{self._read}, acknowledged up to {self.acknowledged}")
-        return table.views(storage, shift=(generation % self.buffers) * self.nbytes)
+        return table.views(self._held(), shift=(generation % self.buffers) * self.nbytes)
 
+    @_call
     def read(self, data: bytes | bytearray | memoryview) -> Chunk:
         """The tensors of a chunk's bytes from `Arena.put`, as views of the arena (clone what
         must outlive the acknowledgement)."""
-        storage = self._check_open()
         reader = _wire.Reader(data, (_wire.CHUNK,))
         if reader.bytes("arena token", 64) != self._token:
             raise InvalidHandleError("this chunk belongs to another arena")
@@ -464,12 +584,12 @@ class ArenaReader:
                                      f"{generation % self.buffers}")
         self._read = max(self._read, generation)
         base = buffer * self.nbytes
-        return Chunk(generation, table.views(storage, shift=base))
+        return Chunk(generation, table.views(self._held(), shift=base))
 
+    @_call
     def ack(self, generation: int | Chunk) -> None:
         """Done with every chunk up to `generation` (or a Chunk): the producer may reuse their
         buffers. Waits for the device work queued on them first."""
-        self._check_open()
         if isinstance(generation, Chunk):
             generation = generation.generation
         if not isinstance(generation, int) or isinstance(generation, bool):
@@ -484,16 +604,20 @@ class ArenaReader:
         self.acknowledged = generation
         self._records.bump_acks()
 
-    def _check_open(self) -> torch.UntypedStorage:
-        if self._storage is None:
-            raise ValueError("this arena reader is closed")
+    def _held(self) -> torch.UntypedStorage:
+        assert self._storage is not None  # until the last call under way left
         return self._storage
 
     def close(self) -> None:
         """Detach: the producer stops waiting for this consumer. Views still held keep the
-        memory mapped until they die. Idempotent."""
-        if self._storage is None:
+        memory mapped until they die. A `wait` under way in another thread ends with
+        ValueError, and the detach happens as it leaves. Idempotent."""
+        if not self._calls.close():
             return
+        _futex.wake(self._records.address(_PUBLISHED))  # a wait under way looks again
+        self._calls.release(self._detach)
+
+    def _detach(self) -> None:
         torch.get_device_module(self.device).synchronize(self.device)
         self._records.set_state(self._index, CLOSED)
         self._records.bump_acks()  # a producer waiting for this consumer stops

@@ -27,17 +27,19 @@ With `transport="nixl"` the same classes work across hosts (`_publisher_remote`)
 carries a NIXL endpoint's metadata instead of an arena attachment, and each subscriber pulls
 the generations into its own memory with one-sided reads.
 """
+import threading
 from collections.abc import Mapping
 
 import torch
 
 from . import _handles, _wire
-from ._arena import Arena, ArenaReader
+from ._arena import Arena, ArenaReader, Attachment
 from ._copies import copy_pairs, copy_rows
 from ._errors import InvalidHandleError
 from ._table import Table
 
-__all__ = ["ACK_TIMEOUT", "WeightPublisher", "WeightSubscriber", "named_weights", "pack_module"]
+__all__ = ["ACK_TIMEOUT", "InPlace", "WeightPublisher", "WeightSubscriber", "named_weights",
+           "pack_module"]
 
 ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
 
@@ -70,9 +72,52 @@ def named_weights(weights: torch.nn.Module | Mapping[str, torch.Tensor],
     raise TypeError(f"publish a torch.nn.Module or a state dict, not {type(weights).__name__}")
 
 
+class InPlace:
+    """The weights a copy=False publisher sends where they lie, and the check, at each publish,
+    that they still lie there: weights moved out of the allocation (FSDP's `resize_(0)` and
+    `resize_(n)` of the packed storage, `model.to(...)` or `.double()`, a new `.data`) would
+    otherwise go out as the old bytes under a new generation number."""
+
+    def __init__(self, source: torch.nn.Module | Mapping[str, torch.Tensor],
+                 items: list[tuple[str, torch.Tensor]], storage: torch.UntypedStorage):
+        self._storage, self._where = storage, (storage.data_ptr(), storage.nbytes())
+        # a module's own tensors, whose .data may move; a mapping is looked at again each time
+        self._source = source
+        self._tensors = (list(source.state_dict(keep_vars=True).values())
+                         if isinstance(source, torch.nn.Module) else None)
+        self._names = [name for name, _ in items]
+        self._rows = [(t.data_ptr(), t.dtype, t.shape) for _, t in items]
+
+    def check(self) -> None:
+        """ValueError naming what left the published allocation."""
+        advice = ("publish with copy=True, or pack the weights again (devipc.pack_module) and "
+                  "make a new WeightPublisher")
+        if (self._storage.data_ptr(), self._storage.nbytes()) != self._where:
+            raise ValueError(f"the published allocation was resized or its memory replaced "
+                             f"since the publisher was made (FSDP's resize_?): {advice}")
+        tensors = self._tensors
+        if tensors is None:
+            source = self._source
+            assert isinstance(source, Mapping)
+            if len(source) != len(self._names) or list(source) != self._names:
+                raise ValueError(f"the published state dict's names changed: {advice}")
+            tensors = list(source.values())
+        for name, tensor, (ptr, dtype, shape) in zip(self._names, tensors, self._rows):
+            if tensor.dtype != dtype or tensor.shape != shape or (
+                    tensor.data_ptr() != ptr and tensor.numel()):
+                raise ValueError(f"{name!r} no longer lies where it was published (now "
+                                 f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}, "
+                                 f"moved by .to(), .double(), a new .data or a resize_): "
+                                 f"{advice}")
+
+
 class WeightPublisher:
     """The trainer's side: `token()` per subscriber, `publish()` per generation. With
-    `transport="nixl"` subscribers may be on other hosts (`_publisher_remote`)."""
+    `transport="nixl"` subscribers may be on other hosts (`_publisher_remote`).
+
+    Thread-safe: publishes from several threads take turns (each makes its own generation),
+    and `close()` from another thread ends a `publish` or `wait_acks` under way there with
+    ValueError."""
 
     def __new__(cls, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
                 copy: bool = False, transport: str = "ipc") -> "WeightPublisher":
@@ -90,12 +135,16 @@ class WeightPublisher:
         self._source = model_or_state_dict
         items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher")
         self.copy = bool(copy)
+        self._in_place: InPlace | None = None
         if self.copy:
             self._table, end = Table.packed(items)
-            self._arena = Arena(max(end, 1), items[0][1].device, buffers=2)
+            self._arena = Arena(max(end, 1), items[0][1].device, buffers=2,
+                                what="WeightPublisher")
         else:
             storage, self._table = _handles.in_place(items)
-            self._arena = Arena(storage.nbytes(), storage.device, buffers=1, storage=storage)
+            self._in_place = InPlace(model_or_state_dict, items, storage)
+            self._arena = Arena(storage.nbytes(), storage.device, buffers=1, storage=storage,
+                                what="WeightPublisher")
         self.device = self._arena.device
         self.generation = -1
 
@@ -110,10 +159,13 @@ class WeightPublisher:
     def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
         """Make the current weights a new generation for every subscriber, once the device work
         that wrote them is done; returns it. With `wait`, returns once every live subscriber
-        acknowledged it (`wait_acks`)."""
+        acknowledged it (`wait_acks`). With copy=False, ValueError if the weights left the
+        packed allocation since the publisher was made (`InPlace`)."""
+        if self._in_place is not None:
+            self._in_place.check()
         fill = self._fill if self.copy else None
         generation = self._arena.publish(fill, ACK_TIMEOUT if timeout is None else timeout)
-        self.generation = generation
+        self.generation = max(self.generation, generation)
         if wait:
             self.wait_acks(generation, timeout)
         return generation
@@ -136,7 +188,12 @@ class WeightPublisher:
     def wait_acks(self, generation: int, timeout: float | None = None) -> None:
         """Return once every live subscriber acknowledged `generation`. AckTimeoutError after
         `timeout` seconds (None: no bound, but dead subscribers still end the wait);
-        ConsumerDiedError names subscribers found dead, once: they are no longer waited for."""
+        ConsumerDiedError names subscribers found dead, once: they are no longer waited for.
+        With copy=False the trainer may write its weights once this returns for the newest
+        generation: a subscriber that opens its token from then on is not handed it (its
+        memory is being overwritten) but the next one."""
+        if not self.copy and generation == self._arena.generation:
+            self._arena.announce(generation + 1)  # before the last look at who to wait for
         self._arena.wait_for(generation, timeout)
 
     def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
@@ -179,7 +236,8 @@ def _remote_token(token: bytes | bytearray | memoryview) -> bool:
 
 class WeightSubscriber:
     """An engine's side: `wait()` for a generation, read `tensors()` or `copy_into(...)` its
-    own weights, then `ack()`."""
+    own weights, then `ack()`. Its calls from several threads take turns; `close()` from
+    another thread ends a `wait` under way there with ValueError."""
 
     def __new__(cls, token: bytes | bytearray | memoryview,
                 device: torch.device | str | int | None = None) -> "WeightSubscriber":
@@ -191,30 +249,23 @@ class WeightSubscriber:
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
-        attachment, _ = self._parse(token, _wire.INT_MAX)  # all checked before it is opened
-        self._reader = ArenaReader(attachment, device)
-        try:
-            _, self._table = self._parse(token, self._reader.nbytes)  # rows inside a buffer
-        except BaseException:
-            self._reader.close()
-            raise
+        # everything checked before the token's one open is spent
+        reader = _wire.Reader(token, (_wire.WEIGHTS,))
+        attachment = Attachment.from_bytes(reader.bytes("weights attachment", 1 << 16))
+        self._table = Table.read(reader, attachment.nbytes)  # rows inside a buffer
+        reader.end()
+        self._reader = ArenaReader(attachment, device, what="WeightSubscriber")
+        self._turns = threading.Lock()
         self.device = self._reader.device
         self.generation = -1
         self._views: dict[int, dict[str, torch.Tensor]] = {}
 
-    @staticmethod
-    def _parse(token: bytes | bytearray | memoryview, nbytes: int) -> tuple[bytes, Table]:
-        reader = _wire.Reader(token, (_wire.WEIGHTS,))
-        attachment = reader.bytes("weights attachment", 1 << 16)
-        table = Table.read(reader, nbytes)
-        reader.end()
-        return attachment, table
-
     def wait(self, timeout: float | None = None) -> int:
         """Block until a generation newer than the one held is published; returns the newest.
         PeerGoneError if the publisher closed or exited, TimeoutError after `timeout`."""
-        self.generation = self._reader.wait(timeout)
-        return self.generation
+        with self._turns:
+            self.generation = self._reader.wait(timeout)
+            return self.generation
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held generation's tensors by name: zero-copy views, valid until `ack()` (clone
@@ -247,13 +298,15 @@ class WeightSubscriber:
                                  f"{tuple(target.shape)}, the published one {weights.dtype} "
                                  f"{tuple(weights.shape)}")
             pairs.append((target, weights))
-        copy_pairs(pairs)
+        with self._turns:
+            copy_pairs(pairs)
 
     def ack(self) -> None:
         """Done with the held generation (its device work included): the publisher may go on."""
         if self.generation < 0:
             raise ValueError("no generation to acknowledge: wait() first")
-        self._reader.ack(self.generation)
+        with self._turns:
+            self._reader.ack(self.generation)
 
     def close(self) -> None:
         """Unsubscribe: the publisher no longer waits for this engine. Idempotent."""
