@@ -121,22 +121,25 @@ class IpcLink:
         try:
             rows = _host_rows(op, locals_, entries, descs) \
                 if wait and len(descs) <= _INLINE_PAIRS else None
-            if rows is not None and _idle(rows[1]):
+            inline = rows is not None and _idle(rows[1])
+            if rows is not None and inline:
                 _move(rows[0])
-                peer.unpin(entries)
-                if len(descs) == 1:
-                    self._remember(entries[0], descs[0])
-                return DONE
-            distinct = list({id(entry): entry for entry in entries}.values())  # few, many ranges
-            devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
-            devices.update(local.device for local in locals_ if not local.is_cpu)
-            batch = _batch(op, locals_, entries, descs, devices)
-            pairs: list | tuple = batch if batch is not None else [
-                _pair(op, local, entry, desc) for local, entry, desc in
-                zip(locals_, entries, descs)]
+            else:
+                distinct = list({id(entry): entry for entry in entries}.values())  # few, many
+                devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
+                devices.update(local.device for local in locals_ if not local.is_cpu)
+                batch = _batch(op, locals_, entries, descs, devices)
+                pairs: list | tuple = batch if batch is not None else [
+                    _pair(op, local, entry, desc) for local, entry, desc in
+                    zip(locals_, entries, descs)]
         except BaseException:
             peer.unpin(entries)
             raise
+        if inline:
+            peer.unpin(entries)
+            if len(descs) == 1:
+                self._remember(entries[0], descs[0])
+            return DONE
         if not devices and not wait:
             return self._on_host(pairs, entries, locals_)
         try:
@@ -155,6 +158,10 @@ class IpcLink:
             transfer = Transfer(record_events(devices), keep=(pairs, remote, locals_))
             if any(entry.device.type == "cpu" for entry in distinct):
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
+        except BaseException:
+            if devices:  # copies queued before the error end before their pins go
+                Transfer(record_events(devices)).wait()
+            raise
         finally:
             peer.unpin(entries)
         return transfer

@@ -6,12 +6,14 @@ registration ends by `deregister`, or when its storage object dies: a `weakref.f
 storage runs while the storage is being destroyed, before its memory goes back to the allocator,
 so an address can never be reused while a registration still names it.
 
-Peers learn whether a registration is still alive from the registry page, a small memfd this
-process owns and peers map read-only in effect: word `slot` holds the registration's id while it
-lives and 0 after. Ids are never reused, so the id doubles as the generation: a peer that cached
-(handle, id) and reads another value knows its cached mapping is stale. The word is cleared first
-of all when a registration ends, before listeners run and before the memory can go. The page's
-header holds the owner's lifeline (`_lifeline`): peers read from it whether the owner still lives.
+Peers learn whether a registration is still alive from the registry page, a small memfd this process
+owns and peers map read-only in effect: word `slot` holds the registration's id while it lives and 0
+after. It has PAGE_SLOTS (65,536) words, so at most that many registrations live at once in a
+process (DevIpcError past that; an ended one gives its slot back). Ids are never reused, so the id
+doubles as the generation: a peer that cached (handle, id) and reads another value knows its cached
+mapping is stale. The word is cleared first of all when a registration ends, before listeners run
+and before the memory can go. The page's header holds the owner's lifeline (`_lifeline`): peers read
+from it whether the owner still lives.
 
 A registration covers the memory its storage had when it was registered. Device memory is held
 through devipc's core (`_sharing.hold`) until the registration ends, whatever becomes of the
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _lifeline, _sharing
-from .._errors import NotRegisteredError
+from .._errors import DevIpcError, NotRegisteredError
 from .._hooks import hooks_for
 from .._memfd import SharedFile, WordTable
 from .._memory import TensorOrStorage, untyped
@@ -189,7 +191,11 @@ class Registry:
         if self._free_slots:
             return self._free_slots.pop()
         if self._used_slots >= PAGE_SLOTS:
-            raise RuntimeError(f"devipc.p2p holds at most {PAGE_SLOTS} live registrations")
+            raise DevIpcError(
+                f"devipc.p2p holds at most {PAGE_SLOTS:,} live registrations in a process (one "
+                f"word each in the registry page peers map), and this process has them all: "
+                f"free_tensor or deregister the tensors peers no longer need, or register fewer, "
+                f"larger tensors and advertise ranges of them")
         self._used_slots += 1
         return self._used_slots - 1
 

@@ -56,8 +56,28 @@ class RemoteEntry:
             else data.data_ptr()
         self.waited: set[bytes] = set()  # events of advertisements already waited for
         self._mapping = mapping  # CPU: our mapping of the owner's shared file
-        self._pins = 0  # host copies using the mapping now
-        self._dropped = False
+        self._pins = 0  # transfers using the memory now: `pin`, `unpin`
+        self._dropped = False  # out of the peer's cache: unmapped once no transfer pins it
+
+    # Both run under the peer's lock, which also guards `_dropped`: a pin takes no lock of its own.
+    def pin(self) -> None:
+        """One more transfer uses this entry's memory: it stays mapped until `unpin`."""
+        self._pins += 1
+
+    def unpin(self) -> bool:
+        """The transfer that pinned this entry let go; whether it is now to be unmapped
+        (dropped, and no transfer left). An unpin without its pin is a bug: it would unmap
+        memory under another thread's copy, so it raises instead."""
+        if self._pins <= 0:
+            raise RuntimeError(f"devipc.p2p: registration {self.reg_id}'s entry was unpinned "
+                               f"more often than pinned")
+        self._pins -= 1
+        return self._dropped and not self._pins
+
+    @property
+    def pins(self) -> int:
+        """How many transfers pin this entry now."""
+        return self._pins
 
 
 _VIEWS_KEPT = 4096
@@ -122,6 +142,7 @@ class Peer:
         self._head = page.words  # the page as int64s (released with it)
         self._lifeline = page.words[PAGE_LIFELINE]  # the owner's lifeline; 0: its pidfd's poll
         self._reads = 0  # of the lifeline, for `_owner_lives`
+        self._gone = False  # the owner exited: set before the close, so every thread says so
         self._exited = select.epoll()  # the pidfd turns readable once the process exits (epoll:
         try:  # threads may poll it at once); a pidfd never names another process with its pid
             self._pidfd = os.pidfd_open(self.pid)
@@ -131,31 +152,42 @@ class Peer:
 
     # -- liveness --
     def check_alive(self) -> None:
-        """PeerGoneError, the connection closed, once the owner exited; ValueError once closed.
-        Called before a copy's first path (the short ones look in `copy_live`, `move_live`)."""
-        if not self._owner_lives():
+        """PeerGoneError, the connection closed, once the owner exited (in every thread, also
+        those that find it closed by another); ValueError once closed. Called before a copy's
+        first path (the short ones look in `copy_live`, `move_live`)."""
+        if not self._owner_lives():  # once closed, it raises why (`_closed`)
+            self._gone = True
             self.close()
-            raise PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
-                                f"read or written any more; this connection is closed")
+            raise self._closed()
+
+    def _closed(self) -> Exception:
+        """Why the connection is closed: PeerGoneError once its owner exited, else ValueError."""
+        if self._gone:
+            return PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
+                                 f"read or written any more; this connection is closed")
+        return ValueError("this connection is closed: connect again")
 
     def _owner_lives(self) -> bool:
         """One load of the owner's lifeline word (`_lifeline`); every _POLL_EVERY-th time, and
         always where its page has none, an `epoll_wait` of its pidfd too: the memory of a
         process the OOM killer ended may be reaped before the kernel walks its robust list,
-        and the word then stays as it was. ValueError once closed."""
+        and the word then stays as it was. Once closed, raises why (`_closed`)."""
         if self._page is None:
-            raise ValueError("this connection is closed")
+            raise self._closed()
         lifeline = self._lifeline
         if lifeline:
             try:
                 if self._head[0] & LIFELINE_TID != lifeline:
                     return False
             except ValueError:  # closed meanwhile: the view went before the pages
-                raise ValueError("this connection is closed") from None
+                raise self._closed() from None
             self._reads += 1
             if self._reads % _POLL_EVERY:
                 return True
-        return self._polled()
+        try:
+            return self._polled()
+        except ValueError:  # closed meanwhile: the epoll went with it
+            raise self._closed() from None
 
     def _polled(self) -> bool:
         """Whether the owner lives, by its pidfd; once it says no, that answer sticks."""
@@ -176,10 +208,10 @@ class Peer:
 
     def check_live(self, words: list[tuple[int, int]]) -> None:
         """RemoteTensorFreedError, after a sweep, if any (slot, registration id) of `words`
-        ended; ValueError once closed."""
+        ended; once closed, why (`_closed`)."""
         with self._lock:
             if self._words is None:
-                raise ValueError("this connection is closed: connect again")
+                raise self._closed()
             ended = self._ended(words)
         if ended is not None:
             self.sweep()
@@ -210,21 +242,23 @@ class Peer:
         of many ranges of a few registrations). Every entry comes back pinned, once per
         descriptor: `unpin(entries)` when the copies using them are queued or done."""
         entries: list = []  # of RemoteEntry, once every missing one is opened
-        missing: list[int] = []
+        missing: list[int] = []  # their places: not cached, or cached but ended (`open` says)
         with self._lock:
             words, cached = self._words, self._entries
             for desc in descs:
                 entry = cached.get(desc.__dict__.get("_peer_key") or _key(desc))
                 if entry is None or words is None or words[desc.slot] != desc.reg_id:
                     missing.append(len(entries))
+                    entries.append(None)
                 else:
-                    entry._pins += 1
-                entries.append(entry)
-        pinned = [entry for entry in entries if entry is not None]
+                    entry.pin()
+                    entries.append(entry)
+        pinned = [entry for entry in entries if entry is not None]  # by this call, each once
         try:
             for i in missing:
-                entries[i] = self.open(descs[i])
-                pinned.append(entries[i])
+                entry = self.open(descs[i])
+                pinned.append(entry)
+                entries[i] = entry
         except BaseException:
             self.unpin(pinned)
             raise
@@ -237,7 +271,7 @@ class Peer:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and self._live(desc.reg_id, desc.slot):
-                entry._pins += 1
+                entry.pin()
                 return entry
             if entry is not None:
                 del self._entries[key]
@@ -252,14 +286,18 @@ class Peer:
             if other is None and self._page is not None:
                 self._entries[key] = other = entry
             if other is not None:
-                other._pins += 1
+                other.pin()
         if other is not entry:  # another thread won, or we were closed
             self._drop(entry)
             if other is None:
-                raise ValueError("this connection is closed")
+                raise self._closed()
         return other
 
-    def _freed(self, reg_id: int) -> RemoteTensorFreedError:
+    def _freed(self, reg_id: int) -> Exception:
+        """RemoteTensorFreedError for a registration whose word says it ended; once the
+        connection closed (its words unmapped), why it closed."""
+        if self._words is None:
+            return self._closed()
         return RemoteTensorFreedError(
             f"remote tensor {reg_id} of process {self.pid} was freed or deregistered by its "
             f"owner; this process closed its mapping of it. Ask the owner for a new descriptor.")
@@ -342,7 +380,7 @@ class Peer:
                                     for entry in entries):
                 return False
             for entry in entries:
-                entry._pins += 1
+                entry.pin()
         return True
 
     def move_live(self, words: list[tuple[int, int]],
@@ -371,19 +409,16 @@ class Peer:
         return True
 
     def unpin(self, entries: Iterable[RemoteEntry]) -> None:
-        closing = []
+        """Let go of what `open_all`, `open` or `pin_live` pinned, each pin once."""
         with self._lock:
-            for entry in entries:
-                entry._pins -= 1
-                if entry._dropped and entry._pins == 0:
-                    closing.append(entry)
+            closing = [entry for entry in entries if entry.unpin()]
         for entry in closing:
             self._unmap(entry)
 
     def _drop(self, entry: RemoteEntry) -> None:
         with self._lock:
             entry._dropped = True
-            busy = entry._pins > 0
+            busy = entry.pins > 0
         if not busy:
             self._unmap(entry)
 
