@@ -2,18 +2,37 @@
 interpreters, exited-but-unreaped children, and the counts leak checks compare (descriptors,
 /dev/shm entries).
 
+The machine may be busy (a second suite beside this one): bounds grow with its load, and leak
+checks count only what this run's processes made.
+
 Fixtures built on these live in conftest.py; test modules import this module, never each other.
 """
 import contextlib
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
 
-TIMEOUT = 60  # seconds; every join, get and wait is bounded by it
-FRESH_TIMEOUT = 120  # seconds for a fresh interpreter that imports torch
+
+def _slowdown() -> float:
+    """How many times an idle machine's bounds to allow: DEVIPC_TESTS_SLOWDOWN when set, else 2,
+    or the runnable processes per core when the machine is busier still. Bounds only turn a hang
+    into a failure: a generous one costs nothing when the test passes."""
+    if value := os.environ.get("DEVIPC_TESTS_SLOWDOWN"):
+        slowdown = float(value)
+        if not slowdown > 0:
+            raise ValueError(f"DEVIPC_TESTS_SLOWDOWN must be a positive number, not {value!r}")
+        return slowdown
+    return max(2.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+SLOWDOWN = _slowdown()
+TIMEOUT = round(60 * SLOWDOWN)  # seconds; every join, get and wait is bounded by it
+FRESH_TIMEOUT = round(120 * SLOWDOWN)  # seconds for a fresh interpreter that imports torch
+_started: set[int] = set()  # the processes this one started, for `shm_entries`
 
 
 class Children:
@@ -28,6 +47,7 @@ class Children:
     def start(self, target, *args):
         proc = self.ctx.Process(target=target, args=args, daemon=True)
         proc.start()
+        _started.add(proc.pid)
         self.procs.append(proc)
         return proc
 
@@ -49,7 +69,7 @@ class Children:
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
-            proc.join(10)
+            proc.join(TIMEOUT)
         for conn in self.conns:
             conn.close()
 
@@ -60,12 +80,48 @@ def recv(conn, timeout=TIMEOUT):
     return conn.recv()
 
 
+def until_the_test_ends() -> None:
+    """For a child that holds something until the test kills it: waits as long as the test
+    process lives, however slow the test is, and no longer (no orphan stays)."""
+    multiprocessing.parent_process().join()
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+_TORCH_SHM = re.compile(r"torch_(\d+)_")  # torch's CPU shared memory: torch_<maker's pid>_...
+
+
 def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """The /dev/shm entries this run's processes made: the directory is the machine's, others
+    add and remove theirs meanwhile. torch names its files after the process that made them;
+    devipc and openreg make none (memfds), so an entry naming either is counted whoever made it;
+    multiprocessing's semaphores (sem.mp-<random>) name nobody and are left out."""
+    found = set()
+    for name in os.listdir("/dev/shm"):
+        if match := _TORCH_SHM.match(name):
+            if _ours(int(match[1])):
+                found.add(name)
+        elif "openreg" in name or "devipc" in name:
+            found.add(name)
+    return found
+
+
+def _ours(pid: int) -> bool:
+    """Whether `pid` is this process or one it started: a live process by its parents (a
+    number reused by another process is not ours), an exited one by the record of starts."""
+    me, walked = os.getpid(), pid
+    while walked > 1:
+        if walked == me:
+            return True
+        try:
+            with open(f"/proc/{walked}/stat", "rb") as stat:
+                line = stat.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return pid in _started  # it (or a parent on the way) exited
+        walked = int(line[line.rfind(b")") + 2:].split()[1])
+    return False
 
 
 def fresh_env(**env) -> dict:
@@ -79,16 +135,22 @@ def fresh_env(**env) -> dict:
 def run_python(code, **env) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter whose OPENREG_*/DEVIPC_* variables are exactly `env`;
     fails the test on a non-zero exit."""
-    proc = subprocess.run([sys.executable, "-c", code], env=fresh_env(**env), capture_output=True,
-                          text=True, timeout=FRESH_TIMEOUT)
-    assert proc.returncode == 0, proc.stderr
-    return proc
+    proc = start_python(code, **env)
+    try:
+        out, err = proc.communicate(timeout=FRESH_TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start_python(code, **env) -> subprocess.Popen:
     """Starts `code` as `run_python` does, without waiting: several can run at once."""
-    return subprocess.Popen([sys.executable, "-c", code], env=fresh_env(**env),
+    proc = subprocess.Popen([sys.executable, "-c", code], env=fresh_env(**env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _started.add(proc.pid)
+    return proc
 
 
 def json_from(proc: subprocess.Popen):
@@ -121,8 +183,7 @@ def process_state(pid: int) -> str:
 def zombie_child(code, **env):
     """Runs `code` in a fresh interpreter (env as in `run_python`) and yields (pid, its stdout) once
     it has exited but is not reaped yet, a zombie; reaps it on exit, whatever happened."""
-    proc = subprocess.Popen([sys.executable, "-c", code], env=fresh_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_python(code, **env)
     try:
         deadline = time.monotonic() + FRESH_TIMEOUT
         while process_state(proc.pid) != "Z":  # polling: waiting would reap it

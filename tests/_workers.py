@@ -4,10 +4,9 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 
 import torch
-from _support import TIMEOUT, wait_until
+from _support import TIMEOUT, until_the_test_ends, wait_until
 
 import devipc
 
@@ -172,11 +171,11 @@ def reduce_and_exit(outbox):
     outbox.join_thread()
 
 
-def produce_and_wait(outbox, inbox):
+def produce_and_wait(outbox):
     """A producer that stays until it is killed."""
     tensor = torch.arange(4, dtype=torch.float32, device="openreg") * 10
     outbox.put(tensor)
-    inbox.get(timeout=TIMEOUT)
+    until_the_test_ends()
 
 
 # -- lifetime: slots, kills, forwarding --------------------------------------------------------
@@ -227,7 +226,7 @@ def read_some_then_wait(inbox, outbox, count):
     """Receives `count` tensors and holds them; the test kills it while it waits."""
     held = [inbox.get(timeout=TIMEOUT) for _ in range(count)]
     outbox.put(len(held))
-    threading.Event().wait(TIMEOUT)  # killed while it waits
+    until_the_test_ends()  # killed while it waits
 
 
 def rebuild_pickled(payload, inbox, outbox):
@@ -324,7 +323,7 @@ def send_raw_then_wait(conn, count):
     tensor = torch.arange(1 << 14, dtype=torch.float32, device="openreg")
     for _ in range(count):
         conn.send(bytes(ForkingPickler.dumps(tensor)))
-    conn.poll(TIMEOUT)
+    until_the_test_ends()
 
 
 def hold_then_wait(conn):
@@ -333,12 +332,12 @@ def hold_then_wait(conn):
     item = conn.recv()
     tensor = pickle.loads(item) if isinstance(item, bytes) else item
     conn.send(float(tensor.sum().item()))
-    conn.poll(TIMEOUT)
+    until_the_test_ends()
 
 
 def idle_until_killed(*_):
     """A consumer that never reads what it is sent."""
-    threading.Event().wait(TIMEOUT)
+    until_the_test_ends()
 
 
 def forward_and_hold(inbox, onward, outbox):
@@ -348,7 +347,7 @@ def forward_and_hold(inbox, onward, outbox):
     onward.close()
     onward.join_thread()  # the forwarded send exists once this returns
     outbox.put("forwarded")
-    threading.Event().wait(TIMEOUT)
+    until_the_test_ends()
 
 
 def hold_from_queue(inbox, outbox, gate=None):
@@ -358,7 +357,7 @@ def hold_from_queue(inbox, outbox, gate=None):
         gate.get(timeout=TIMEOUT)
     tensor = inbox.get(timeout=TIMEOUT)
     outbox.put(float(tensor.sum().item()))
-    threading.Event().wait(TIMEOUT)
+    until_the_test_ends()
 
 
 # -- arena -----------------------------------------------------------------------------------------
@@ -437,7 +436,7 @@ def weight_subscriber_that_hangs(conn, token):
     subscriber = devipc.WeightSubscriber(token)
     conn.send("subscribed")
     conn.send(("got", subscriber.wait(timeout=TIMEOUT)))
-    threading.Event().wait(TIMEOUT)
+    until_the_test_ends()
 
 
 def weight_publisher_child(conn):
@@ -449,4 +448,17 @@ def weight_publisher_child(conn):
     conn.send(publisher.token())
     assert conn.recv() == "publish"
     conn.send(publisher.publish(wait=False))
-    threading.Event().wait(TIMEOUT)
+    until_the_test_ends()
+
+
+def with_short_bounds(worker, *args):
+    """Runs `worker(*args)` with its module's bound cut to 0.2 s: a slow test, seen from here."""
+    sys.modules[worker.__module__].TIMEOUT = 0.2
+    worker(*args)
+
+
+def make_shm_file_and_exit(conn):
+    """Leaves /dev/shm/torch_<its pid>_... behind, as a leak would, and exits."""
+    name = f"torch_{os.getpid()}_0_left"
+    open(f"/dev/shm/{name}", "x").close()
+    conn.send(name)

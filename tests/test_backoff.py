@@ -1,6 +1,9 @@
 """Bounded waits: the deadline, the spins, and pauses that double up to their ceiling."""
+import threading
 import time
+from types import SimpleNamespace
 
+from devipc import _backoff
 from devipc._backoff import Backoff
 
 
@@ -12,13 +15,18 @@ def test_no_deadline_never_expires_and_a_passed_one_does():
     assert backoff.expired() and backoff.remaining() == 0.0
 
 
-def test_spins_then_pauses_that_double_up_to_the_ceiling():
+def test_spins_then_pauses_that_double_up_to_the_ceiling(monkeypatch):
+    slept = []  # the pauses this thread asked for, not the clock: the machine may be busy
+    mine = threading.get_ident()
+
+    def sleep(seconds):
+        (slept.append if threading.get_ident() == mine else time.sleep)(seconds)
+
+    monkeypatch.setattr(_backoff, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
     backoff = Backoff(None, first=0.001, longest=0.004, spins=3)
-    started = time.monotonic()
     for _ in range(3):
         backoff.pause()  # spins: no sleep
-    spun = time.monotonic() - started
+    assert slept == []
     for _ in range(4):
-        backoff.pause()  # 1 + 2 + 4 + 4 ms
-    slept = time.monotonic() - started - spun
-    assert spun < 0.001 and 0.011 <= slept < 0.5
+        backoff.pause()
+    assert slept == [0.001, 0.002, 0.004, 0.004]

@@ -92,8 +92,8 @@ def test_producer_may_exit_before_the_consumer_reads(children):
 
 
 def test_a_killed_producer_leaves_the_consumer_its_memory(children):
-    outbox, inbox = children.ctx.Queue(), children.ctx.Queue()
-    producer = children.start(_workers.produce_and_wait, outbox, inbox)
+    outbox = children.ctx.Queue()
+    producer = children.start(_workers.produce_and_wait, outbox)
     tensor = outbox.get(timeout=TIMEOUT)
     producer.kill()
     producer.join(TIMEOUT)

@@ -6,6 +6,7 @@ import gc
 import os
 
 import torch
+from _support import shm_entries
 
 N = 6  # elements each rank contributes
 
@@ -16,11 +17,8 @@ def rank_input(rank: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def _counts():
-    """This process's descriptors and the /dev/shm entries of openreg, devipc and torch (the
-    directory is shared with every other process on the machine)."""
-    shm = [e for e in os.listdir("/dev/shm") if "openreg" in e or "devipc" in e
-           or e.startswith("torch_")]
-    return len(os.listdir("/proc/self/fd")), sorted(shm)
+    """This process's descriptors and the /dev/shm entries this test run made."""
+    return len(os.listdir("/proc/self/fd")), sorted(shm_entries())
 
 
 def collectives(conn, rank, world, store_path, backend, ddp):

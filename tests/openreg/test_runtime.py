@@ -11,7 +11,7 @@ import threading
 
 import _native as native
 import pytest
-from _support import json_from, start_python
+from _support import TIMEOUT, json_from, start_python
 
 from devipc_openreg import _runtime as rt
 
@@ -124,7 +124,7 @@ def test_current_device_is_per_thread_and_uuid_lookup():
     seen = []
     t = threading.Thread(target=lambda: (native.set_device(1), seen.append(native.get_device())))
     t.start()
-    t.join(10)
+    t.join(TIMEOUT)
     assert seen == [1] and native.get_device() == 0
     assert native.device_by_uuid(native.device_uuid(1)) == 1
     with pytest.raises(rt.OpenRegError) as e:
@@ -251,7 +251,7 @@ def test_memcpy_is_ordered_after_the_default_stream(gate):
     t.start()
     assert not native.stream_query(None)
     gate.open()
-    t.join(10)
+    t.join(TIMEOUT)
     assert not t.is_alive() and out.value == 1
     native.free(dev)
 

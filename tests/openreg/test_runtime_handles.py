@@ -15,7 +15,7 @@ import time
 
 import _native as native
 import pytest
-from _support import FRESH_TIMEOUT, fresh_env, run_python, zombie_child
+from _support import FRESH_TIMEOUT, TIMEOUT, fresh_env, run_python, zombie_child
 
 from devipc import InvalidHandleError, PeerGoneError
 from devipc_openreg import _runtime as rt
@@ -235,7 +235,7 @@ def exported_events():
         proc.wait(FRESH_TIMEOUT)
 
 
-def open_and_wait(handle, timeout=10):
+def open_and_wait(handle, timeout=TIMEOUT):
     """Opens an event handle, makes a stream wait on it and synchronizes that stream, in a thread:
     returns what it raised (None if nothing) and the seconds it took; fails if it does not end
     within `timeout` instead of hanging the suite."""

@@ -7,6 +7,7 @@ import os
 import sys
 
 import _p2p_workers
+import _workers
 import pytest
 import torch
 from _support import TIMEOUT, Children, foreign_memfd_maps, open_fds, recv, wait_until
@@ -62,7 +63,7 @@ def _owner_idle(owner: Owner) -> None:
     """Wait until the owner holds no export, send or registration (its counter file and cached
     device memory stay)."""
     wait_until(lambda: (lambda s: (s["exports"], s["sent"], s["live"]))(owner.call("stats"))
-               == (0, 0, 0), "the owner holds no exports, sends or registrations", 10)
+               == (0, 0, 0), "the owner holds no exports, sends or registrations")
 
 
 def _shm_maps() -> int:
@@ -187,14 +188,14 @@ def test_vectors_and_async_transfers(owner, peer, device):
     peer.readv(locals_, ranges)
     assert torch.equal(torch.cat([t.cpu() for t in locals_]), values[:256])
     transfer = peer.writev_async([t + 1 for t in locals_], ranges)
-    transfer.wait(timeout=30)
+    transfer.wait(timeout=TIMEOUT)
     assert transfer.done()
     assert torch.equal(owner.call("get", tensor_id)[:256], values[:256] + 1)
     one = torch.zeros(4, dtype=torch.int32, device=device)
     transfer = peer.read_async(one, ranges[3])
-    transfer.wait(30)
+    transfer.wait(TIMEOUT)
     assert transfer.done() and one.cpu().tolist() == [13, 14, 15, 16]
-    peer.write_async(one * 0, ranges[3]).wait(30)
+    peer.write_async(one * 0, ranges[3]).wait(TIMEOUT)
     assert owner.call("get", tensor_id)[12:16].tolist() == [0] * 4
     later = peer.readv_async(locals_[:2], ranges[:2])
     later.wait()
@@ -258,7 +259,7 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monke
     connection.read(local, on_device)
     connection.read(torch.zeros(64), on_cpu)
     owner.proc.kill()
-    owner.proc.join(30)
+    owner.proc.join(TIMEOUT)
     with pytest.raises(p2p.PeerGoneError, match=f"{owner.pid} has exited"):
         connection.read(local, on_device)
     assert connection.mapped() == 0
@@ -268,7 +269,7 @@ def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monke
     _settle()
     assert devipc.stats()["mapped"] == mapped
     wait_until(lambda: foreign_memfd_maps() <= maps, "no mapping of the dead owner's memory")
-    wait_until(lambda: open_fds() <= fds, "no descriptor left", 10)
+    wait_until(lambda: open_fds() <= fds, "no descriptor left")
 
 
 def test_an_owner_whose_lifeline_was_never_marked_is_still_found_dead(children):
@@ -285,7 +286,7 @@ def test_an_owner_whose_lifeline_was_never_marked_is_still_found_dead(children):
         assert peer._lifeline
         peer._head = memoryview(array.array("q", [peer._lifeline]))  # a word left unmarked
         owner.proc.kill()
-        owner.proc.join(30)
+        owner.proc.join(TIMEOUT)
         with pytest.raises(p2p.PeerGoneError, match=f"{owner.pid} has exited"):
             for _ in range(_remote._POLL_EVERY):
                 connection.read(local, remote)  # the short path, on the word: still copies
@@ -333,7 +334,7 @@ def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
                                           endpoint.advertise(tensor))
         assert recv(pipe) == 4096
         proc.kill()
-        proc.join(30)
+        proc.join(TIMEOUT)
         p2p.free_tensor(tensor)
         del tensor
         wait_until(lambda: devipc.stats()["exports"] == 0,
@@ -368,9 +369,24 @@ def test_a_resized_registration_ends_and_its_old_memory_is_never_reused(owner, p
     other_id, other = owner.call("create", torch.ones(1024), "openreg")
     peer.read(local, other)
     owner.call("resize", other_id, 0)
-    wait_until(lambda: _freed(peer, local, other), "the resized registration ended", 10)
+    wait_until(lambda: _freed(peer, local, other), "the resized registration ended")
     assert torch.equal(owner.call("get", neighbour_id), torch.arange(1024.0))
     for dropped in (tensor_id, neighbour_id, other_id):
         owner.call("drop", dropped)
     _settle()
     _owner_idle(owner)
+
+
+def test_the_modules_owner_waits_for_its_next_command_however_long_the_tests_between_take(
+        children):
+    """One owner serves the whole module: a slow test between two commands must not find it
+    gone (its bound is cut to 0.2 s here)."""
+    ours, theirs = children.ctx.Pipe()
+    proc = children.start(_workers.with_short_bounds, _p2p_workers.owner, theirs)
+    assert recv(ours)[0] == "ready"
+    proc.join(2)
+    assert proc.is_alive(), "the owner left before its next command"
+    ours.send(("stats",))
+    assert recv(ours)["live"] == 0
+    ours.send(("exit",))
+    assert recv(ours) == "bye"

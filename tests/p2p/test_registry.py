@@ -207,3 +207,21 @@ def test_the_page_carries_this_process_lifeline():
     assert lifeline > 0  # glibc, Linux: held
     assert page.words[0] & TID_MASK == lifeline
     assert os.path.exists(f"/proc/self/task/{lifeline}")  # the parked thread
+
+
+def test_past_the_registry_pages_slots_register_says_so_and_an_ended_one_frees_its_slot(
+        monkeypatch):
+    """The page has PAGE_SLOTS (65,536) words: the registration past them is refused naming
+    the limit and what to do. (As if all but one were taken: the registry's count is patched.)"""
+    from devipc.p2p._registry import PAGE_SLOTS
+
+    monkeypatch.setattr(registry, "_free_slots", [])
+    monkeypatch.setattr(registry, "_used_slots", PAGE_SLOTS - 1)
+    last, _ = p2p.create_tensor((4,), torch.float32, "cpu")
+    with pytest.raises(devipc.DevIpcError, match=r"at most 65,536 live registrations in a "
+                       r"process.*free_tensor or deregister"):
+        p2p.create_tensor((4,), torch.float32, "cpu")
+    p2p.free_tensor(last)  # its slot is free again
+    again, _ = p2p.create_tensor((4,), torch.float32, "cpu")
+    p2p.free_tensor(again)
+    assert registry._free_slots == [PAGE_SLOTS - 1]

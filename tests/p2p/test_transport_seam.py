@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+from _support import TIMEOUT
 
 import devipc.p2p as p2p
 from devipc.p2p._descriptor import NONE, Descriptor, Metadata
@@ -81,7 +82,7 @@ def test_a_transport_object_carries_the_transfers():
     local = torch.zeros(4)
     connection.read(local, data)
     assert local.tolist() == [4.0, 5.0, 6.0, 7.0]
-    connection.writev_async([torch.full((4,), -1.0)], [data]).wait(5)
+    connection.writev_async([torch.full((4,), -1.0)], [data]).wait(TIMEOUT)
     assert tensor[4:8].tolist() == [-1.0] * 4
     assert fake.posts == [("READ", 1, True), ("WRITE", 1, False)]
     with pytest.raises(p2p.TransferSizeError):  # checked by the endpoint, for every transport
@@ -143,7 +144,7 @@ def test_a_link_without_prepare_or_sub_ranges_gets_the_defaults():
         local = torch.zeros(4)
         with connection.prepare("read", [local], [data]) as prepared:  # re-posts through post
             for _ in range(3):
-                prepared.post().wait(5)
+                prepared.post().wait(TIMEOUT)
         assert local.tolist() == [4.0, 5.0, 6.0, 7.0]
         assert fake.posts == [("READ", 1, False)] * 3
         connection.read(local, data, offset=0)  # the whole range: no sub-range
