@@ -15,7 +15,6 @@ to forward what it received.
 """
 import collections
 import threading
-from collections.abc import Callable
 
 from . import _locks
 from ._backoff import Backoff
@@ -127,12 +126,6 @@ class CounterFile:
     def release(self, index: int) -> None:
         """Consumer: HELD -> RELEASED, and the lock goes."""
         self._words.store(index, 0, RELEASED)
-        _locks.unlock(self.fd, *self._words.lock_range(index))
-
-    def give_back(self, index: int) -> None:
-        """Consumer whose open failed before it had the memory: HELD -> SENT, so the genuine
-        bytes of a send are not used up by damaged ones the device refused."""
-        self._words.store(index, 0, SENT)
         _locks.unlock(self.fd, *self._words.lock_range(index))
 
     def release_unopened(self, index: int) -> None:
@@ -346,18 +339,10 @@ class ConsumerCounters:
             raise
 
     def release(self, handle: bytes, index: int) -> None:
-        self._let_go(handle, index, CounterFile.release)
-
-    def give_back(self, handle: bytes, index: int) -> None:
-        """An open that failed: the slot is unopened again (`CounterFile.give_back`)."""
-        self._let_go(handle, index, CounterFile.give_back)
-
-    def _let_go(self, handle: bytes, index: int,
-                how: Callable[["CounterFile", int], None]) -> None:
         with self._lock:
             file = self._held[handle][0]
             self._mine.discard((handle, index))
-        how(file, index)
+        file.release(index)
         self._put(handle)
 
     def release_unopened(self, handle: bytes | None, index: int) -> None:

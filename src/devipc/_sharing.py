@@ -185,16 +185,10 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
     _counters.hold(counter_handle, index)
     try:
         memory = _opened.acquire(hooks, handle)
-        if offset_bytes + size_bytes > memory.size:
-            _opened.release(handle)
-            raise InvalidHandleError(f"shared storage of {size_bytes} bytes at offset "
-                                     f"{offset_bytes} exceeds its allocation of {memory.size}")
-    except BaseException:
-        # bytes the device refused: the send stays unopened for its genuine bytes
-        _counters.give_back(counter_handle, index)
-        raise
-    try:
         try:
+            if offset_bytes + size_bytes > memory.size:
+                raise InvalidHandleError(f"shared storage of {size_bytes} bytes at offset "
+                                         f"{offset_bytes} exceeds its allocation of {memory.size}")
             placed = memory.device if target is None else _placement(hooks, memory, target)
             stream = current_stream(placed)  # the stream its users will queue on
             if event_sync_required:
