@@ -6,8 +6,10 @@ they are broken."""
 import os
 import threading
 
+import torch
+
 import devipc_openreg  # noqa: F401  (the device, also where autoload is off)
-from devipc.hooks import register_ipc_hooks
+from devipc.hooks import OpenedMemory, register_ipc_hooks
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 
@@ -33,5 +35,40 @@ class OpenHangs(OpenRegIpcHooks):
         threading.Event().wait()
 
 
-BROKEN = {"offset": OffsetOffByOne, "no_event_wait": NoEventWait, "open_hangs": OpenHangs}
+class WorkerShareHangs(OpenRegIpcHooks):
+    """Sharing from a DataLoader worker never returns; the worker writes its pid to
+    DEVIPC_BROKEN_HOOKS_PIDS first, for the test to check that it was killed."""
+
+    def get_ipc_mem_handle(self, ptr):
+        if torch.utils.data.get_worker_info() is not None:
+            with open(os.environ["DEVIPC_BROKEN_HOOKS_PIDS"], "a") as pids:
+                print(os.getpid(), file=pids)
+            threading.Event().wait()
+        return super().get_ipc_mem_handle(ptr)
+
+
+class CloseKeepsMapping(OpenRegIpcHooks):
+    """OpenedMemory.close does nothing: every opened allocation stays mapped."""
+
+    def open_ipc_mem_handle(self, handle):
+        opened = super().open_ipc_mem_handle(handle)
+        return OpenedMemory(opened.ptr, opened.size, opened.device, lambda: None)
+
+
+class AlwaysDeviceZero(OpenRegIpcHooks):
+    """Opened memory is said to be on device 0, whichever device holds it."""
+
+    def open_ipc_mem_handle(self, handle):
+        opened = super().open_ipc_mem_handle(handle)
+        return OpenedMemory(opened.ptr, opened.size, torch.device("openreg", 0), opened.close)
+
+
+class SupportsIpcRaises(OpenRegIpcHooks):
+    def supports_ipc(self):
+        raise RuntimeError("the driver is not loaded")
+
+
+BROKEN = {"offset": OffsetOffByOne, "no_event_wait": NoEventWait, "open_hangs": OpenHangs,
+          "worker_share_hangs": WorkerShareHangs, "close_keeps_mapping": CloseKeepsMapping,
+          "always_device_zero": AlwaysDeviceZero, "supports_ipc_raises": SupportsIpcRaises}
 register_ipc_hooks("openreg", BROKEN[os.environ["DEVIPC_BROKEN_HOOKS"]]())

@@ -1,5 +1,6 @@
 """The `devipc` command: doctor (here, and against a peer in another PID namespace), info on a
 live process's stats page, bench with its table, progress and PNG."""
+import contextlib
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import select
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -136,6 +138,107 @@ def test_info_says_why_a_page_cannot_be_read():
     assert _cli.main(["info", "--pid", str(other.pid)]) == 1
 
 
+FORGED_PAGE = """
+import os, sys
+fd = os.memfd_create("devipc-STAT-" + "ab" * 16, os.MFD_CLOEXEC)
+os.write(fd, bytes.fromhex(sys.argv[1]))
+print("ready", flush=True)
+sys.stdin.read()  # until the test lets go
+"""
+
+
+def _page_bytes(body: bytes, length: int | None = None, size: int = 4096) -> bytes:
+    """A stats page as devipc lays it out: an even sequence number, the body's length, the body."""
+    length = len(body) if length is None else length
+    page = (2).to_bytes(8, "little") + length.to_bytes(8, "little") + body
+    return page.ljust(size, b"\0")[:size]
+
+
+FORGED = {
+    "not JSON": _page_bytes(b"not json {"),
+    "a list": _page_bytes(b"[1, 2, 3]"),
+    "missing keys": _page_bytes(b'{"pid": 7}'),
+    "a 20-byte file": _page_bytes(b'{"pid": 7, "started"', length=100, size=20),
+    "bad UTF-8": _page_bytes(b'{"pid": "\xff\xfe", "started": 0, "updated": 0, "stats": null}'),
+    "a number of the wrong type": _page_bytes(
+        b'{"pid": 7, "started": 0, "updated": 0, "stats": {"unopened": 1, '
+        b'"oldest_unopened_s": "old"}}'),
+    "a zero length": _page_bytes(b"", length=0),
+}
+
+
+@contextlib.contextmanager
+def _holding(command: list[str], **popen):
+    """A process started by `command` that prints "ready" once it holds what the test needs, and
+    holds it until the test ends."""
+    proc = subprocess.Popen(command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            **popen)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("kind", FORGED)
+def test_info_refuses_a_forged_page_in_one_line(kind, capsys):
+    """A process of any user can hold a memfd named like a stats page, with any bytes in it."""
+    with _holding([sys.executable, "-c", FORGED_PAGE, FORGED[kind].hex()]) as forger:
+        with pytest.raises(StatsPageError, match=f"process {forger.pid} holds a file named like"):
+            read_page(forger.pid)
+        assert _cli.main(["info", "--pid", str(forger.pid)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"process {forger.pid}" in err, err
+
+
+def test_plain_info_reports_the_others_beside_a_forged_page(capsys):
+    with _holding([sys.executable, "-c", FORGED_PAGE, FORGED["a list"].hex()]) as forger, \
+            _holding([sys.executable, "-c", SENDER], env=fresh_env()) as sender:
+        wait_until(lambda: (read_page(sender.pid)["stats"] or {}).get("unopened") == 3,
+                   "the sender's page shows its sends")
+        assert _cli.main(["info"]) == 1
+    out, err = capsys.readouterr()
+    assert f"pid {sender.pid}: " in out, out
+    bad = [line for line in err.splitlines() if f"process {forger.pid} " in line]
+    assert len(bad) == 1, err
+
+
+FIFO_HOLDER = """
+mount -t tmpfs none "$1" && cd "$1" && mkdir old && mkfifo 'memfd:devipc-STAT-00 (deleted)' &&
+exec 4<>'memfd:devipc-STAT-00 (deleted)' 3<'memfd:devipc-STAT-00 (deleted)' 4>&- &&
+pivot_root . old && echo ready && read _
+"""
+
+
+def test_info_never_blocks_on_a_fifo_named_like_a_page():
+    """An unprivileged user (another user and a mount namespace rooted in a tmpfs) holds a FIFO,
+    with no writer, whose /proc/<pid>/fd link reads as a stats page: opening it would block."""
+    if shutil.which("setpriv") is None or shutil.which("unshare") is None:
+        pytest.skip("setpriv(1) and unshare(1) are needed")
+    mount_point = tempfile.mkdtemp(prefix="devipc-fifo-")
+    os.chmod(mount_point, 0o755)  # reachable by nobody
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "--user",
+               "--map-root-user", "--mount", "sh", "-c", FIFO_HOLDER, "sh", mount_point]
+    holder = subprocess.Popen(command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        if holder.stdout.readline() != "ready\n":
+            pytest.skip(f"no mount namespace for an unprivileged user here: {holder.stderr.read()}")
+        link = os.readlink(f"/proc/{holder.pid}/fd/3")
+        assert link == "/memfd:devipc-STAT-00 (deleted)", link
+        one = run(["info", "--pid", str(holder.pid)])
+        every = run(["info"])
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)
+        os.rmdir(mount_point)
+    assert one.returncode == 1 and "Traceback" not in one.stderr, one.stderr
+    assert one.stderr.count("\n") == 1 and f"process {holder.pid} " in one.stderr, one.stderr
+    assert f"process {holder.pid} " in every.stderr and "Traceback" not in every.stderr, \
+        every.stderr
+
+
 def test_bench_ipc_writes_a_table_a_png_and_shows_progress(tmp_path):
     png = tmp_path / "out.png"
     proc = run(["bench", "ipc", "--max-mib", "1", "--plot", str(png)])
@@ -163,3 +266,36 @@ def test_progress_without_tqdm_prints_one_line_a_step(monkeypatch, capsys):
     progress.step("4 KiB devipc 300 us")
     progress.close()
     assert capsys.readouterr().err == "[1/2] ipc: 4 KiB devipc 300 us\n"
+
+
+BAD_BENCH = {
+    "an unknown device": (["--device", "foo"], "--device foo"),
+    "a device without hooks": (["--device", "meta"], "--device meta"),
+    "a device index that is not here": (["--device", "openreg:5"], "--device openreg:5"),
+    "a size of 0": (["--max-mib", "0"], "--max-mib"),
+    "a negative size": (["p2p", "--max-mib", "-3"], "--max-mib"),
+    "a weight-sync size of 0": (["weight-sync", "--max-mib", "0"], "--max-mib"),
+    "an ipc size beyond its largest": (["ipc", "--max-mib", "1024"], "256 MiB"),
+    "more memory than this host has": (["p2p", "--max-mib", str(1 << 30)], "host memory"),
+    "not a number": (["--max-mib", "lots"], "--max-mib"),
+    "a plot in a missing directory": (["--plot", "/no-such-dir/out.png"], "--plot"),
+    "a plot onto a directory": (["--plot", "/tmp"], "--plot"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BENCH)
+def test_bench_refuses_bad_arguments_before_measuring(case, monkeypatch, capsys):
+    from devipc._bench import ipc, p2p, weight_sync
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a bad argument was measured")
+
+    for module in (ipc, p2p, weight_sync):
+        monkeypatch.setattr(module, "measure", measured)
+    argv, named = BAD_BENCH[case]
+    with pytest.raises(SystemExit) as refused:
+        _cli.main(["bench", *argv])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    error = err.splitlines()[-1]
+    assert error.startswith("devipc bench: error: ") and named in error, err

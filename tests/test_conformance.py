@@ -2,14 +2,16 @@
 deliberately broken hooks (`_broken_hooks.py`, installed in every process of the kit through
 --hooks-module) fail it, the failing check named."""
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 
 import pytest
-from _support import fresh_env
+from _support import SLOWDOWN, fresh_env, process_state, wait_until
 
-KIT_TIMEOUT = 150  # seconds for one whole run of the kit (it takes about 10 here)
+KIT_TIMEOUT = round(75 * SLOWDOWN)  # seconds for one whole run of the kit (about 10 here)
 TESTS = pathlib.Path(__file__).parent
 
 
@@ -96,3 +98,46 @@ def test_a_device_torch_does_not_know_is_refused_before_any_check():
     run = subprocess.run([sys.executable, "-m", "devipc.conformance", "--device", "nodevice"],
                          env=fresh_env(), capture_output=True, text=True, timeout=KIT_TIMEOUT)
     assert run.returncode == 2 and "cannot test nodevice:0" in run.stderr
+
+
+def test_a_check_that_hangs_in_a_dataloader_worker_ends_with_the_worker_killed(tmp_path):
+    """The kit's output is captured (as CI does): the worker it started must not keep it open."""
+    pids = tmp_path / "workers"
+    try:
+        run = kit("--hooks-module", "_broken_hooks", "-k", "mp.dataloader", "--timeout", "5",
+                  DEVIPC_BROKEN_HOOKS="worker_share_hangs", DEVIPC_BROKEN_HOOKS_PIDS=str(pids))
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert table(run.stdout) == {"mp.dataloader": "failed"}
+        workers = [int(pid) for pid in pids.read_text().split()]
+        assert workers
+        wait_until(lambda: all(process_state(pid) in ("", "Z") for pid in workers),
+                   "the hung DataLoader worker is gone")
+    finally:
+        for pid in (int(pid) for pid in pids.read_text().split()) if pids.exists() else ():
+            if process_state(pid) not in ("", "Z"):
+                os.kill(pid, signal.SIGKILL)  # an orphan of the kit under test: ours to end
+
+
+def test_a_consumer_whose_close_never_unmaps_fails_the_release_check():
+    run = kit("--hooks-module", "_broken_hooks", "-k", "lifetime.release",
+              DEVIPC_BROKEN_HOOKS="close_keeps_mapping")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert table(run.stdout) == {"lifetime.release": "failed"}
+    assert "still maps" in run.stdout, run.stdout
+
+
+def test_hooks_that_always_say_device_0_fail_on_index_1():
+    run = kit("--hooks-module", "_broken_hooks", "--index", "1", "-k", "roundtrip.views", "-k",
+              "mp.dataloader", DEVIPC_BROKEN_HOOKS="always_device_zero")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert table(run.stdout)["roundtrip.views"] == "failed"
+    assert "arrived on openreg:0, sent from openreg:1" in run.stdout, run.stdout
+
+
+def test_supports_ipc_that_raises_ends_the_run_at_once_naming_the_exception():
+    run = kit("--hooks-module", "_broken_hooks", DEVIPC_BROKEN_HOOKS="supports_ipc_raises")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "supports_ipc() raised RuntimeError: the driver is not loaded" in run.stderr, \
+        run.stderr
+    assert "no IPC hooks able to share" not in run.stdout + run.stderr
+    assert table(run.stdout) == {}  # no check ran

@@ -7,6 +7,7 @@
 import argparse
 import importlib.metadata
 import json
+import os
 import shlex
 import sys
 import time
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="PNG", help="also draw the results (devipc[plot])")
 
     args = parser.parse_args(argv)
+    if args.command == "bench" and (problem := _bench_problem(args)):
+        bench.error(problem)  # exit 2, before anything is measured
     try:
         return {"doctor": _doctor, "info": _info, "bench": _bench}[args.command](args)
     except KeyboardInterrupt:
@@ -77,7 +80,10 @@ def _info(args: argparse.Namespace) -> int:
             print(f"devipc info: {error}", file=sys.stderr)
             failed += 1
     if not args.pid:
-        pages = find_pages()
+        pages, refused = find_pages()
+        for why in refused.values():
+            print(f"devipc info: {why}", file=sys.stderr)
+        failed = len(refused)
         if not pages and not args.json:
             print("no other devipc process is visible to this user here")
     if args.json:
@@ -126,6 +132,45 @@ def describe(pid: int, page: dict) -> str:
     ]
     return "\n".join([head, *(f"  {name:<21}{value!s:>7}   {what}" for name, value, what in lines
                               if value is not None)])
+
+
+def _bench_problem(args: argparse.Namespace) -> str:
+    """What in the bench's arguments would end in a traceback, or measure something other than
+    asked; "" when nothing."""
+    import torch
+
+    from ._bench import ipc
+    from ._tools import device_types
+
+    which = BENCHMARKS if args.which == "all" else (args.which,)
+    if args.max_mib is not None:
+        if args.max_mib < 1:
+            return f"--max-mib {args.max_mib}: a size is at least 1 (MiB)"
+        if "ipc" in which and args.max_mib << 20 > ipc.SIZES[-1]:
+            return f"--max-mib {args.max_mib}: ipc measures sizes up to {ipc.SIZES[-1] >> 20} MiB"
+        needed = 3 * args.max_mib << 20  # p2p: the device range and two host buffers as large
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if {"p2p", "weight-sync"} & set(which) and needed > host:
+            return (f"--max-mib {args.max_mib}: needs about {needed / 2**30:.1f} GiB of host "
+                    f"memory, this host has {host / 2**30:.1f} GiB")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as error:
+            return f"--device {args.device}: not a device ({str(error).splitlines()[0][:120]})"
+        if device.type not in device_types():
+            return (f"--device {args.device}: {device.type} has no IPC hooks here (devices with "
+                    f"hooks: {', '.join(device_types()) or 'none'})")
+        count = getattr(torch.get_device_module(device.type), "device_count", lambda: 1)()
+        if device.index is not None and device.index >= count:
+            return f"--device {args.device}: {device.type} has {count} device(s) here"
+    if args.plot is not None:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if os.path.isdir(args.plot) or not os.path.isdir(folder) \
+                or not os.access(folder, os.W_OK):
+            return f"--plot {args.plot}: not a file that can be written (a PNG in a folder " \
+                   f"that exists)"
+    return ""
 
 
 def _bench(args: argparse.Namespace) -> int:

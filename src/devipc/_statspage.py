@@ -6,18 +6,23 @@ The collector thread rewrites it (`publish`) at most once a second while it has 
 round that finds none left; a send or an open never touches it. The page dies with the process
 (a memfd has no name in /dev/shm); a forked child makes its own.
 """
+import functools
 import json
 import os
+import re
+import stat
 import threading
 import time
 from collections.abc import Callable
 
 from ._memfd import SharedFile
 
-__all__ = ["LINK_PREFIX", "StatsPageError", "find_pages", "publish", "read_page", "start"]
+__all__ = ["LINK_PREFIX", "BadStatsPageError", "StatsPageError", "find_pages", "publish",
+           "read_page", "start"]
 
 MAGIC = b"STAT"
 LINK_PREFIX = "/memfd:devipc-STAT-"  # how the page reads in /proc/<pid>/fd
+_LINK = re.compile(re.escape(LINK_PREFIX) + r"[0-9a-f]{32} \(deleted\)")
 PAGE_BYTES = 4096
 HEADER = 16  # int64 sequence number (odd while a write is under way), int64 length of the JSON
 INTERVAL = 1.0  # seconds between rewrites while the collector has work
@@ -30,6 +35,11 @@ _started = _written = 0.0
 
 class StatsPageError(LookupError):
     """A process's stats page cannot be read; the message says why and what to do."""
+
+
+class BadStatsPageError(StatsPageError):
+    """A process holds a file named like a stats page that is not one devipc wrote: any process
+    can name a memfd so, or make a FIFO's path read so (in its own mount namespace)."""
 
 
 def start(numbers: Callable[[], dict]) -> None:
@@ -97,33 +107,114 @@ def read_page(pid: int) -> dict:
             f"in its container, or share the namespace (docker run --pid=host)") from None
     except PermissionError:
         raise StatsPageError(_denied(pid, fds)) from None
+    refused = ""
     for name in names:
         try:
-            if not os.readlink(f"{fds}/{name}").startswith(LINK_PREFIX):
+            link = os.readlink(f"{fds}/{name}")
+            if not link.startswith(LINK_PREFIX):
                 continue
-            fd = os.open(f"{fds}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            return _read_candidate(pid, f"{fds}/{name}", link)
         except PermissionError:
             raise StatsPageError(_denied(pid, fds)) from None
         except OSError:
-            continue  # closed meanwhile
-        try:
-            return _parse(fd, pid)
-        finally:
-            os.close(fd)
+            continue  # closed meanwhile, or the process exited
+        except BadStatsPageError as error:
+            refused = str(error)  # another fd may still be the genuine page
+    if refused:
+        raise BadStatsPageError(refused)
     raise StatsPageError(f"process {pid} has no devipc stats page: it has not imported devipc "
                          f"(or a devipc older than its stats pages)")
 
 
-def _parse(fd: int, pid: int) -> dict:
+def _read_candidate(pid: int, path: str, link: str) -> dict:
+    """The page behind `path`, once it is known to be a memfd of a page's size: never opens what
+    could block (a FIFO, a file of a FUSE mount), never trusts the bytes."""
+    def bad(why: str) -> BadStatsPageError:
+        return BadStatsPageError(f"process {pid} holds a file named like a devipc stats page "
+                                 f"that cannot be read as one ({why}): a forged page, or one "
+                                 f"of another devipc version")
+
+    if not _LINK.fullmatch(link):
+        raise bad(f"{link!r} is not a page's name")
+    if _mount_id(path.replace("/fd/", "/fdinfo/")) != _memfd_identity()[1]:
+        raise bad("not a memfd")  # asked of /proc alone: nothing of the file's own is run
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        found = os.fstat(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") != link:
+            raise FileNotFoundError  # the fd number was reused meanwhile
+        if not stat.S_ISREG(found.st_mode) or found.st_dev != _memfd_identity()[0]:
+            raise bad("not a memfd")
+        if found.st_size != PAGE_BYTES:
+            raise bad(f"{found.st_size} bytes, a page has {PAGE_BYTES}")
+        page, why = _parse(fd)
+    finally:
+        os.close(fd)
+    if why:
+        raise bad(why)
+    return page
+
+
+@functools.cache
+def _memfd_identity() -> tuple[int, int]:
+    """(st_dev, mount id) that every memfd has: all are files of one kernel-internal mount."""
+    try:
+        probe = os.memfd_create("devipc-probe", os.MFD_CLOEXEC)
+    except OSError as error:
+        raise StatsPageError(f"no memfd here ({error.strerror}): no devipc process here has a "
+                             f"stats page; `devipc doctor` says what to fix") from None
+    try:
+        return os.fstat(probe).st_dev, _mount_id(f"/proc/self/fdinfo/{probe}")
+    finally:
+        os.close(probe)
+
+
+def _mount_id(fdinfo: str) -> int:
+    with open(fdinfo) as lines:
+        for line in lines:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _parse(fd: int) -> tuple[dict, str]:
+    """The page's JSON, or why the bytes are not a page."""
     for _ in range(1000):  # a write takes microseconds: retry while one is under way
         data = os.pread(fd, PAGE_BYTES, 0)
         sequence = int.from_bytes(data[:8], "little")
         length = int.from_bytes(data[8:16], "little")
-        if sequence % 2 == 0 and int.from_bytes(os.pread(fd, 8, 0), "little") == sequence \
-                and 0 < length <= PAGE_BYTES - HEADER:
-            return json.loads(data[HEADER:HEADER + length])
+        if sequence % 2 == 0 and int.from_bytes(os.pread(fd, 8, 0), "little") == sequence:
+            if not 0 < length <= PAGE_BYTES - HEADER:
+                return {}, f"a length of {length} bytes"
+            try:
+                page = json.loads(data[HEADER:HEADER + length].decode())
+            except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, absurd nesting
+                return {}, f"no JSON: {str(error)[:80]}"
+            return page, _shape_error(page)
         time.sleep(0.001)
-    raise StatsPageError(f"the stats page of process {pid} kept changing while read; try again")
+    return {}, "it kept changing while read; try again"
+
+
+def _shape_error(page: object) -> str:
+    """What in a parsed page is not as devipc writes it, or ""."""
+    if not isinstance(page, dict):
+        return f"a JSON {type(page).__name__}, not an object"
+    for key, kind in (("pid", int), ("started", (int, float)), ("updated", (int, float))):
+        if not isinstance(page.get(key), kind):
+            return f"no number {key!r}"
+    if "stats" not in page:
+        return "no 'stats'"
+    stats = page["stats"]
+    if stats is None:
+        return ""
+    if not isinstance(stats, dict):
+        return "'stats' is not an object"
+    if set(stats) == {"error"} and isinstance(stats["error"], str):
+        return ""
+    for key, value in stats.items():
+        if not isinstance(value, (int, float)):
+            return f"stats {key!r} is not a number"
+    return ""
 
 
 def _denied(pid: int, path: str) -> str:
@@ -146,13 +237,16 @@ def _uid_of(pid: int) -> int | None:
     return None
 
 
-def find_pages() -> dict[int, dict]:
-    """{pid: page} of every other process with a stats page that this one can read."""
-    found = {}
+def find_pages() -> tuple[dict[int, dict], dict[int, str]]:
+    """({pid: page} of every other process with a stats page that this one can read, {pid: why}
+    of those holding a file named like a page that is not one)."""
+    found, refused = {}, {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             try:
                 found[int(entry)] = read_page(int(entry))
-            except (StatsPageError, OSError, ValueError):
+            except BadStatsPageError as error:
+                refused[int(entry)] = str(error)
+            except (StatsPageError, OSError):
                 pass  # not ours to read, gone, or no devipc in it
-    return found
+    return found, refused

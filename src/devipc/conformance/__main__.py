@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from . import _device
-    from ._runner import describe
+    from ._runner import CannotStart, describe, preflight
     try:
         _device.load(args.hooks_module)
         device = torch.device(args.device, args.index)
@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.index < count:
         print(f"{args.device} has {count} devices here, no index {args.index}", file=sys.stderr)
+        return 2
+    try:
+        preflight(device)
+    except CannotStart as error:
+        print(f"cannot test {device}: {error}", file=sys.stderr)
         return 2
     start = time.monotonic()
     if not args.json:

@@ -22,6 +22,7 @@ class Kit:
     modules: list[str]
     peers: Peers
     hung: bool = field(default=False)
+    spared: set[int] = field(default_factory=set)  # processes the kit did not start
 
     @property
     def target(self) -> str:

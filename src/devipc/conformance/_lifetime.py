@@ -47,14 +47,23 @@ def release(kit: Kit) -> str:
     baseline = Baseline(kit)
     tensor = torch.ones(NBYTES // 4, device=kit.device)
     peer.call("hold", "released", tensor)
+    mapped = peer.call("mapped_file", "released")
     del tensor
     devipc.ipc_collect()
     baseline.still_held()
     after = peer.call("drop", "released", kit.target)
     expect(after["mapped"] == 0, f"the peer still maps {after['mapped']} allocations")
+    if mapped is not None:  # the mapping count of the received file goes back: close unmapped
+        file, count = mapped
+        kit.wait_for(lambda: peer.call("mapping_count", file) < count,
+                     "the peer still maps the received memory after devipc closed it "
+                     "(OpenedMemory.close must unmap it: else every long-lived consumer leaks)")
     baseline.back("the consumer released it")
-    return "1 MiB" + ("" if baseline.memory is not None else
-                      "; the device module has no memory_allocated: devipc's counts only")
+    notes = [] if mapped is not None else ["the memory is in no file mapping of the peer: its "
+                                           "unmapping is not seen"]
+    if baseline.memory is None:
+        notes.append("the device module has no memory_allocated: devipc's counts only")
+    return "; ".join(["1 MiB", *notes])
 
 
 @check("lifetime.dead_consumer",

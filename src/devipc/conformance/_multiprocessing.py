@@ -40,7 +40,7 @@ def dataloader(kit: Kit) -> str:
         multiprocessing_context="spawn", timeout=TIMEOUT,
         worker_init_fn=functools.partial(_tasks.start_worker, kit.modules))
     batches = list(loader)
-    expect([batch.device.type for batch in batches] == [kit.device.type] * 4,
+    expect([batch.device for batch in batches] == [kit.device] * 4,
            f"batches arrived on {[str(batch.device) for batch in batches]}")
     column = torch.cat([batch.cpu() for batch in batches])[:, 0]
     expect(torch.equal(column, torch.arange(8.0)), f"batches hold {column.tolist()}")

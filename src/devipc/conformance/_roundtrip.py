@@ -22,7 +22,7 @@ def compare(name: str, sent: torch.Tensor, got: dict) -> None:
 def same_values(name: str, sent: torch.Tensor, got: dict) -> None:
     """`got` holds `sent`'s values, dtype and shape, in memory received on the same device."""
     expect(got["received"], f"{name}: not in memory received through devipc (a copy?)")
-    expect(torch.device(got["device"]).type == sent.device.type,
+    expect(got["device"] == str(sent.device),  # the peer sees the devices the kit sees
            f"{name}: arrived on {got['device']}, sent from {sent.device}")
     for field, value in (("dtype", sent.dtype), ("shape", tuple(sent.shape))):
         expect(got[field] == value, f"{name}: {field} {got[field]}, sent {value}")
@@ -58,6 +58,8 @@ def views(kit: Kit) -> str:
     back = kit.peer().call("views_back", kit.target)
     for name, tensor in views_of(back["base"]).items():
         got = back["views"][name]
+        expect(got.device == kit.device, f"from the peer, {name}: arrived on {got.device}, "
+               f"made on {kit.device}")
         expect(got.untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr(),
                f"from the peer, {name}: not a view of the received storage")
         expect(torch.equal(got.cpu(), tensor.cpu()), f"from the peer, {name}: values differ")

@@ -2,6 +2,8 @@
 hangs fails by timeout (its peers are killed) and the kit goes on."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import traceback
@@ -49,6 +51,7 @@ def run_one(check: Check, kit: Kit, timeout: float) -> Result:
     thread.join(timeout)
     if thread.is_alive():
         kit.hung = True
+        kill_started(kit.spared)  # peers and what they or the check started (DataLoader workers)
         kit.peers.kill_all()  # whatever it waits on in a peer ends now
         status, detail = "failed", f"did not finish within {timeout:g} s (hung)"
     else:
@@ -66,12 +69,75 @@ def forget(kit: Kit) -> None:
         pass  # it was killed; the next check gets a new one
 
 
+def descendants(spared: set[int]) -> list[int]:
+    """This process's children, theirs and so on, less `spared` and theirs."""
+    parents: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                line = stat.read()
+        except OSError:
+            continue  # gone
+        parent = int(line[line.rfind(b")") + 2:].split()[1])
+        parents.setdefault(parent, []).append(int(entry))
+    found, unvisited = [], list(parents.get(os.getpid(), []))
+    while unvisited:
+        pid = unvisited.pop()
+        if pid not in spared:
+            found.append(pid)
+            unvisited += parents.get(pid, [])
+    return found
+
+
+def kill_started(spared: set[int]) -> None:
+    """SIGKILL every process the kit started, found before any dies (an orphan is no longer
+    found): an orphan would hold the device's memory and the kit's stdout, and a caller that
+    captures the output would wait for ever. multiprocessing's resource tracker is spared: it
+    unlinks the kit's semaphores when the kit exits."""
+    for pid in descendants(spared):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"multiprocessing.resource_tracker" in cmdline.read():
+                    continue
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone meanwhile
+
+
+class CannotStart(Exception):
+    """The device cannot be tested at all: the message says why; no check would tell more."""
+
+
+def preflight(device: torch.device) -> None:
+    """Fail at once where every check would wait out its timeouts: no hooks, or hooks whose
+    supports_ipc() raises or says no (devipc then refuses every send)."""
+    import devipc
+
+    hooks = devipc.get_ipc_hooks(device.type)
+    if hooks is None:
+        raise CannotStart(f"no IPC hooks are registered for {device.type!r} (is its hooks "
+                          f"package installed? --hooks-module imports it)")
+    try:
+        answer = hooks.supports_ipc()
+    except Exception as error:
+        raise CannotStart(f"its hooks' supports_ipc() raised {type(error).__name__}: {error}; "
+                          f"it must answer True or False, and never raise") from None
+    if answer is not True:
+        raise CannotStart(f"its hooks' supports_ipc() answers {answer!r}: devipc shares "
+                          f"nothing of the device unless it answers True")
+
+
 class Session:
-    """The peers and the device of one run; checks run one at a time; `close` ends the peers."""
+    """The peers and the device of one run; checks run one at a time; `close` ends the peers.
+    CannotStart before any peer starts when the device cannot be tested at all."""
 
     def __init__(self, device: torch.device, modules: list[str], fresh: int = 0):
         _device.load(modules)
-        self.kit = Kit(device, modules, Peers(modules, fresh))
+        preflight(device)
+        if device.index is None:  # as the peers will name it: with its index
+            device = torch.device(device.type, _device.module_of(device).current_device())
+        spared = set(descendants(set()))  # the caller's own children (pytest's, say)
+        self.kit = Kit(device, modules, Peers(modules, fresh), spared=spared)
 
     def run(self, check: Check, timeout: float = CHECK_TIMEOUT) -> Result:
         return run_one(check, self.kit, timeout)

@@ -77,6 +77,32 @@ def add_to_held(key: str, value: float) -> str:
     return "added"
 
 
+def mapped_file(key: str) -> tuple[tuple[str, int], int] | None:
+    """The file (device and inode in /proc/self/maps) whose mapping holds the memory of the
+    tensor `key` holds, and how many mappings of it this process has; None where the memory is
+    in no file's mapping (anonymous, or device memory outside the process's maps)."""
+    address = held[key].data_ptr()
+    for start, end, file in _mappings():
+        if start <= address < end:
+            return None if file[1] == 0 else (file, mapping_count(file))
+    return None
+
+
+def mapping_count(file: tuple[str, int]) -> int:
+    return sum(found == tuple(file) for _, _, found in _mappings())
+
+
+def _mappings() -> list[tuple[int, int, tuple[str, int]]]:
+    """(start, end, (device, inode)) of each mapping of this process."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, _, _, device, inode = line.split()[:5]
+            start, end = (int(part, 16) for part in span.split("-"))
+            found.append((start, end, (device, int(inode))))
+    return found
+
+
 def drop(key: str, device: str) -> dict:
     """Let go of what `key` holds, and wait until devipc released it; devipc's stats after."""
     held.pop(key, None)
