@@ -298,8 +298,7 @@ class WeightSubscriber:
                                  f"{tuple(target.shape)}, the published one {weights.dtype} "
                                  f"{tuple(weights.shape)}")
             pairs.append((target, weights))
-        with self._turns:
-            copy_pairs(pairs)
+        copy_pairs(pairs)
 
     def ack(self) -> None:
         """Done with the held generation (its device work included): the publisher may go on."""
