@@ -282,3 +282,169 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
         late.ack()
         publisher.wait_acks(1, timeout=TIMEOUT)
         late.close()
+
+
+def _rewritten(token: bytes, nbytes: int | None = None, data=None) -> bytes:
+    """The token with its buffer size replaced (`nbytes`) or each weights descriptor passed
+    through `data`: the bytes a damaged (or forged) token carries."""
+    from devipc import _wire
+    from devipc._table import Table
+
+    limit = 1 << 20
+    reader = _wire.Reader(token, (_wire.WEIGHTS,))
+    writer = _wire.Writer(_wire.WEIGHTS).bytes(reader.bytes("metadata", limit), limit)
+    writer.device(reader.device())
+    size = reader.int("buffer size")
+    writer.int(size if nbytes is None else nbytes).int(reader.int("serial"))
+    for _ in range(5):
+        writer.bytes(reader.bytes("control", limit), limit)
+    buffers = reader.int("buffers")
+    writer.int(buffers)
+    for _ in range(buffers):
+        desc = reader.bytes("weights", limit)
+        writer.bytes(desc if data is None else data(desc), limit)
+    Table.read(reader, size).write(writer)
+    reader.end()
+    return writer.done()
+
+
+def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
+        loopback, monkeypatch):
+    """Issue 27, defect 6: sizes that disagree with the weights descriptor the token carries,
+    and damaged descriptors, are refused before the subscriber allocates or claims anything."""
+    from devipc import p2p
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        token = publisher.token()
+        flips = [lambda d, at=at: d[:at] + bytes([d[at] ^ 0x41]) + d[at + 1:]
+                 for at in (12, 40, 90, -40, -3)]  # descriptor fields, its NIXL part, digest
+        forged = [_rewritten(token, nbytes=1 << 60), _rewritten(token, nbytes=4 << 30)]
+        forged += [_rewritten(token, data=flip) for flip in flips]
+        made = []
+        create = p2p.create_tensor
+        monkeypatch.setattr(p2p, "create_tensor", lambda *a: made.append(a) or create(*a))
+        for bad in forged:
+            with pytest.raises(devipc.InvalidHandleError):
+                devipc.WeightSubscriber(bad)
+            assert made == [], "a refused token allocated memory"
+        monkeypatch.undo()
+        with devipc.WeightSubscriber(token) as subscriber:  # the genuine token still opens
+            publisher.publish(wait=False)
+            assert subscriber.wait(timeout=TIMEOUT) == 0
+            subscriber.copy_into(_workers.TinyGPT())
+            subscriber.ack()
+            publisher.wait_acks(0, timeout=TIMEOUT)
+
+
+def test_publishes_from_two_threads_take_turns(loopback):
+    """Issue 27, defect 7: each publish makes its own generation."""
+    import threading
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        got: list[int] = []
+        start = threading.Barrier(2)
+
+        def publish():
+            start.wait(TIMEOUT)
+            got.extend(publisher.publish(timeout=TIMEOUT) for _ in range(150))
+
+        threads = [threading.Thread(target=publish) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        assert sorted(got) == list(range(300)) and publisher.generation == 299
+
+
+def _in_other_thread(call):
+    """Runs `call()` in a thread; a function that returns what it raised (or None), joined."""
+    import threading
+
+    raised: list = []
+
+    def run():
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 - the test looks at it
+            raised.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+
+    def outcome(timeout=TIMEOUT):
+        thread.join(timeout)
+        assert not thread.is_alive(), f"the other thread still waits after {timeout} s"
+        return raised[0] if raised else None
+
+    return outcome
+
+
+def test_closing_a_publisher_ends_another_threads_wait_with_a_clear_error(loopback):
+    """Issue 27, defect 7: never a released-memoryview error, the memory going under the wait."""
+    from _support import wait_until
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    publisher = devipc.WeightPublisher(model, transport="nixl")
+    subscriber = devipc.WeightSubscriber(publisher.token())  # attached, never acknowledging
+    try:
+        publisher.wait_subscribers(1, timeout=TIMEOUT)
+        outcome = _in_other_thread(lambda: publisher.publish(timeout=TIMEOUT))
+        wait_until(lambda: publisher.generation == 0, "the publish reached its wait for acks")
+        publisher.close()
+        error = outcome()
+        assert isinstance(error, ValueError) and "WeightPublisher" in str(error), error
+        with pytest.raises(ValueError, match="WeightPublisher is closed"):
+            publisher.publish()
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_closing_a_subscriber_ends_another_threads_wait_with_a_clear_error(loopback):
+    """Issue 27, defect 7: the wait raises ValueError at once, never an OSError or a NIXL
+    error about the connection it used."""
+    import time
+
+    from _support import wait_until
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        subscriber = devipc.WeightSubscriber(publisher.token())
+        polls = []
+        poll = subscriber._poll
+        subscriber._poll = lambda: polls.append(1) or poll()
+        outcome = _in_other_thread(lambda: subscriber.wait(timeout=TIMEOUT))
+        wait_until(lambda: len(polls) > 1, "the other thread waits for a generation")
+        closing = time.monotonic()
+        subscriber.close()
+        error = outcome()
+        took = time.monotonic() - closing
+        assert isinstance(error, ValueError) and "WeightSubscriber" in str(error), error
+        assert took < TIMEOUT / 60, f"the wait ended {took:.2f} s after close()"
+        with pytest.raises(ValueError, match="WeightSubscriber is closed"):
+            subscriber.wait(timeout=TIMEOUT)
+
+
+def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loopback,
+                                                                              children):
+    """Issue 27, defect 9: Ctrl-C during wait() of a large generation (in flight: sent by the
+    pull's post), in a spawned child so that a crash fails the test."""
+    import _publisher_nixl_workers
+
+    proc, conn = children.start_piped(_publisher_nixl_workers.interrupted_pull, 256 << 20)
+    try:
+        got = recv(conn, 2 * TIMEOUT)
+    except EOFError:  # it crashed before it could answer
+        got = None
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 0, f"the child exited with {proc.exitcode}"
+    assert got["latency"] is not None, "Ctrl-C did not interrupt the wait"
+    assert got["latency"] < got["pull"] / 4, got  # not once the pull ended
+    assert got["refused"], "tensors() handed out memory an interrupted pull may still write"
+    assert got["generation"] == 1 and got["whole"], got

@@ -20,17 +20,24 @@ one-sided NIXL writes. The publisher waits by looking at its own memory; a subsc
 heartbeat stood still for LIVENESS seconds is dead: named once (ConsumerDiedError), then dropped.
 A subscriber that attached while the trainer may be writing (copy=False) is not waited for the
 published generation, which it cannot get: its first is the next one.
+
+A token is checked whole (every descriptor decoded, its sizes against the weights descriptors it
+carries, all of one publisher) before a subscriber allocates or claims anything: a refused token
+leaves the genuine one openable. Both objects are thread-safe as on one host: publishes take
+turns, and close() from another thread ends the waits under way there with ValueError.
 """
 import itertools
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import torch
 
 from . import _handles, _wire, p2p
+from ._arena import _call, _Calls
 from ._backoff import Backoff
 from ._errors import (
     AckTimeoutError,
@@ -43,8 +50,12 @@ from ._errors import (
 )
 from ._publisher import ACK_TIMEOUT, WeightPublisher, WeightSubscriber, named_weights
 from ._table import ALIGNMENT, Table
+from .p2p._descriptor import Descriptor, Metadata
+from .p2p._nixl import Remote, agent_metadata_from_bytes
 
 __all__ = ["NixlWeightPublisher", "NixlWeightSubscriber"]
+
+_T = TypeVar("_T")
 
 MAX_SUBSCRIBERS = 64
 HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
@@ -52,6 +63,7 @@ LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts 
 _WAY_IN_BYTES = 1 << 20  # the endpoint metadata field of a token (as `_publisher` reads it)
 _JOIN = 5.0  # seconds a closing subscriber waits for its heartbeat thread
 _DESCRIPTOR_BYTES = 1 << 20
+_SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
 _PUBLISHED, _FILLING = 0, 1
 _HEADER = 2  # words
 _STATE, _PID, _SERIAL, _ACK, _BEAT = range(5)
@@ -70,7 +82,11 @@ def _word(index: int, field: int) -> int:
 
 
 class NixlWeightPublisher(WeightPublisher):
-    """A WeightPublisher whose subscribers may be on other hosts (`transport="nixl"`)."""
+    """A WeightPublisher whose subscribers may be on other hosts (`transport="nixl"`).
+
+    Thread-safe: publishes (and tokens) from several threads take turns, each publish its own
+    generation; `close()` from another thread ends a `publish`, `wait_acks` or
+    `wait_subscribers` under way there with ValueError, and the memory goes once they left."""
 
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
                  copy: bool = False, transport: str = "nixl"):
@@ -88,6 +104,8 @@ class NixlWeightPublisher(WeightPublisher):
             self._nbytes, self._buffers = self._storage.nbytes(), 1
         self.device = self._storage.device
         self.generation = -1
+        self._calls = _Calls("WeightPublisher")
+        self._turns = threading.Lock()  # one publish or token at a time
         self._serials = itertools.count(1)
         self._beats: dict[int, tuple[int, int, float]] = {}  # record -> (serial, beat, seen at)
         self._adopted: dict[int, int] = {}  # record -> serial of the subscriber seen attached
@@ -115,10 +133,14 @@ class NixlWeightPublisher(WeightPublisher):
     def _control(self, word: int, count: int) -> bytes:
         return self._endpoint.advertise(self._ids[0], 8 * word, 8 * count)
 
+    @_call
     def token(self) -> bytes:
         """One subscriber's way in, on this host or another: open it once with
         `WeightSubscriber`. A token nobody opens keeps its record until the publisher closes."""
-        self._check_open()
+        with self._turns:
+            return self._token()
+
+    def _token(self) -> bytes:
         words = self._words.tolist()
         # a record of a dead subscriber last: one that was only frozen may still write into it
         free = sorted((i for i in range(MAX_SUBSCRIBERS)
@@ -143,28 +165,29 @@ class NixlWeightPublisher(WeightPublisher):
         self._table.write(writer)
         return writer.done()
 
+    @_call
     def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
         """As for one host: the new generation is visible once the device work that wrote it is
         done; `wait` waits for every live subscriber's acknowledgement."""
-        self._check_open()
-        generation = self.generation + 1
-        self._wait(generation - self._buffers, ACK_TIMEOUT if timeout is None else timeout)
-        if self.copy:
-            assert self._storage is not None
-            self._words[_FILLING] = generation  # subscribers reading that buffer drop the pull
-            self._fill(self._storage, (generation % 2) * self._nbytes)
-        torch.get_device_module(self.device).synchronize(self.device)
-        self.generation = generation
-        self._words[_PUBLISHED] = generation
+        with self._turns:
+            generation = self.generation + 1
+            self._wait(generation - self._buffers, ACK_TIMEOUT if timeout is None else timeout)
+            if self.copy:
+                assert self._storage is not None
+                self._words[_FILLING] = generation  # subscribers reading it drop the pull
+                self._fill(self._storage, (generation % 2) * self._nbytes)
+            torch.get_device_module(self.device).synchronize(self.device)
+            self.generation = generation
+            self._words[_PUBLISHED] = generation
         if wait:
             self.wait_acks(generation, timeout)
         return generation
 
+    @_call
     def wait_acks(self, generation: int, timeout: float | None = None) -> None:
         """As for one host; dead subscribers are those whose heartbeat stood still for
         LIVENESS seconds. With copy=False, once the newest generation is acknowledged the
         trainer may write: a subscriber still pulling it then pulls again."""
-        self._check_open()
         self._wait(generation, timeout)
         if not self.copy and generation == self.generation:
             self._words[_FILLING] = generation + 1
@@ -172,6 +195,7 @@ class NixlWeightPublisher(WeightPublisher):
     def _wait(self, generation: int, timeout: float | None) -> None:
         backoff = Backoff(timeout, first=0.00005, longest=0.001)
         while True:
+            self._calls.check()
             words, now = self._adopt(), time.monotonic()
             waiting = [i for i in range(MAX_SUBSCRIBERS)
                        if words[_word(i, _STATE)] == ATTACHED
@@ -214,11 +238,12 @@ class NixlWeightPublisher(WeightPublisher):
             return False
         return now - seen[2] > LIVENESS
 
+    @_call
     def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
         """Return once `count` subscribers opened their tokens; TimeoutError after `timeout`."""
         backoff = Backoff(timeout, first=0.0001, longest=0.01)
         while True:
-            self._check_open()
+            self._calls.check()
             words, now = self._words.tolist(), time.monotonic()
             attached = sum(words[_word(i, _STATE)] == ATTACHED and not self._silent(i, words, now)
                            for i in range(MAX_SUBSCRIBERS))
@@ -235,16 +260,11 @@ class NixlWeightPublisher(WeightPublisher):
                     "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
                 for i in range(MAX_SUBSCRIBERS) if (state := words[_word(i, _STATE)]) != FREE}
 
-    def _check_open(self) -> None:
-        if self._storage is None:
-            raise ValueError("this publisher is closed")
-
     def close(self) -> None:
-        """The registrations and the endpoint go: subscribers' next reads fail (PeerGoneError,
-        saying so). Idempotent."""
-        if self._storage is None:
-            return
-        self._release()
+        """The registrations and the endpoint go (once calls under way in other threads left):
+        subscribers' next reads fail (PeerGoneError, saying so). Idempotent."""
+        if self._calls.close():
+            self._calls.release(self._release)
 
     def _release(self) -> None:
         self._let_go()
@@ -255,7 +275,10 @@ class NixlWeightPublisher(WeightPublisher):
 
 class NixlWeightSubscriber(WeightSubscriber):
     """A WeightSubscriber of a `transport="nixl"` publisher: each generation is pulled into this
-    process's memory, so `tensors()` stay valid until the next `wait()`, not only until `ack()`."""
+    process's memory, so `tensors()` stay valid until the next `wait()`, not only until `ack()`.
+
+    Thread-safe: its calls from several threads take turns; `close()` from another thread ends a
+    `wait` under way there with ValueError (within a poll, or once the pull under way ended)."""
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
@@ -271,8 +294,13 @@ class NixlWeightSubscriber(WeightSubscriber):
                       for _ in range(self._buffers)]
         self._table = Table.read(reader, nbytes)
         reader.end()
+        _check_descriptors(metadata, zip((header, record, claim, ack, beat, *self._data), (
+            8 * _HEADER, 8 * _FIELDS, 16, 8, 8, *[nbytes] * self._buffers)))
         self.device = torch.device(publisher_device if device is None else device)
         self.generation = -1
+        self._calls = _Calls("WeightSubscriber")
+        self._turns = threading.Lock()
+        self._torn = False  # a pull into `_local` started and did not end (Ctrl-C)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._header, self._record, self._claim, self._ack = header, record, claim, ack
         self._ids: list[int] = []
@@ -303,10 +331,10 @@ class NixlWeightSubscriber(WeightSubscriber):
             raise
 
     @staticmethod
-    def _remote(transfer: Callable[[], None]) -> None:
+    def _remote(transfer: Callable[[], _T]) -> _T:
         """One NIXL transfer, its failures said as the publisher's state."""
         try:
-            transfer()
+            return transfer()
         except RemoteTensorFreedError:
             raise PeerGoneError("the weight publisher closed: nothing more will be published "
                                 "(ask a new publisher for a token)") from None
@@ -329,16 +357,38 @@ class NixlWeightSubscriber(WeightSubscriber):
         return published, filling, state
 
     def _pull(self, data: bytes) -> None:
-        self._remote(lambda: self._connection.read(self._local, data))
+        """One NIXL read of a generation into `_local`, waited for in slices (another thread's
+        close() ends the wait). A pull cut short (Ctrl-C) may still write into its memory: the
+        next one goes into new memory, the old one going once NIXL is done with it."""
+        if self._torn:
+            p2p.deregister(self._ids.pop())  # the local buffer's registration is the last
+            self._views.clear()
+            self._local, local_id = p2p.create_tensor(self._local.shape, torch.uint8,
+                                                      self.device)
+            self._ids.append(local_id)
+        self._torn = True
+        transfer = self._remote(lambda: self._connection.read_async(self._local, data))
+        while True:
+            try:
+                self._remote(lambda: transfer.wait(_SLICE))
+                break
+            except TimeoutError:
+                self._calls.check()
+        self._torn = False
 
+    @_call
     def wait(self, timeout: float | None = None) -> int:
         """Block until a generation newer than the one held is published, and pull it (one
         NIXL read of the whole range); returns it. Polls with a backoff (0.1 ms up to 2 ms).
         PeerGoneError if the publisher closed, exited or dropped this subscriber (its heartbeat
         stopped for LIVENESS seconds); TimeoutError after `timeout`."""
-        self._check_open()
+        with self._turns:
+            return self._wait(timeout)
+
+    def _wait(self, timeout: float | None) -> int:
         backoff = Backoff(timeout, first=0.0001, longest=0.002)
         while True:
+            self._calls.check()
             published, filling, state = self._poll()
             if state != ATTACHED:
                 raise PeerGoneError(f"the weight publisher dropped this subscriber (its "
@@ -354,34 +404,36 @@ class NixlWeightSubscriber(WeightSubscriber):
                                    f"{published})")
             backoff.pause()
 
+    @_call
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held generation's tensors by name, in this process's memory: valid until the next
         `wait()` overwrites them."""
         if self.generation < 0:
             raise ValueError("no generation yet: wait() first")
-        self._check_open()
+        if self._torn:
+            raise ValueError("the last wait() was cut short while it pulled a generation into "
+                             "this memory: wait() again")
         views = self._views.get(0)
         if views is None:
             views = self._views[0] = self._table.views(self._local.untyped_storage())
         return views
 
+    @_call
     def ack(self) -> None:
         """Done with the held generation: written into this subscriber's record."""
         if self.generation < 0:
             raise ValueError("no generation to acknowledge: wait() first")
-        self._check_open()
-        self._words[_ACKED] = self.generation
-        self._remote(lambda: self._connection.write(self._words[_ACKED], self._ack))
-
-    def _check_open(self) -> None:
-        if self._stop.is_set():
-            raise ValueError("this weight subscriber is closed")
+        with self._turns:
+            self._words[_ACKED] = self.generation
+            self._remote(lambda: self._connection.write(self._words[_ACKED], self._ack))
 
     def close(self) -> None:
         """Unsubscribe (the publisher stops waiting for this engine), end the endpoint and the
-        registrations. Idempotent."""
-        if self._stop.is_set():
-            return
+        registrations, once calls under way in other threads left. Idempotent."""
+        if self._calls.close():
+            self._calls.release(self._unsubscribe)
+
+    def _unsubscribe(self) -> None:
         self._stop.set()
         self._words[_CLAIM][0] = CLOSED
         try:
@@ -410,6 +462,27 @@ def _let_go(endpoints: list[p2p.Endpoint], ids: list[int], stop: threading.Event
     ids.clear()
     for endpoint in endpoints:
         endpoint.close()
+
+
+def _check_descriptors(metadata: bytes, expected: Iterable[tuple[bytes, int]]) -> None:
+    """A token's descriptors (with `expected` sizes) decoded, NIXL parts' digests checked, all
+    of the publisher whose endpoint it names: InvalidHandleError before anything is allocated or
+    claimed, so that the genuine token still opens."""
+    meta = Metadata.from_bytes(metadata)
+    if meta.transport != "nixl":
+        raise InvalidHandleError(f"a weight token across hosts names a NIXL endpoint, not a "
+                                 f"{meta.transport!r} one")
+    agent, _ = agent_metadata_from_bytes(meta.extra)
+    for data, nbytes in expected:
+        desc = Descriptor.from_bytes(data)
+        remote = Remote.from_bytes(desc.extra)
+        if desc.page != meta.page or remote.agent != agent:
+            raise InvalidHandleError("a descriptor of this weight token is of another process "
+                                     "than its publisher: the token is damaged")
+        if desc.nbytes != nbytes or remote.nbytes != nbytes:
+            raise InvalidHandleError(f"this weight token is damaged: a descriptor of "
+                                     f"{desc.nbytes} bytes ({remote.nbytes} for NIXL) where "
+                                     f"the token says {nbytes}")
 
 
 def _connect(endpoints: list[p2p.Endpoint], metadata: bytes) -> p2p.Connection:

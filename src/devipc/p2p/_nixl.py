@@ -18,15 +18,23 @@ NIXL parses its metadata blobs itself and can crash on damaged ones, so every NI
 sends ends with a digest, checked before NIXL sees anything: damaged bytes are InvalidHandleError.
 (Bytes forged with a matching digest still reach NIXL's parser: peers are trusted, as in NIXL.)
 
+UCX reads and writes a transfer's local memory until its request completed, whatever the caller
+dropped meanwhile (a transfer after its wait timed out, a read cut short by Ctrl-C), and a
+cancelled RMA request may still be written into: so a request is never cancelled, and what it
+uses (the local tensors, registrations made for it, the handles) is let go of only once NIXL says
+it ended; requests nobody waits for any more are polled by a background thread until then.
+
 NIXL is imported on first use: `import devipc.p2p` works without it.
 """
 import bisect
+import collections
 import ctypes
 import hashlib
 import hmac
 import importlib
 import logging
 import struct
+import sys
 import threading
 import types
 from collections.abc import Iterable, Sequence
@@ -36,6 +44,7 @@ from typing import Any
 import torch
 
 from .. import _wire
+from .._background import Background
 from .._backoff import Backoff
 from .._errors import (
     DevIpcError,
@@ -61,6 +70,7 @@ _DECODED_MAX = 1 << 16
 PROGRESS_DELAY_US = 100
 _api: types.ModuleType | None = None
 _agent_lock = threading.Lock()
+_log = logging.getLogger("devipc")
 
 
 def load_nixl() -> types.ModuleType:
@@ -225,6 +235,89 @@ class _Local:
         self.dlist, self.partial = dlist, partial
 
 
+class _Pending:
+    """Posted NIXL requests (`handles`, their `states`) and what must live until NIXL is done with
+    every one of them: what `release` lets go of."""
+
+    __slots__ = ("handles", "states", "owned", "dlists", "temps", "keep")
+
+    def __init__(self, owned: Sequence[object] = (), keep: object = None):
+        self.handles: list = []
+        self.states: list[str] = []
+        self.owned = list(owned)  # handles released with it
+        self.dlists: list = []  # prepared descriptor lists released with it
+        self.temps: list[_Local] = []  # registrations made for it
+        self.keep = keep  # the local tensors
+
+    def post(self, transport: "NixlTransport", handle: object, agent: str) -> None:
+        """Post `handle` (a request of this one, released with it when `owned`). Until NIXL
+        said otherwise it may be in flight (Ctrl-C may cut the call short after it posted)."""
+        self.handles.append(handle)
+        self.states.append("PROC")
+        self.states[-1] = transport._post(handle, agent)
+
+    def poll(self, nixl: Any) -> bool:
+        """Whether every request ended (done or failed)."""
+        for i, handle in enumerate(self.handles):
+            if self.states[i] == "PROC":
+                try:
+                    self.states[i] = nixl.check_xfer_state(handle)
+                except Exception:  # noqa: BLE001 - NIXL's own: the peer left, or never posted
+                    self.states[i] = "ERR"
+        return "PROC" not in self.states
+
+    def release(self, transport: "NixlTransport") -> Exception | None:
+        """Let go of everything, NIXL being done: the first error releasing a handle, if any."""
+        nixl, error = transport._agent, None
+        if nixl is not None:  # else the transport closed: NIXL let go of it all
+            for handle in self.owned:
+                try:
+                    nixl.release_xfer_handle(handle)
+                except Exception as failed:  # noqa: BLE001 - NIXL's own exception types
+                    error = error or failed
+            for dlist in self.dlists:
+                nixl.release_dlist_handle(dlist)
+            for temp in self.temps:
+                transport._deregister(temp)
+        self.owned, self.dlists, self.temps, self.keep = [], [], [], None
+        return error
+
+    def outcome(self, agent: str, error: Exception | None) -> BaseException | None:
+        """What the transfer failed with, once released (`error`: its release's)."""
+        if "PROC" in self.states:  # still in flight when the endpoint closed: kept for good
+            return ValueError("the NIXL transport was closed before this transfer ended")
+        if "ERR" in self.states:
+            return PeerGoneError(f"a NIXL transfer with agent {agent!r} failed: the peer "
+                                 f"exited, closed its endpoint, or its memory is no longer "
+                                 f"registered")
+        return None if error is None else _nixl_error(error, agent)
+
+
+# Requests nobody waits for any more (`NixlTransfer` dropped in flight, a wait cut short), and
+# their transports: appended without a lock (a finalizer may), let go of by the reaper's rounds.
+_abandoned: collections.deque = collections.deque()
+_stranded: list = []  # still in flight when their endpoint closed: kept for the process's life
+
+
+def _reap_round() -> bool:
+    """A round of the reaper thread: let go of the abandoned requests NIXL is done with."""
+    for _ in range(len(_abandoned)):
+        transport, pending = _abandoned.popleft()
+        if not transport.done_with(pending):
+            _abandoned.append((transport, pending))
+    return bool(_abandoned)
+
+
+_reaper = Background("devipc-nixl-reaper", _reap_round)
+
+
+def _abandon(transport: "NixlTransport", pending: _Pending) -> None:
+    """Nobody waits for `pending` any more: the reaper lets go of it once NIXL is done. No lock:
+    a finalizer may call it."""
+    _abandoned.append((transport, pending))
+    _reaper.wake()
+
+
 class NixlTransport:
     """One NIXL agent (UCX backend) of an endpoint; thread-safe (one lock around the agent).
     A `_transport.Transport`, and a registry listener."""
@@ -243,6 +336,7 @@ class NixlTransport:
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
         self._links: dict[str, int] = {}  # agent -> connections to it
         self._decoded = _wire.Decoded(Remote.from_bytes, _DECODED_MAX)
+        self._in_flight: set[_Pending] = set()  # posted, not let go of yet
         self._page = self._register(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
         self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
         self._scratch_reg = self._register(self._scratch.data_ptr(), 8 * _SCRATCH_WORDS, "DRAM", 0)
@@ -378,10 +472,10 @@ class NixlTransport:
     def post_ranges(self, op: str, remote_agent: str,
                     local: Sequence[tuple[int, int, torch.device]],
                     remote_extras: Sequence[bytes],
-                    shifts: Sequence[int] | None = None) -> "NixlTransfer":
+                    shifts: Sequence[int] | None = None, keep: object = None) -> "NixlTransfer":
         """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
         `local` (addr, nbytes, device) and a peer descriptor's transport part (from `shifts`
-        bytes in, when given)."""
+        bytes in, when given). `keep` (what holds the local memory) lives until NIXL is done."""
         if op not in ("READ", "WRITE"):
             raise ValueError(f"op is 'READ' or 'WRITE', not {op!r}")
         remotes = self.remotes(remote_agent, local, remote_extras, shifts)
@@ -392,7 +486,7 @@ class NixlTransport:
                 raise ValueError(f"not connected to NIXL agent {remote_agent!r}")
             self._load(remote_agent, remotes)
             self._check_alive(remote_agent, remotes)
-            return self._start(op, remote_agent, local, remotes)
+            return self._start(op, remote_agent, local, remotes, keep)
 
     def _load(self, agent: str, remotes: Iterable[Remote]) -> None:
         """Load each registration's partial metadata the first time it is used."""
@@ -418,26 +512,30 @@ class NixlTransport:
             local = [(scratch + 8 * i, 8, 0) for i in range(len(chunk))]
             remote = [(page + word_offset(slot), 8, 0) for (page, slot), _ in chunk]
             handle = self._request("READ", agent, local, "DRAM", remote, "DRAM")
-            try:
-                self._finish_now(handle, agent)
-            finally:
-                self._agent.release_xfer_handle(handle)
+            self._finish_now(_Pending(owned=[handle]), handle, agent)
             for i, (_, reg_id) in enumerate(chunk):
                 if int(self._scratch[i]) != reg_id:
                     raise RemoteTensorFreedError(
                         f"remote tensor {reg_id} of NIXL agent {agent!r} was freed or "
                         f"deregistered by its owner. Ask the owner for a new descriptor.")
 
-    def _finish_now(self, handle: object, agent: str) -> None:
-        backoff = Backoff(LIVENESS_TIMEOUT, first=0.0002, longest=0.0002, spins=1000)
-        state = self._post(handle, agent)
-        while state == "PROC":
-            backoff.pause()
-            if backoff.expired():
-                raise PeerGoneError(f"NIXL agent {agent!r} did not answer within "
-                                    f"{LIVENESS_TIMEOUT} s")
-            state = self._agent.check_xfer_state(handle)
-        if state != "DONE":
+    def _finish_now(self, pending: _Pending, handle: object, agent: str) -> None:
+        """Post `handle` as `pending`'s one request (a liveness read, a few µs as a rule) and
+        wait for it here; a wait cut short (no answer, Ctrl-C) leaves it to the reaper."""
+        self._in_flight.add(pending)
+        try:
+            pending.post(self, handle, agent)
+            backoff = Backoff(LIVENESS_TIMEOUT, first=0.0002, longest=0.0002, spins=1000)
+            while not pending.poll(self._agent):
+                backoff.pause()
+                if backoff.expired():
+                    raise PeerGoneError(f"NIXL agent {agent!r} did not answer within "
+                                        f"{LIVENESS_TIMEOUT} s")
+        except BaseException:
+            self.let_go(pending)
+            raise
+        self._settle(pending)
+        if pending.states != ["DONE"]:
             raise PeerGoneError(f"NIXL could not read NIXL agent {agent!r}'s registry: the "
                                 f"peer closed its endpoint or exited")
 
@@ -457,10 +555,10 @@ class NixlTransport:
             raise _nixl_error(error, agent) from None
 
     def _start(self, op: str, agent: str, local: Iterable[tuple[int, int, torch.device]],
-               remotes: Iterable[Remote]) -> "NixlTransfer":
+               remotes: Iterable[Remote], keep: object) -> "NixlTransfer":
         groups: dict[tuple[str, str], tuple[list, list]] = {}
-        temps: list[_Local] = []
-        transfer: NixlTransfer | None = None
+        pending = _Pending(keep=keep)
+        self._in_flight.add(pending)
         try:
             for (addr, nbytes, device), remote in zip(local, remotes):
                 if nbytes == 0:
@@ -469,36 +567,71 @@ class NixlTransport:
                 if found is None:  # memory devipc does not hold registered: for this transfer
                     kind = memory_kind(device)
                     found = self._register(addr, nbytes, kind, _dev_id(device, kind))
-                    temps.append(found)
+                    pending.temps.append(found)
                 pair = groups.setdefault((found.kind, remote.kind), ([], []))
                 pair[0].append((addr, nbytes, found.dev_id))
                 pair[1].append((remote.addr, nbytes, remote.dev_id))
-            transfer = NixlTransfer(self, agent, temps)
-            temps = []
             for (local_kind, remote_kind), (mine, theirs) in groups.items():
                 handle = self._request(op, agent, mine, local_kind, theirs, remote_kind)
-                transfer.handles.append(handle)
-                transfer.states.append(self._post(handle, agent))
-            transfer.check()
-            return transfer
+                pending.owned.append(handle)
+                pending.post(self, handle, agent)
         except BaseException:
-            for temp in temps:
-                self._deregister(temp)
-            if transfer is not None:
-                transfer.release()
+            self.let_go(pending)  # what was posted still lands: once it did
             raise
+        transfer = NixlTransfer(self, agent, pending)
+        transfer.check()
+        return transfer
+
+    # -- requests in flight (under the lock) --
+    def done_with(self, pending: _Pending) -> bool:
+        """Whether NIXL is done with `pending`'s requests; if so, what they used is let go of."""
+        with self._lock:
+            if pending not in self._in_flight:
+                return True  # let go of already
+            if not pending.poll(self._agent):
+                return False
+            self._settle(pending)
+            return True
+
+    def let_go(self, pending: _Pending) -> None:
+        """Nobody will wait for `pending`: let go of it now if NIXL is done, else once it is."""
+        if not self.done_with(pending):
+            _abandon(self, pending)
+
+    def _settle(self, pending: _Pending) -> Exception | None:
+        self._in_flight.discard(pending)
+        return pending.release(self)
+
+    def _drain(self) -> None:
+        """Closing: wait for the requests in flight (their peer answers or fails them), then let
+        go of them. One that outlives LIVENESS_TIMEOUT keeps its memory for the process's life
+        rather than having it written into once reused."""
+        backoff = Backoff(LIVENESS_TIMEOUT, first=0.0002, longest=0.01)
+        while self._in_flight:
+            for pending in [p for p in self._in_flight if p.poll(self._agent)]:
+                self._settle(pending)
+            if self._in_flight and backoff.expired():
+                _log.warning("devipc.p2p: %d NIXL transfers did not end within %s s of their "
+                             "endpoint's close: their memory is kept", len(self._in_flight),
+                             LIVENESS_TIMEOUT)
+                _stranded.extend(self._in_flight)
+                self._in_flight.clear()
+            elif self._in_flight:
+                backoff.pause()
 
     def close(self) -> None:
-        """Deregister everything from the agent and let the agent go. Idempotent."""
+        """Wait for the transfers in flight, deregister everything from the agent and let the
+        agent go. Idempotent."""
         registry.remove_listener(self)
         with self._lock:
             if self._closed:
                 return
+            self._closed = True
+            self._drain()
             for agent in list(self._peers):
                 self._agent.remove_remote_agent(agent)
             for local in list(self._ranges):
                 self._deregister(local)
-            self._closed = True
             self._peers.clear()
             self._links.clear()
             self._regs.clear()
@@ -535,7 +668,7 @@ class NixlLink:
         _synchronize({tensor.device for tensor in locals_})
         handle = self._transport.post_ranges(op, self.agent, local,
                                              [desc.extra for desc in descs],
-                                             [desc.shift for desc in descs])
+                                             [desc.shift for desc in descs], locals_)
         return Transfer(handle=handle, keep=(locals_,))
 
     def prepare(self, op: str, locals_: list, descs: list[Descriptor]) -> "NixlPrepared":
@@ -568,7 +701,7 @@ class NixlPrepared:
         self._temps: list[_Local] = []
         self.handles: list = []
         self._keep: list | None = keep  # None once closed
-        self._in_flight: _Posted | None = None
+        self._in_flight: _Pending | None = None  # the last post, or its liveness read
         self._live: object | None = None  # the prepared read of the registrations' words
         self._ids: list[int] = []
         self._read: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
@@ -619,54 +752,80 @@ class NixlPrepared:
             raise _nixl_error(error, self._agent) from None
 
     def post(self) -> Transfer:
-        transport = self._transport
+        transport, agent = self._transport, self._agent
         _synchronize(self._devices)
         with transport._lock:
             transport.agent_or_raise()
             if self._keep is None:
                 raise ValueError("this prepared transfer is closed: prepare it again")
-            if self._in_flight is not None and not self._in_flight.check():
+            if self._in_flight is not None and not transport.done_with(self._in_flight):
                 raise ValueError("the previous post of this prepared transfer is still in "
                                  "flight: wait for it before posting again")
             if self._live is not None:
-                transport._finish_now(self._live, self._agent)
+                self._in_flight = live = _Pending()
+                transport._finish_now(live, self._live, agent)
                 words = self._read[:]
                 if words != self._ids:
                     ended = next(i for w, i in zip(words, self._ids) if w != i)
                     raise RemoteTensorFreedError(
-                        f"remote tensor {ended} of NIXL agent {self._agent!r} was freed or "
+                        f"remote tensor {ended} of NIXL agent {agent!r} was freed or "
                         f"deregistered by its owner. Ask the owner for a new descriptor.")
-            self._in_flight = posted = _Posted(transport, self._agent, self.handles)
-            posted.states = [transport._post(handle, self._agent) for handle in self.handles]
-            posted.check()
-        return Transfer(handle=posted, keep=(self._keep,))
+            self._in_flight = posted = _Pending(keep=self._keep)  # kept, should it be closed
+            transport._in_flight.add(posted)
+            try:
+                for handle in self.handles:
+                    posted.post(transport, handle, agent)
+            except BaseException:
+                transport.let_go(posted)
+                raise
+            transfer = NixlTransfer(transport, agent, posted)
+            transfer.check()
+        return Transfer(handle=transfer, keep=(self._keep,))
 
     def close(self) -> None:
         with self._transport._lock:
             self._release(self._transport._agent)
 
     def _release(self, nixl: Any) -> None:
+        """Let go of the prepared requests and lists, the registrations made for them and the
+        local tensors: now, or once the post still in flight ended."""
+        transport, posted = self._transport, self._in_flight
         if nixl is not None:  # else the transport closed, and NIXL let go of it all
-            for handle in [*self.handles, *([self._live] if self._live else [])]:
-                try:
-                    nixl.release_xfer_handle(handle)
-                except Exception:  # still in flight after an error: NIXL keeps it
-                    pass
-            for dlist in self._dlists:
-                nixl.release_dlist_handle(dlist)
-            for temp in self._temps:
-                self._transport._deregister(temp)
+            gone = posted if posted is not None and not transport.done_with(posted) \
+                else _Pending()
+            gone.owned += [*self.handles, *([self._live] if self._live else [])]
+            gone.dlists += self._dlists
+            gone.temps += self._temps
+            gone.keep = self._keep
+            transport._in_flight.add(gone)
+            transport.let_go(gone)
         self.handles, self._live, self._dlists, self._temps, self._keep = [], None, [], [], None
+        self._in_flight = None
 
 
-class _Polled:
-    """NIXL requests in flight, polled: `check()` (under the transport's lock) says whether all
-    ended."""
+class NixlTransfer:
+    """NIXL requests in flight for one post; `done()` / `wait(timeout)`. Dropped before they
+    ended, they are left to the reaper, with what they use."""
 
-    _transport: NixlTransport
+    __slots__ = ("_transport", "_agent", "_pending", "_finished", "_error")
+
+    def __init__(self, transport: NixlTransport, agent: str, pending: _Pending):
+        self._transport, self._agent, self._pending = transport, agent, pending
+        self._finished = False
+        self._error: BaseException | None = None
 
     def check(self) -> bool:
-        raise NotImplementedError
+        """Under the transport's lock: whether all ended (what they used let go of then)."""
+        if not self._finished:
+            transport, pending, error = self._transport, self._pending, None
+            if pending in transport._in_flight:
+                if not pending.poll(transport._agent):
+                    return False
+                error = transport._settle(pending)
+            self._finished, self._error = True, pending.outcome(self._agent, error)
+        if self._error is not None:
+            raise self._error
+        return True
 
     def done(self) -> bool:
         with self._transport._lock:
@@ -680,78 +839,9 @@ class _Polled:
                 raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
             backoff.pause()
 
-
-class _Posted(_Polled):
-    """One post of a prepared NIXL transfer in flight: its handles are the prepared ones, kept."""
-
-    def __init__(self, transport: NixlTransport, agent: str, handles: list):
-        self._transport, self._agent, self._handles = transport, agent, handles
-        self.states: list = []
-
-    def check(self) -> bool:
-        """Under the transport's lock."""
-        nixl = self._transport._agent
-        if nixl is None:
-            raise ValueError("the NIXL transport was closed")
-        for i, handle in enumerate(self._handles):
-            if self.states[i] == "PROC":
-                self.states[i] = nixl.check_xfer_state(handle)
-        if "ERR" in self.states:
-            raise PeerGoneError(f"a NIXL transfer with agent {self._agent!r} failed: the peer "
-                                f"exited, closed its endpoint, or its memory is no longer "
-                                f"registered")
-        return "PROC" not in self.states
-
-
-
-class NixlTransfer(_Polled):
-    """NIXL requests in flight for one post; `done()` / `wait(timeout)`."""
-
-    def __init__(self, transport: NixlTransport, agent: str, temps: list):
-        self._transport, self._agent, self._temps = transport, agent, temps
-        self.handles: list = []
-        self.states: list = []
-        self._error: BaseException | None = None
-        self._finished = False
-
-    def check(self) -> bool:
-        """Under the transport's lock: update states, release everything once all ended."""
-        if self._finished:
-            if self._error is not None:
-                raise self._error
-            return True
-        nixl = self._transport._agent
-        if nixl is None:  # the endpoint closed under it: NIXL cancelled what was in flight
-            self._finished, self._error = True, ValueError("the NIXL transport was closed")
-            raise self._error
-        for i, handle in enumerate(self.handles):
-            if self.states[i] == "PROC":
-                self.states[i] = nixl.check_xfer_state(handle)
-        if "ERR" in self.states:
-            self._error = PeerGoneError(
-                f"a NIXL transfer with agent {self._agent!r} failed: the peer exited, closed "
-                f"its endpoint, or its memory is no longer registered")
-        elif "PROC" in self.states:
-            return False
-        self.release()
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def release(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        transport = self._transport
-        for handle in self.handles:
-            try:
-                transport._agent.release_xfer_handle(handle)
-            except Exception as error:  # still in flight after an error: NIXL keeps it
-                self._error = self._error or _nixl_error(error, self._agent)
-        for temp in self._temps:
-            transport._deregister(temp)
-        self.handles, self._temps = [], []
-
+    def __del__(self) -> None:
+        if not self._finished and not sys.is_finalizing():
+            _abandon(self._transport, self._pending)
 
 
 def _nixl_error(error: Exception, agent: str) -> DevIpcError:

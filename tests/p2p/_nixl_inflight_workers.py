@@ -1,0 +1,135 @@
+"""Children of test_nixl_inflight.py: NIXL transfers whose caller lets go of them in flight. Each
+runs both endpoints in one process (UCX over TCP loopback reaches itself as another host), so a
+crash is the child's exit code, not pytest's."""
+import gc
+import os
+import signal
+import threading
+import time
+
+import torch
+
+import devipc.p2p as p2p
+from devipc.p2p import _nixl
+
+WAIT = 60.0  # seconds, for a child's bounded waits (the test's own bound is longer)
+
+
+def _pair(nbytes: int):
+    """(owner endpoint, peer endpoint, connection, descriptor of `nbytes` bytes of 7s, the
+    tensor it describes)."""
+    import devipc_openreg  # noqa: F401 - the device, also where autoload is off
+
+    source, _ = p2p.create_tensor((nbytes,), torch.uint8, "cpu")
+    source.fill_(7)
+    owner, peer = p2p.Endpoint(transport="nixl"), p2p.Endpoint(transport="nixl")
+    connection = peer.connect(owner.metadata())
+    return owner, peer, connection, owner.advertise(source), source
+
+
+def _markers(nbytes: int) -> list[torch.Tensor]:
+    """New memory of the size just let go of (the allocator maps it where the old was): a
+    transfer still writing into the old memory overwrites these 1s."""
+    return [torch.ones(nbytes, dtype=torch.uint8) for _ in range(2)]
+
+
+def _settled(peer: p2p.Endpoint, ranges: int) -> bool:
+    """Once NIXL is done with the transfers let go of, the reaper lets go of their memory:
+    nothing in flight, no registration made for them left."""
+    transport = peer._transport
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        with transport._lock:
+            if not getattr(transport, "_in_flight", ()) and len(transport._ranges) == ranges:
+                return True
+        time.sleep(0.01)
+    return False
+
+
+def _report(conn, peer, connection, desc, nbytes, ranges, markers, **counts) -> None:
+    gc.collect()
+    intact = all(bool((marker == 1).all()) for marker in markers)
+    settled = _settled(peer, ranges)
+    again = torch.zeros(nbytes, dtype=torch.uint8)
+    connection.read(again, desc)  # the connection still works
+    conn.send({**counts, "settled": settled, "markers_intact": intact,
+               "read_again": bool((again == 7).all())})
+
+
+def dropped_after_a_timeout(conn, rounds: int, nbytes: int) -> None:
+    """`read_async` into new memory, `wait(timeout=0.001)` raises TimeoutError, the caller drops
+    the transfer and the memory."""
+    owner, peer, connection, desc, _source = _pair(nbytes)
+    ranges = len(peer._transport._ranges)
+    markers: list[torch.Tensor] = []
+    timed_out = 0
+    for _ in range(rounds):
+        local = torch.empty(nbytes, dtype=torch.uint8)  # registered with NIXL for this transfer
+        transfer = connection.read_async(local, desc)
+        try:
+            transfer.wait(timeout=0.001)
+        except TimeoutError:
+            timed_out += 1
+        del transfer, local
+        gc.collect()
+        markers += _markers(nbytes)
+    _report(conn, peer, connection, desc, nbytes, ranges, markers, timed_out=timed_out)
+    peer.close()
+    owner.close()
+
+
+def interrupted_read(conn, rounds: int, nbytes: int) -> None:
+    """Ctrl-C (SIGINT) during a synchronous `read` of `nbytes` bytes, sent once its request is
+    posted and in flight; the caller then drops the memory."""
+    owner, peer, connection, desc, _source = _pair(nbytes)
+    ranges = len(peer._transport._ranges)
+    posted, big, state = threading.Event(), set(), []
+    request, post = _nixl.NixlTransport._request, _nixl.NixlTransport._post
+
+    def spied_request(self, op, agent, local, *rest):
+        handle = request(self, op, agent, local, *rest)
+        if sum(size for _, size, _ in local) >= nbytes:
+            big.add(id(handle))
+        return handle
+
+    def spied_post(self, handle, agent):
+        result = post(self, handle, agent)
+        if id(handle) in big:
+            state.append(result)
+            posted.set()
+        return result
+
+    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
+    markers: list[torch.Tensor] = []
+    interrupted, latencies = 0, []
+    for _ in range(rounds):
+        local = torch.empty(nbytes, dtype=torch.uint8)
+        posted.clear()
+        state.clear()
+        sent: list[float] = []
+
+        def interrupt(sent=sent):
+            if posted.wait(WAIT) and state[-1] == "PROC":  # in flight: Ctrl-C now
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+
+        sender = threading.Thread(target=interrupt)
+        sender.start()
+        returned = False
+        try:
+            connection.read(local, desc)
+            returned = True
+            sender.join()  # a Ctrl-C sent after the read returned lands here
+        except KeyboardInterrupt:
+            if not returned:
+                interrupted += 1
+                latencies.append(time.monotonic() - sent[0])
+        sender.join()
+        del local
+        gc.collect()
+        markers += _markers(nbytes)
+    _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
+    _report(conn, peer, connection, desc, nbytes, ranges, markers, interrupted=interrupted,
+            latency=max(latencies, default=0.0))
+    peer.close()
+    owner.close()
