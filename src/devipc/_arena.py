@@ -124,7 +124,7 @@ class _Records(WordTable):
 _HEADER_LOCK = (0, 8)  # the `filling` word
 
 
-class _Calls:
+class Calls:
     """The calls under way on an object that another thread may close: `close` marks it closed
     at once (later calls, and waits that wake, raise ValueError naming `what`), and its mappings
     go when the last call under way leaves, so that no thread reads or sleeps on unmapped
@@ -178,7 +178,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _call(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
+def counted(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
     """A public method of an object with `_calls`: counted as under way while it runs."""
     @functools.wraps(method)
     def counted(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -213,7 +213,7 @@ class Arena:
         """With `storage`, the arena is that memory as it is (one buffer of exactly its bytes):
         what its consumers see is what its owner writes, e.g. packed weights. `what` names the
         object in errors (a WeightPublisher's arena is its publisher)."""
-        self._calls = _Calls(what)
+        self._calls = Calls(what)
         self._turns = threading.Lock()  # one put, publish or attach at a time
         self.buffers = _positive(buffers, "buffers")
         if buffers > MAX_BUFFERS:
@@ -238,7 +238,7 @@ class Arena:
         self._serials = itertools.count(1)
         self.generation = -1  # the last one put
 
-    @_call
+    @counted
     def attach(self, *, from_newest: bool = False) -> bytes:
         """One consumer's way in, for `open_arena`: a send of the arena (opened once) and a
         record in the control file. Chunks put before it are not for that consumer; with
@@ -315,7 +315,7 @@ class Arena:
         table.write(writer)
         return writer.done()
 
-    @_call
+    @counted
     def publish(self, fill: Callable[[torch.UntypedStorage, int], object] | None = None,
                 timeout: float = 60.0) -> int:
         """The next generation: announced, then (once every attached consumer acknowledged the
@@ -333,7 +333,7 @@ class Arena:
             self._records.set_published(generation)
             return generation
 
-    @_call
+    @counted
     def announce(self, generation: int) -> None:
         """Say which generation is about to be filled, before looking at who to wait for: a
         consumer attaching meanwhile either is waited for or starts after what it overwrites.
@@ -346,7 +346,7 @@ class Arena:
         finally:
             _locks.unlock(fd, *_HEADER_LOCK)
 
-    @_call
+    @counted
     def wait_for(self, generation: int, timeout: float | None = 60.0) -> None:
         """Return once every attached consumer (one that opened its attachment) acknowledged
         `generation`, or closed. ConsumerDiedError names the consumers found dead, which stop
@@ -375,7 +375,7 @@ class Arena:
                     + f" have not acknowledged generation {generation}")
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
-    @_call
+    @counted
     def wait_attached(self, count: int, timeout: float = 60.0) -> None:
         """Return once `count` consumers opened their attachments and are still attached;
         TimeoutError after `timeout` seconds, saying how many did."""
@@ -406,7 +406,7 @@ class Arena:
         finally:
             _locks.unlock(self._control.fd, start, length)
 
-    @_call
+    @counted
     def consumers(self) -> dict[int, dict]:
         """Each consumer record in use: state, last acknowledged generation, pid."""
         return {i: {"state": _STATE_NAMES[s], "acknowledged": self._records.ack(i),
@@ -497,7 +497,7 @@ class ArenaReader:
         """`data`: `Arena.attach()`'s bytes, or their `Attachment`. `what` names the object in
         errors."""
         attachment = data if isinstance(data, Attachment) else Attachment.from_bytes(data)
-        self._calls = _Calls(what)
+        self._calls = Calls(what)
         self._token, self._index = attachment.token, attachment.record
         self.nbytes, self.buffers = attachment.nbytes, attachment.buffers
         self._mapping = open_shared_file(attachment.control, _MAGIC)
@@ -531,7 +531,7 @@ class ArenaReader:
         self._read = self.acknowledged
         records.bump_acks()  # a producer waiting for consumers to attach looks again
 
-    @_call
+    @counted
     def wait(self, timeout: float | None = None) -> int:
         """Sleep until a generation newer than any this reader read or waited for is published
         (`Arena.publish`, `put`); returns the newest, to read until acknowledged. PeerGoneError
@@ -555,7 +555,7 @@ class ArenaReader:
                                    f"{published})")
             _futex.wait(records.address(_PUBLISHED), published, min(left, _DEATH_CHECK * 5))
 
-    @_call
+    @counted
     def views(self, generation: int, table: Table) -> dict[str, torch.Tensor]:
         """`table`'s tensors in the buffer of `generation`, read and not yet acknowledged."""
         if not self.acknowledged < generation <= self._read:
@@ -563,7 +563,7 @@ class ArenaReader:
                              f"{self._read}, acknowledged up to {self.acknowledged}")
         return table.views(self._held(), shift=(generation % self.buffers) * self.nbytes)
 
-    @_call
+    @counted
     def read(self, data: bytes | bytearray | memoryview) -> Chunk:
         """The tensors of a chunk's bytes from `Arena.put`, as views of the arena (clone what
         must outlive the acknowledgement)."""
@@ -586,7 +586,7 @@ class ArenaReader:
         base = buffer * self.nbytes
         return Chunk(generation, table.views(self._held(), shift=base))
 
-    @_call
+    @counted
     def ack(self, generation: int | Chunk) -> None:
         """Done with every chunk up to `generation` (or a Chunk): the producer may reuse their
         buffers. Waits for the device work queued on them first."""

@@ -37,7 +37,7 @@ from typing import TypeVar
 import torch
 
 from . import _handles, _wire, p2p
-from ._arena import _call, _Calls
+from ._arena import Calls, counted
 from ._backoff import Backoff
 from ._errors import (
     AckTimeoutError,
@@ -104,7 +104,7 @@ class NixlWeightPublisher(WeightPublisher):
             self._nbytes, self._buffers = self._storage.nbytes(), 1
         self.device = self._storage.device
         self.generation = -1
-        self._calls = _Calls("WeightPublisher")
+        self._calls = Calls("WeightPublisher")
         self._turns = threading.Lock()  # one publish or token at a time
         self._serials = itertools.count(1)
         self._beats: dict[int, tuple[int, int, float]] = {}  # record -> (serial, beat, seen at)
@@ -133,7 +133,7 @@ class NixlWeightPublisher(WeightPublisher):
     def _control(self, word: int, count: int) -> bytes:
         return self._endpoint.advertise(self._ids[0], 8 * word, 8 * count)
 
-    @_call
+    @counted
     def token(self) -> bytes:
         """One subscriber's way in, on this host or another: open it once with
         `WeightSubscriber`. A token nobody opens keeps its record until the publisher closes."""
@@ -165,7 +165,7 @@ class NixlWeightPublisher(WeightPublisher):
         self._table.write(writer)
         return writer.done()
 
-    @_call
+    @counted
     def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
         """As for one host: the new generation is visible once the device work that wrote it is
         done; `wait` waits for every live subscriber's acknowledgement."""
@@ -183,7 +183,7 @@ class NixlWeightPublisher(WeightPublisher):
             self.wait_acks(generation, timeout)
         return generation
 
-    @_call
+    @counted
     def wait_acks(self, generation: int, timeout: float | None = None) -> None:
         """As for one host; dead subscribers are those whose heartbeat stood still for
         LIVENESS seconds. With copy=False, once the newest generation is acknowledged the
@@ -238,7 +238,7 @@ class NixlWeightPublisher(WeightPublisher):
             return False
         return now - seen[2] > LIVENESS
 
-    @_call
+    @counted
     def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
         """Return once `count` subscribers opened their tokens; TimeoutError after `timeout`."""
         backoff = Backoff(timeout, first=0.0001, longest=0.01)
@@ -298,7 +298,7 @@ class NixlWeightSubscriber(WeightSubscriber):
             8 * _HEADER, 8 * _FIELDS, 16, 8, 8, *[nbytes] * self._buffers)))
         self.device = torch.device(publisher_device if device is None else device)
         self.generation = -1
-        self._calls = _Calls("WeightSubscriber")
+        self._calls = Calls("WeightSubscriber")
         self._turns = threading.Lock()
         self._torn = False  # a pull into `_local` started and did not end (Ctrl-C)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
@@ -376,7 +376,7 @@ class NixlWeightSubscriber(WeightSubscriber):
                 self._calls.check()
         self._torn = False
 
-    @_call
+    @counted
     def wait(self, timeout: float | None = None) -> int:
         """Block until a generation newer than the one held is published, and pull it (one
         NIXL read of the whole range); returns it. Polls with a backoff (0.1 ms up to 2 ms).
@@ -404,7 +404,7 @@ class NixlWeightSubscriber(WeightSubscriber):
                                    f"{published})")
             backoff.pause()
 
-    @_call
+    @counted
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held generation's tensors by name, in this process's memory: valid until the next
         `wait()` overwrites them."""
@@ -418,7 +418,7 @@ class NixlWeightSubscriber(WeightSubscriber):
             views = self._views[0] = self._table.views(self._local.untyped_storage())
         return views
 
-    @_call
+    @counted
     def ack(self) -> None:
         """Done with the held generation: written into this subscriber's record."""
         if self.generation < 0:
