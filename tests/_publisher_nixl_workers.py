@@ -4,9 +4,9 @@ import signal
 import time
 
 import torch
+from _support import after_large_posts
 
 import devipc
-from devipc.p2p import _nixl
 
 
 def interrupted_pull(conn, nbytes: int) -> None:
@@ -24,29 +24,20 @@ def interrupted_pull(conn, nbytes: int) -> None:
     pull = time.monotonic() - started  # the whole pull, its start-up included
     subscriber.ack()
     weights["w"].fill_(5.0)
-    request, post, big, sent = _nixl.NixlTransport._request, _nixl.NixlTransport._post, set(), []
+    sent: list[float] = []
 
-    def spied_request(self, op, agent, local, *rest):
-        handle = request(self, op, agent, local, *rest)
-        if sum(size for _, size, _ in local) >= nbytes:
-            big.add(id(handle))
-        return handle
-
-    def spied_post(self, handle, agent):
-        state = post(self, handle, agent)
-        if id(handle) in big and not sent:
+    def interrupt(state):
+        if not sent:
             sent.append(time.monotonic())
             signal.raise_signal(signal.SIGINT)
-        return state
 
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
-    publisher.publish(wait=False)
-    try:
-        subscriber.wait(timeout=60)
-        latency = None
-    except KeyboardInterrupt:
-        latency = time.monotonic() - sent[0]
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
+    with after_large_posts(nbytes, interrupt):
+        publisher.publish(wait=False)
+        try:
+            subscriber.wait(timeout=60)
+            latency = None
+        except KeyboardInterrupt:
+            latency = time.monotonic() - sent[0]
     try:
         subscriber.tensors()
         refused = False

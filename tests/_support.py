@@ -31,6 +31,7 @@ def _slowdown() -> float:
 
 SLOWDOWN = _slowdown()
 TIMEOUT = round(60 * SLOWDOWN)  # seconds; every join, get and wait is bounded by it
+UCX_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL tests talk to this host only
 FRESH_TIMEOUT = round(120 * SLOWDOWN)  # seconds for a fresh interpreter that imports torch
 _started: set[int] = set()  # the processes this one started, for `shm_entries`
 
@@ -59,6 +60,18 @@ class Children:
         self.conns.append(ours)
         return proc, ours
 
+    def answer(self, target, *args):
+        """Runs target(conn, *args) in a child and returns what it sent, or None when it died
+        first; a failed test unless the child then exits with 0 (a crash is its exit code)."""
+        proc, conn = self.start_piped(target, *args)
+        try:
+            got = recv(conn, 2 * TIMEOUT)
+        except EOFError:  # it crashed before it could answer
+            got = None
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0, f"the child exited with {proc.exitcode}"
+        return got
+
     def join_ok(self, timeout=TIMEOUT):
         for proc in self.procs:
             proc.join(timeout)
@@ -78,6 +91,50 @@ def recv(conn, timeout=TIMEOUT):
     """The next object from a Pipe, or a failed test if none comes in time."""
     assert conn.poll(timeout), f"nothing came through the pipe within {timeout} s"
     return conn.recv()
+
+
+def nixl_missing() -> str | None:
+    """Why NIXL cannot be loaded here (the skip reason of the tests that need it), or None."""
+    try:
+        from devipc.p2p._nixl import load_nixl
+
+        load_nixl()
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+def use_ucx_loopback(monkeypatch) -> None:
+    """UCX over TCP on the loopback device only (children inherit it), as between two hosts."""
+    for name, value in UCX_LOOPBACK.items():
+        monkeypatch.setenv(name, value)
+
+
+@contextlib.contextmanager
+def after_large_posts(nbytes: int, then):
+    """Inside it, `then(state)` runs after NIXL posted a request of at least `nbytes` local
+    bytes, with the state the post returned: a transfer large enough to be in flight then."""
+    from devipc.p2p import _nixl
+
+    request, post, big = _nixl.NixlTransport._request, _nixl.NixlTransport._post, set()
+
+    def spied_request(self, op, agent, local, *rest):
+        handle = request(self, op, agent, local, *rest)
+        if sum(size for _, size, _ in local) >= nbytes:
+            big.add(id(handle))
+        return handle
+
+    def spied_post(self, handle, agent):
+        state = post(self, handle, agent)
+        if id(handle) in big:
+            then(state)
+        return state
+
+    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
+    try:
+        yield
+    finally:
+        _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
 
 
 def until_the_test_ends() -> None:

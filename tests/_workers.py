@@ -183,7 +183,7 @@ def hold_slot_until_told(handle, index, inbox, outbox):
     from devipc._refcount import ConsumerCounters
 
     counters = ConsumerCounters()
-    counters.hold(handle, index)
+    counters.hold(handle, index, lambda: None)
     outbox.put("held")
     assert inbox.get(timeout=TIMEOUT) == "release"
     counters.release(handle, index)

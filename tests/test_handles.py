@@ -124,6 +124,23 @@ def test_overwriting_args_6_with_a_device_the_hooks_refuse(monkeypatch):
     _drain()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "bit flipped"])
+def test_memory_handle_bytes_the_device_refuses_leave_the_send_to_the_genuine_ones(damage):
+    """The device refuses the damaged memory handle before the send's slot is taken, so the
+    genuine bytes still open it (issue 27, defect 6)."""
+    tensor = torch.arange(4.0, device="openreg")
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    handle = args[7]
+    damaged = list(args)
+    damaged[7] = handle[:-3] if damage == "truncated" else handle[:-1] + bytes([handle[-1] ^ 1])
+    with pytest.raises(devipc.InvalidHandleError):
+        rebuild(*damaged)
+    received = rebuild(*args)
+    assert received.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    del tensor, received
+    _drain()
+
+
 def test_a_bucket_of_mixed_dtypes_crosses_processes(children):
     source = {
         "w": torch.arange(6, dtype=torch.float32, device="openreg").reshape(2, 3),
@@ -273,8 +290,8 @@ def test_forged_or_truncated_handles_are_refused():
     forged[40] ^= 0xFF  # the random token: names no memfd of the producer
     with pytest.raises(devipc.InvalidHandleError):
         devipc.open(data.replace(memory, bytes(forged)))
-    with pytest.raises(devipc.InvalidHandleError):  # the forgery took its slot back: it ended
-        devipc.open(data)
+    # refused before the slot was taken: the genuine bytes still open (issue 27, defect 6)
+    assert devipc.open(data).cpu().tolist() == [1.0] * 4
     del tensor
     _drain()
 

@@ -9,7 +9,7 @@ import threading
 import _workers
 import pytest
 import torch
-from _support import TIMEOUT, open_fds, recv, wait_until
+from _support import TIMEOUT, open_fds, recv, use_ucx_loopback, wait_until
 
 import devipc
 
@@ -243,10 +243,12 @@ def test_an_old_token_opened_after_the_trainer_wrote_waits_for_the_next_generati
     _drain()
 
 
-def test_weights_that_left_the_packed_allocation_are_not_published_stale():
+@pytest.mark.parametrize("transport", ["ipc", "nixl"])
+def test_weights_that_left_the_packed_allocation_are_not_published_stale(transport, monkeypatch):
+    use_ucx_loopback(monkeypatch)  # nixl: to this host only
     model = _workers.TinyGPT()
     packed = devipc.pack_module(model)
-    with devipc.WeightPublisher(model) as publisher:
+    with devipc.WeightPublisher(model, transport=transport) as publisher:
         publisher.publish(timeout=TIMEOUT)
         model.double()  # every floating tensor gets new memory
         with pytest.raises(ValueError, match="'embed.weight' no longer lies where"):
@@ -254,7 +256,7 @@ def test_weights_that_left_the_packed_allocation_are_not_published_stale():
     model = _workers.TinyGPT()
     packed = devipc.pack_module(model)
     storage = packed["block.weight"].untyped_storage()
-    with devipc.WeightPublisher(model) as publisher:
+    with devipc.WeightPublisher(model, transport=transport) as publisher:
         keep = torch.empty(storage.nbytes(), dtype=torch.uint8, device="openreg")
         keep.untyped_storage().copy_(storage)
         storage.resize_(0)  # FSDP frees the flat parameter after the forward...
@@ -264,7 +266,7 @@ def test_weights_that_left_the_packed_allocation_are_not_published_stale():
             publisher.publish(timeout=TIMEOUT)
     weights = devipc.pack({"a": torch.ones(4, device="openreg"),
                            "b": torch.ones(4, device="openreg")})
-    with devipc.WeightPublisher(weights) as publisher:
+    with devipc.WeightPublisher(weights, transport=transport) as publisher:
         assert publisher.publish(timeout=TIMEOUT) == 0
         weights["b"] = torch.zeros(4, device="openreg")
         with pytest.raises(ValueError, match="'b' no longer lies where"):

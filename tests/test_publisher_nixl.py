@@ -12,21 +12,22 @@ from multiprocessing.connection import Connection
 
 import _workers
 import pytest
-from _support import TIMEOUT, open_fds, recv, shm_entries
+from _support import (
+    TIMEOUT,
+    UCX_LOOPBACK,
+    nixl_missing,
+    open_fds,
+    recv,
+    shm_entries,
+    use_ucx_loopback,
+)
 
 import devipc
 from devipc import _publisher_remote
 
-try:
-    from devipc.p2p._nixl import load_nixl
-
-    load_nixl()
-    NIXL = None
-except ImportError as error:
-    NIXL = str(error)
+NIXL = nixl_missing()
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
-LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 def _unshare_works() -> str | None:
@@ -97,7 +98,7 @@ class Remote:
         here = os.path.dirname(os.path.abspath(__file__))
         ours_in, theirs_out = os.pipe()
         theirs_in, ours_out = os.pipe()
-        env = {**os.environ, **LOOPBACK}
+        env = {**os.environ, **UCX_LOOPBACK}
         self.proc = subprocess.Popen(
             [*UNSHARE, sys.executable, "-c", script, str(theirs_in), str(theirs_out), here],
             pass_fds=(theirs_in, theirs_out), env=env)
@@ -126,8 +127,7 @@ def loopback():
     import devipc_openreg  # noqa: F401 - openreg tensors in this process too
 
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in LOOPBACK.items():
-            patch.setenv(name, value)
+        use_ucx_loopback(patch)
         yield
 
 
@@ -437,13 +437,7 @@ def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loo
     pull's post), in a spawned child so that a crash fails the test."""
     import _publisher_nixl_workers
 
-    proc, conn = children.start_piped(_publisher_nixl_workers.interrupted_pull, 256 << 20)
-    try:
-        got = recv(conn, 2 * TIMEOUT)
-    except EOFError:  # it crashed before it could answer
-        got = None
-    proc.join(TIMEOUT)
-    assert proc.exitcode == 0, f"the child exited with {proc.exitcode}"
+    got = children.answer(_publisher_nixl_workers.interrupted_pull, 256 << 20)
     assert got["latency"] is not None, "Ctrl-C did not interrupt the wait"
     assert got["latency"] < got["pull"] / 4, got  # not once the pull ended
     assert got["refused"], "tensors() handed out memory an interrupted pull may still write"

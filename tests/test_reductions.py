@@ -13,7 +13,7 @@ from _support import TIMEOUT, run_python, wait_until
 
 import devipc
 from devipc import _sharing, _wire
-from devipc._refcount import RELEASED
+from devipc._refcount import SENT
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
@@ -325,22 +325,25 @@ def test_a_memory_handle_of_a_device_not_visible_here_is_an_invalid_handle():
     args[7] = _wire.wrap_storage_handle(sender, bytes(handle))
     with pytest.raises(devipc.InvalidHandleError, match="forged or stale|physical device 4096"):
         rebuild(*args)
+    assert devipc.revoke(tensor) == 1  # refused before its slot was taken: still unopened
     del tensor
     devipc.ipc_collect()
 
 
-def test_forged_event_handle_raises_and_gives_the_slot_back():
+def test_a_forged_event_handle_is_refused_and_the_genuine_bytes_still_open():
+    """The event is opened before the send's slot is taken (issue 27, defect 6)."""
     tensor = torch.ones(4, device="openreg")
     rebuild, args = torch_reductions.reduce_tensor(tensor)
-    args = list(args)
-    args[13], args[14] = b"\x00" * 64, True
+    forged = list(args)
+    forged[13], forged[14] = b"\x00" * 64, True
     with pytest.raises(devipc.InvalidHandleError):
-        rebuild(*args)
+        rebuild(*forged)
     counter = _sharing._counters._open(args[11])
     try:
-        assert counter.state(args[12]) == RELEASED  # the slot was given back
+        assert counter.state(args[12]) == SENT  # still the send's
     finally:
         _sharing._counters._put(args[11])
+    assert rebuild(*args).cpu().tolist() == [1.0] * 4
     del tensor
 
 

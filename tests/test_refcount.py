@@ -51,15 +51,32 @@ def test_the_slot_of_a_killed_holder_is_reclaimed(children):
 def test_each_send_opens_once():
     pool, counters = ProducerCounters(), ConsumerCounters()
     file, index = pool.allocate(export=1)
-    counters.hold(file.handle, index)  # the producer's own file, through its own open
+    counters.hold(file.handle, index, lambda: None)  # the producer's own file, its own open
     with pytest.raises(SlotError, match="already opened"):
-        counters.hold(file.handle, index)
+        counters.hold(file.handle, index, lambda: None)
     counters.release_unopened(file.handle, index)  # the very send held here: nothing to give
     assert file.counter.state(index) == HELD
     counters.release(file.handle, index)
     assert file.counter.state(index) == RELEASED
     with pytest.raises(SlotError, match="already opened and released"):
-        counters.hold(file.handle, index)
+        counters.hold(file.handle, index, lambda: None)
+
+
+def test_an_opening_that_fails_leaves_the_send_to_the_next_open():
+    """The device refusing damaged bytes under the slot's lock takes nothing: the genuine
+    bytes still open the send (issue 27, defect 6)."""
+    pool, counters = ProducerCounters(), ConsumerCounters()
+    file, index = pool.allocate(export=1)
+
+    def refuse():
+        raise InvalidHandleError("the device refuses these bytes")
+
+    with pytest.raises(InvalidHandleError, match="refuses"):
+        counters.hold(file.handle, index, refuse)
+    assert file.counter.state(index) == SENT
+    assert counters.hold(file.handle, index, lambda: "mapped") == "mapped"
+    assert file.counter.state(index) == HELD
+    counters.release(file.handle, index)
 
 
 def test_revoked_sends_cannot_be_opened():
@@ -67,13 +84,13 @@ def test_revoked_sends_cannot_be_opened():
     file, index = pool.allocate(export=1)
     assert file.counter.revoke(index) and file.counter.state(index) == REVOKED
     with pytest.raises(SlotError, match="revoked"):
-        counters.hold(file.handle, index)
+        counters.hold(file.handle, index, lambda: None)
 
 
 def test_a_consumer_can_take_a_slot_for_forwarding():
     pool, counters = ProducerCounters(), ConsumerCounters()
     file, index = pool.allocate(export=42)
-    counters.hold(file.handle, index)
+    counters.hold(file.handle, index, lambda: None)
     forwarded = counters.forward(file.handle, index)
     # the next slot past those the producer reserved for its own sends
     assert forwarded == index + RESERVED_SLOTS and file.counter.state(forwarded) == SENT
@@ -120,6 +137,6 @@ def test_a_forged_counter_handle_of_another_file_kind_is_refused():
     try:
         forged = other.handle.replace(b"EVIL", b"RCNT", 1)
         with pytest.raises(InvalidHandleError):
-            ConsumerCounters().hold(forged, 0)
+            ConsumerCounters().hold(forged, 0, lambda: None)
     finally:
         other.close()

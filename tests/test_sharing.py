@@ -11,7 +11,7 @@ from _support import TIMEOUT, run_python, wait_until
 
 import devipc
 from devipc import _sharing
-from devipc._refcount import RELEASED
+from devipc._refcount import SENT
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
@@ -117,18 +117,23 @@ def test_an_allocation_sent_again_stays_mapped_across_a_pending_release(children
                "every send ended", collect=True)
 
 
-def test_failed_open_gives_the_slot_back():
+def test_a_refused_open_leaves_the_send_to_the_genuine_bytes():
+    """The device refuses a forged memory handle before the slot is taken (issue 27, defect 6)."""
     tensor = torch.ones(4, device="openreg")
-    shared = list(devipc.share_device(tensor.untyped_storage()))
-    shared[1] = bytes(len(shared[1]))  # forged memory handle
+    shared = devipc.share_device(tensor.untyped_storage())
+    forged = list(shared)
+    forged[1] = bytes(len(shared[1]))  # forged memory handle
     with pytest.raises(devipc.InvalidHandleError):
-        devipc.new_shared_device(*shared)
+        devipc.new_shared_device(*forged)
     counter = _sharing._counters._open(shared[4])
     try:
-        assert counter.state(shared[5]) == RELEASED
+        assert counter.state(shared[5]) == SENT
     finally:
         _sharing._counters._put(shared[4])
-    del tensor
+    received = devipc.new_shared_device(*shared)
+    assert torch.equal(torch.empty(0, device="openreg").set_(received).cpu(), tensor.cpu())
+    del tensor, received
+    _drain()
 
 
 def test_storage_larger_than_its_allocation_is_refused():
@@ -137,6 +142,7 @@ def test_storage_larger_than_its_allocation_is_refused():
     shared[2] = 1 << 40
     with pytest.raises(devipc.InvalidHandleError, match="exceeds"):
         devipc.new_shared_device(*shared)
+    assert devipc.revoke(tensor) == 1  # refused before its slot was taken: still unopened
     del tensor
     _drain()
 
@@ -243,6 +249,8 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
     monkeypatch.setattr(logger, "propagate", False)
     try:
         devipc.ipc_collect()
+        # the collector's rounds would run the releases too: only the open runs them here
+        monkeypatch.setattr(_sharing._background, "_round", lambda: True)
         before = devipc.stats()["mapped"]
         tensor, other = torch.arange(4.0, device="openreg"), torch.ones(4, device="openreg")
         received = [ForkingPickler.loads(ForkingPickler.dumps(t)) for t in (tensor, other)]

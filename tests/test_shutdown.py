@@ -15,7 +15,8 @@ import devipc  # noqa: E402
 
 @pytest.mark.slow
 def test_scripts_ending_with_live_devipc_objects_exit_within_5_seconds():
+    before = devipc.stats()["sent"]  # what earlier tests of this process still have out
     result = exit_soak.run(runs=len(exit_soak.MODES), limit=5.0)
     assert result["passed"] == result["runs"], result["failures"]
-    wait_until(lambda: devipc.stats()["sent"] == 0,
+    wait_until(lambda: devipc.stats()["sent"] <= before,
                "the arena's sends to the exited readers ended", collect=True)

@@ -48,7 +48,7 @@ from ._errors import (
     PeerGoneError,
     RemoteTensorFreedError,
 )
-from ._publisher import ACK_TIMEOUT, WeightPublisher, WeightSubscriber, named_weights
+from ._publisher import ACK_TIMEOUT, InPlace, WeightPublisher, WeightSubscriber, named_weights
 from ._table import ALIGNMENT, Table
 from .p2p._descriptor import Descriptor, Metadata
 from .p2p._nixl import Remote, agent_metadata_from_bytes
@@ -102,6 +102,8 @@ class NixlWeightPublisher(WeightPublisher):
         else:
             self._storage, self._table = _handles.in_place(items)
             self._nbytes, self._buffers = self._storage.nbytes(), 1
+        self._in_place = None if self.copy else InPlace(model_or_state_dict, items,
+                                                        self._storage)
         self.device = self._storage.device
         self.generation = -1
         self._calls = Calls("WeightPublisher")
@@ -170,6 +172,8 @@ class NixlWeightPublisher(WeightPublisher):
         """As for one host: the new generation is visible once the device work that wrote it is
         done; `wait` waits for every live subscriber's acknowledgement."""
         with self._turns:
+            if self._in_place is not None:
+                self._in_place.check()
             generation = self.generation + 1
             self._wait(generation - self._buffers, ACK_TIMEOUT if timeout is None else timeout)
             if self.copy:

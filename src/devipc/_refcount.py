@@ -15,6 +15,8 @@ to forward what it received.
 """
 import collections
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from . import _locks
 from ._backoff import Backoff
@@ -35,6 +37,7 @@ SLOT_FIELDS = 2  # state, export
 FILE_BYTES = WordTable.size(SLOTS_PER_FILE, SLOT_FIELDS)
 RELEASED, SENT, HELD, REVOKED = 0, 1, 2, -1
 _MAGIC = b"RCNT"
+T = TypeVar("T")
 _BUSY_SECONDS = 1.0  # how long an open waits for a slot another party locks for an instant
 _CURSOR = (0, 8)  # the header word counting the slots handed out, and its lock range
 
@@ -108,8 +111,9 @@ class CounterFile:
             backoff.pause()
         return start, length
 
-    def acquire(self, index: int) -> None:
-        """Consumer: SENT -> HELD, keeping the lock until `release`."""
+    def acquire(self, index: int, opening: Callable[[], T]) -> T:
+        """Consumer: SENT -> HELD, keeping the lock until `release`. `opening` runs under the
+        lock, before the slot is taken: if it raises, the send stays for genuine bytes."""
         start, length = self._lock_slot(index)
         words = self._words
         state = words.load(index, 0)
@@ -121,7 +125,13 @@ class CounterFile:
                              REVOKED: "the producer revoked this send before it was opened "
                                       "(see devipc.revoke and devipc.set_unopened_deadline)",
                              }.get(state, f"ref-counter slot in unknown state {state}"))
+        try:
+            opened = opening()
+        except BaseException:
+            _locks.unlock(self.fd, start, length)
+            raise
         words.store(index, 0, HELD)
+        return opened
 
     def release(self, index: int) -> None:
         """Consumer: HELD -> RELEASED, and the lock goes."""
@@ -313,8 +323,9 @@ class ConsumerCounters:
         for file in files:
             file.mapping.close()
 
-    def hold(self, handle: bytes, index: int) -> None:
-        """Open a sent slot (checked by `check_slot`) and hold it until `release`."""
+    def hold(self, handle: bytes, index: int, opening: Callable[[], T]) -> T:
+        """Open a sent slot (checked by `check_slot`) and hold it until `release`; returns what
+        `opening` (see `CounterFile.acquire`) returns."""
         slot = (handle, index)
         with self._lock:  # the common case: one lock for the file and the slot
             if slot in self._mine:
@@ -331,7 +342,7 @@ class ConsumerCounters:
                 self._mine.discard(slot)
             raise
         try:
-            file.acquire(index)
+            return file.acquire(index, opening)
         except BaseException:
             with self._lock:
                 self._mine.discard(slot)

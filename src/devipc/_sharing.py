@@ -10,6 +10,7 @@ allocation, the mapping (`_received`). A received storage sent on takes a new sl
 original producer's file, so the memory outlives the forwarder.
 """
 import collections
+import contextlib
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -182,8 +183,9 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
         raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
                                  f"size {size_bytes!r}, offset {offset_bytes!r}")
     counter_handle, index = check_slot(ref_counter_handle, ref_counter_offset)
-    _counters.hold(counter_handle, index)
-    try:
+
+    def open_memory() -> tuple[OpenedMemory, torch.device, torch.Stream]:
+        """Runs under the slot's lock, before the slot is taken."""
         memory = _opened.acquire(hooks, handle)
         try:
             if offset_bytes + size_bytes > memory.size:
@@ -193,24 +195,38 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
             stream = current_stream(placed)  # the stream its users will queue on
             if event_sync_required:
                 _wait_for_producer(hooks, stream, event_handle)
-            receipt = Receipt(handle, offset_bytes, counter_handle, index)
-            key = (name_of(placed), memory.ptr + offset_bytes, size_bytes)
-
-            def release() -> None:
-                _received.forget(key, receipt)
-                _counters.release(counter_handle, index)
-                _opened.release(handle)
-
-            def on_free() -> None:  # from reap_freed: no lock here (see DeferredReleases)
-                _deferred.add(stream, release)
-                _background.wake()
-
-            tensor = tensor_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free,
-                                        *(view or ()))
         except BaseException:
             _opened.release(handle)
             raise
+        return memory, placed, stream
+
+    try:
+        memory, placed, stream = _counters.hold(counter_handle, index, open_memory)
+    except InvalidHandleError:
+        raise  # bytes refused: the send is left to the genuine ones
     except BaseException:
+        # genuine bytes this process cannot open (the device, the target, the producer): the
+        # send ends, or its producer would keep the memory for nobody
+        with contextlib.suppress(Exception):
+            _counters.release_unopened(counter_handle, index)
+        raise
+    try:
+        receipt = Receipt(handle, offset_bytes, counter_handle, index)
+        key = (name_of(placed), memory.ptr + offset_bytes, size_bytes)
+
+        def release() -> None:
+            _received.forget(key, receipt)
+            _counters.release(counter_handle, index)
+            _opened.release(handle)
+
+        def on_free() -> None:  # from reap_freed: no lock here (see DeferredReleases)
+            _deferred.add(stream, release)
+            _background.wake()
+
+        tensor = tensor_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free,
+                                    *(view or ()))
+    except BaseException:
+        _opened.release(handle)
         _counters.release(counter_handle, index)  # the producer must not wait for us forever
         raise
     # From here on the tensor's death releases its slot and mapping (`on_free`), nothing else.

@@ -8,9 +8,9 @@ import threading
 import time
 
 import torch
+from _support import after_large_posts
 
 import devipc.p2p as p2p
-from devipc.p2p import _nixl
 
 WAIT = 60.0  # seconds, for a child's bounded waits (the test's own bound is longer)
 
@@ -83,52 +83,41 @@ def interrupted_read(conn, rounds: int, nbytes: int) -> None:
     posted and in flight; the caller then drops the memory."""
     owner, peer, connection, desc, _source = _pair(nbytes)
     ranges = len(peer._transport._ranges)
-    posted, big, state = threading.Event(), set(), []
-    request, post = _nixl.NixlTransport._request, _nixl.NixlTransport._post
+    posted, state = threading.Event(), []
 
-    def spied_request(self, op, agent, local, *rest):
-        handle = request(self, op, agent, local, *rest)
-        if sum(size for _, size, _ in local) >= nbytes:
-            big.add(id(handle))
-        return handle
+    def seen(result):
+        state.append(result)
+        posted.set()
 
-    def spied_post(self, handle, agent):
-        result = post(self, handle, agent)
-        if id(handle) in big:
-            state.append(result)
-            posted.set()
-        return result
-
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
     markers: list[torch.Tensor] = []
     interrupted, latencies = 0, []
-    for _ in range(rounds):
-        local = torch.empty(nbytes, dtype=torch.uint8)
-        posted.clear()
-        state.clear()
-        sent: list[float] = []
+    with after_large_posts(nbytes, seen):
+        for _ in range(rounds):
+            local = torch.empty(nbytes, dtype=torch.uint8)
+            posted.clear()
+            state.clear()
+            sent: list[float] = []
 
-        def interrupt(sent=sent):
-            if posted.wait(WAIT) and state[-1] == "PROC":  # in flight: Ctrl-C now
-                sent.append(time.monotonic())
-                os.kill(os.getpid(), signal.SIGINT)
+            def interrupt(sent=sent):
+                if posted.wait(WAIT) and state[-1] == "PROC":  # in flight: Ctrl-C now
+                    sent.append(time.monotonic())
+                    os.kill(os.getpid(), signal.SIGINT)
 
-        sender = threading.Thread(target=interrupt)
-        sender.start()
-        returned = False
-        try:
-            connection.read(local, desc)
-            returned = True
-            sender.join()  # a Ctrl-C sent after the read returned lands here
-        except KeyboardInterrupt:
-            if not returned:
-                interrupted += 1
-                latencies.append(time.monotonic() - sent[0])
-        sender.join()
-        del local
-        gc.collect()
-        markers += _markers(nbytes)
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
+            sender = threading.Thread(target=interrupt)
+            sender.start()
+            returned = False
+            try:
+                connection.read(local, desc)
+                returned = True
+                sender.join()  # a Ctrl-C sent after the read returned lands here
+            except KeyboardInterrupt:
+                if not returned:
+                    interrupted += 1
+                    latencies.append(time.monotonic() - sent[0])
+            sender.join()
+            del local
+            gc.collect()
+            markers += _markers(nbytes)
     _report(conn, peer, connection, desc, nbytes, ranges, markers, interrupted=interrupted,
             latency=max(latencies, default=0.0))
     peer.close()

@@ -3,30 +3,22 @@ Skipped, with the reason, where NIXL is not installed; the error without it is t
 import _p2p_workers
 import pytest
 import torch
-from _support import TIMEOUT, open_fds, recv, run_python, wait_until
+from _support import TIMEOUT, nixl_missing, open_fds, recv, run_python, use_ucx_loopback, wait_until
 
 import devipc.p2p as p2p
 from devipc import InvalidHandleError, PeerGoneError, UnsupportedDeviceError
 from devipc._errors import RemoteTensorFreedError, TransferSizeError
 
-try:
-    from devipc.p2p._nixl import load_nixl
-
-    load_nixl()
-    NIXL = None
-except ImportError as error:
-    NIXL = str(error)
-
+NIXL = nixl_missing()
 needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})")
 
 
 @pytest.fixture
 def loopback(monkeypatch):
-    """UCX over TCP on the loopback device only (children inherit it), as between two hosts."""
+    """Two endpoints of this host reach each other as across hosts."""
     import devipc_openreg  # noqa: F401 - openreg tensors in this process too
 
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    use_ucx_loopback(monkeypatch)
 
 
 @pytest.fixture
