@@ -4,7 +4,7 @@ import signal
 import time
 
 import torch
-from _support import after_large_posts
+from _support import TIMEOUT, after_large_posts
 
 import devipc
 
@@ -20,7 +20,7 @@ def interrupted_pull(conn, nbytes: int) -> None:
     subscriber = devipc.WeightSubscriber(publisher.token())
     publisher.publish(wait=False)
     started = time.monotonic()
-    subscriber.wait(timeout=60)
+    subscriber.wait(timeout=TIMEOUT)
     pull = time.monotonic() - started  # the whole pull, its start-up included
     subscriber.ack()
     weights["w"].fill_(5.0)
@@ -34,7 +34,7 @@ def interrupted_pull(conn, nbytes: int) -> None:
     with after_large_posts(nbytes, interrupt):
         publisher.publish(wait=False)
         try:
-            subscriber.wait(timeout=60)
+            subscriber.wait(timeout=TIMEOUT)
             latency = None
         except KeyboardInterrupt:
             latency = time.monotonic() - sent[0]
@@ -43,7 +43,7 @@ def interrupted_pull(conn, nbytes: int) -> None:
         refused = False
     except ValueError:
         refused = True
-    generation = subscriber.wait(timeout=60)
+    generation = subscriber.wait(timeout=TIMEOUT)
     whole = bool((subscriber.tensors()["w"] == 5.0).all())
     subscriber.ack()
     subscriber.close()

@@ -1,5 +1,7 @@
 """The arena: streamed chunks with acknowledgements across spawned processes in both openreg IPC
 modes, flat device memory, a consumer killed mid-stream, close, and bad inputs."""
+import gc
+
 import _workers
 import pytest
 import torch
@@ -11,9 +13,12 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 
 def _drain():
+    """Until this process holds nothing another test left: memory in a garbage cycle (a failed
+    test's traceback) or waiting for a release would otherwise be counted as ours."""
+    gc.collect()
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["sent"] == 0,
-               "every send ended", collect=True)
+    wait_until(lambda: (lambda s: s["sent"] == 0 and s["pending_releases"] == 0)(devipc.stats()),
+               "every send and release ended", collect=True)
 
 
 def _chunk(generation):
@@ -50,7 +55,7 @@ def test_fifty_chunks_stream_with_acknowledgements_and_flat_memory(children):
             assert outbox.get(timeout=TIMEOUT) == (generation - 1, previous)
         previous = expected
     assert outbox.get(timeout=TIMEOUT) == (49, previous)
-    # no growth, chunk after chunk (below: memory an earlier test left to the collector)
+    # no growth, chunk after chunk
     assert max(after_each) <= with_arena and len(set(after_each[-10:])) == 1
     assert torch.openreg.max_memory_allocated() <= with_arena + 4096  # plus one chunk's sources
     arena.wait_for(49, timeout=TIMEOUT)
@@ -59,7 +64,7 @@ def test_fifty_chunks_stream_with_acknowledgements_and_flat_memory(children):
     children.join_ok()
     arena.close()
     _drain()
-    assert torch.openreg.memory_allocated() == baseline
+    assert torch.openreg.memory_allocated() <= baseline  # (below: memory others left went)
 
 
 def test_buffers_of_an_odd_size_start_aligned(children):
@@ -114,7 +119,7 @@ def test_a_consumer_killed_mid_stream_gives_the_arena_back(children):
         arena.put(_chunk(generation), timeout=TIMEOUT)
     arena.close()
     _drain()  # the dead consumer's send was reclaimed
-    assert torch.openreg.memory_allocated() == baseline
+    assert torch.openreg.memory_allocated() <= baseline  # (below: memory others left went)
 
 
 def test_close_leaves_memory_at_baseline(children):
@@ -134,7 +139,7 @@ def test_close_leaves_memory_at_baseline(children):
     inbox.put(None)
     children.join_ok()
     _drain()
-    assert torch.openreg.memory_allocated() == baseline
+    assert torch.openreg.memory_allocated() <= baseline  # (below: memory others left went)
 
 
 def test_close_leaves_no_descriptors():
@@ -155,7 +160,7 @@ def test_close_leaves_no_descriptors():
     arena.close()
     _drain()
     assert open_fds() == fds
-    assert torch.openreg.memory_allocated() == baseline
+    assert torch.openreg.memory_allocated() <= baseline  # (below: memory others left went)
 
 
 def test_bad_inputs_are_refused_clearly():
