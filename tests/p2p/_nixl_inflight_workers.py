@@ -2,9 +2,7 @@
 runs both endpoints in one process (UCX over TCP loopback reaches itself as another host), so a
 crash is the child's exit code, not pytest's."""
 import gc
-import os
 import signal
-import threading
 import time
 
 import torch
@@ -79,42 +77,28 @@ def dropped_after_a_timeout(conn, rounds: int, nbytes: int) -> None:
 
 
 def interrupted_read(conn, rounds: int, nbytes: int) -> None:
-    """Ctrl-C (SIGINT) during a synchronous `read` of `nbytes` bytes, sent once its request is
-    posted and in flight; the caller then drops the memory."""
+    """Ctrl-C (SIGINT) during a synchronous `read` of `nbytes` bytes, raised as soon as its
+    request is posted and in flight (whatever the load); the caller then drops the memory."""
     owner, peer, connection, desc, _source = _pair(nbytes)
     ranges = len(peer._transport._ranges)
-    posted, state = threading.Event(), []
+    sent: list[float] = []
 
-    def seen(result):
-        state.append(result)
-        posted.set()
+    def interrupt(state):
+        if state == "PROC":  # in flight: Ctrl-C now
+            sent.append(time.monotonic())
+            signal.raise_signal(signal.SIGINT)
 
     markers: list[torch.Tensor] = []
     interrupted, latencies = 0, []
-    with after_large_posts(nbytes, seen):
+    with after_large_posts(nbytes, interrupt):
         for _ in range(rounds):
             local = torch.empty(nbytes, dtype=torch.uint8)
-            posted.clear()
-            state.clear()
-            sent: list[float] = []
-
-            def interrupt(sent=sent):
-                if posted.wait(WAIT) and state[-1] == "PROC":  # in flight: Ctrl-C now
-                    sent.append(time.monotonic())
-                    os.kill(os.getpid(), signal.SIGINT)
-
-            sender = threading.Thread(target=interrupt)
-            sender.start()
-            returned = False
+            sent.clear()
             try:
                 connection.read(local, desc)
-                returned = True
-                sender.join()  # a Ctrl-C sent after the read returned lands here
             except KeyboardInterrupt:
-                if not returned:
-                    interrupted += 1
-                    latencies.append(time.monotonic() - sent[0])
-            sender.join()
+                interrupted += 1
+                latencies.append(time.monotonic() - sent[0])
             del local
             gc.collect()
             markers += _markers(nbytes)
