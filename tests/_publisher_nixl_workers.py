@@ -4,9 +4,9 @@ import signal
 import time
 
 import torch
+from _support import TIMEOUT, after_large_posts, keyboard_interrupts
 
 import devipc
-from devipc.p2p import _nixl
 
 
 def interrupted_pull(conn, nbytes: int) -> None:
@@ -15,44 +15,36 @@ def interrupted_pull(conn, nbytes: int) -> None:
     next wait() pulls the generation whole."""
     import devipc_openreg  # noqa: F401 - the device, also where autoload is off
 
+    keyboard_interrupts()
     weights = {"w": torch.full((nbytes // 4,), 3.0, device="openreg")}
     publisher = devipc.WeightPublisher(weights, copy=True, transport="nixl")
     subscriber = devipc.WeightSubscriber(publisher.token())
     publisher.publish(wait=False)
     started = time.monotonic()
-    subscriber.wait(timeout=60)
+    subscriber.wait(timeout=TIMEOUT)
     pull = time.monotonic() - started  # the whole pull, its start-up included
     subscriber.ack()
     weights["w"].fill_(5.0)
-    request, post, big, sent = _nixl.NixlTransport._request, _nixl.NixlTransport._post, set(), []
+    sent: list[float] = []
 
-    def spied_request(self, op, agent, local, *rest):
-        handle = request(self, op, agent, local, *rest)
-        if sum(size for _, size, _ in local) >= nbytes:
-            big.add(id(handle))
-        return handle
-
-    def spied_post(self, handle, agent):
-        state = post(self, handle, agent)
-        if id(handle) in big and not sent:
+    def interrupt(state):
+        if not sent:
             sent.append(time.monotonic())
             signal.raise_signal(signal.SIGINT)
-        return state
 
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
-    publisher.publish(wait=False)
-    try:
-        subscriber.wait(timeout=60)
-        latency = None
-    except KeyboardInterrupt:
-        latency = time.monotonic() - sent[0]
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
+    with after_large_posts(nbytes, interrupt):
+        publisher.publish(wait=False)
+        try:
+            subscriber.wait(timeout=TIMEOUT)
+            latency = None
+        except KeyboardInterrupt:
+            latency = time.monotonic() - sent[0]
     try:
         subscriber.tensors()
         refused = False
     except ValueError:
         refused = True
-    generation = subscriber.wait(timeout=60)
+    generation = subscriber.wait(timeout=TIMEOUT)
     whole = bool((subscriber.tensors()["w"] == 5.0).all())
     subscriber.ack()
     subscriber.close()

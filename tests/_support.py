@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -60,6 +61,18 @@ class Children:
         self.conns.append(ours)
         return proc, ours
 
+    def answer(self, target, *args):
+        """Runs target(conn, *args) in a child and returns what it sent, or None when it died
+        first; a failed test unless the child then exits with 0 (a crash is its exit code)."""
+        proc, conn = self.start_piped(target, *args)
+        try:
+            got = recv(conn, 2 * TIMEOUT)
+        except EOFError:  # it crashed before it could answer
+            got = None
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0, f"the child exited with {proc.exitcode}"
+        return got
+
     def join_ok(self, timeout=TIMEOUT):
         for proc in self.procs:
             proc.join(timeout)
@@ -96,6 +109,40 @@ def use_ucx_loopback(monkeypatch) -> None:
     """UCX over TCP on the loopback device only (children inherit it), as between two hosts."""
     for name, value in UCX_LOOPBACK.items():
         monkeypatch.setenv(name, value)
+
+
+def keyboard_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt in this child even when the suite was started as a
+    background job: a shell starts those with SIGINT ignored, children inherit that, and Python
+    then installs no handler of its own."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def after_large_posts(nbytes: int, then):
+    """Inside it, `then(state)` runs after NIXL posted a request of at least `nbytes` local
+    bytes, with the state the post returned: a transfer large enough to be in flight then."""
+    from devipc.p2p import _nixl
+
+    request, post, big = _nixl.NixlTransport._request, _nixl.NixlTransport._post, set()
+
+    def spied_request(self, op, agent, local, *rest):
+        handle = request(self, op, agent, local, *rest)
+        if sum(size for _, size, _ in local) >= nbytes:
+            big.add(id(handle))
+        return handle
+
+    def spied_post(self, handle, agent):
+        state = post(self, handle, agent)
+        if id(handle) in big:
+            then(state)
+        return state
+
+    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
+    try:
+        yield
+    finally:
+        _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
 
 
 def until_the_test_ends() -> None:

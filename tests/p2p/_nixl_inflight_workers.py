@@ -2,15 +2,13 @@
 runs both endpoints in one process (UCX over TCP loopback reaches itself as another host), so a
 crash is the child's exit code, not pytest's."""
 import gc
-import os
 import signal
-import threading
 import time
 
 import torch
+from _support import after_large_posts, keyboard_interrupts
 
 import devipc.p2p as p2p
-from devipc.p2p import _nixl
 
 WAIT = 60.0  # seconds, for a child's bounded waits (the test's own bound is longer)
 
@@ -79,56 +77,32 @@ def dropped_after_a_timeout(conn, rounds: int, nbytes: int) -> None:
 
 
 def interrupted_read(conn, rounds: int, nbytes: int) -> None:
-    """Ctrl-C (SIGINT) during a synchronous `read` of `nbytes` bytes, sent once its request is
-    posted and in flight; the caller then drops the memory."""
+    """Ctrl-C (SIGINT) during a synchronous `read` of `nbytes` bytes, raised as soon as its
+    request is posted and in flight (whatever the load); the caller then drops the memory."""
+    keyboard_interrupts()
     owner, peer, connection, desc, _source = _pair(nbytes)
     ranges = len(peer._transport._ranges)
-    posted, big, state = threading.Event(), set(), []
-    request, post = _nixl.NixlTransport._request, _nixl.NixlTransport._post
+    sent: list[float] = []
 
-    def spied_request(self, op, agent, local, *rest):
-        handle = request(self, op, agent, local, *rest)
-        if sum(size for _, size, _ in local) >= nbytes:
-            big.add(id(handle))
-        return handle
+    def interrupt(state):
+        if state == "PROC":  # in flight: Ctrl-C now
+            sent.append(time.monotonic())
+            signal.raise_signal(signal.SIGINT)
 
-    def spied_post(self, handle, agent):
-        result = post(self, handle, agent)
-        if id(handle) in big:
-            state.append(result)
-            posted.set()
-        return result
-
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
     markers: list[torch.Tensor] = []
     interrupted, latencies = 0, []
-    for _ in range(rounds):
-        local = torch.empty(nbytes, dtype=torch.uint8)
-        posted.clear()
-        state.clear()
-        sent: list[float] = []
-
-        def interrupt(sent=sent):
-            if posted.wait(WAIT) and state[-1] == "PROC":  # in flight: Ctrl-C now
-                sent.append(time.monotonic())
-                os.kill(os.getpid(), signal.SIGINT)
-
-        sender = threading.Thread(target=interrupt)
-        sender.start()
-        returned = False
-        try:
-            connection.read(local, desc)
-            returned = True
-            sender.join()  # a Ctrl-C sent after the read returned lands here
-        except KeyboardInterrupt:
-            if not returned:
+    with after_large_posts(nbytes, interrupt):
+        for _ in range(rounds):
+            local = torch.empty(nbytes, dtype=torch.uint8)
+            sent.clear()
+            try:
+                connection.read(local, desc)
+            except KeyboardInterrupt:
                 interrupted += 1
                 latencies.append(time.monotonic() - sent[0])
-        sender.join()
-        del local
-        gc.collect()
-        markers += _markers(nbytes)
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
+            del local
+            gc.collect()
+            markers += _markers(nbytes)
     _report(conn, peer, connection, desc, nbytes, ranges, markers, interrupted=interrupted,
             latency=max(latencies, default=0.0))
     peer.close()
