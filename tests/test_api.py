@@ -2,6 +2,8 @@
 for torch's plumbing, `devipc.p2p` for transfers; each name documented in the README."""
 import pathlib
 import re
+import subprocess
+import sys
 import types
 
 import devipc
@@ -36,3 +38,11 @@ def test_the_readme_documents_every_public_name():
     for module in AUDIENCES:
         missing = set(module.__all__) - documented
         assert not missing, f"{module.__name__}: {sorted(missing)} not in the README"
+
+
+def test_importing_off_linux_says_devipc_needs_linux():
+    script = "import sys; sys.platform = 'darwin'; import devipc"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    assert "ImportError: devipc needs Linux" in result.stderr and "darwin" in result.stderr

@@ -9,7 +9,13 @@ vendors; `devipc.rfc` for the RFC's plumbing that torch calls; `devipc.p2p` for 
 transfers. The vendor and RFC names are also importable from `devipc` itself, as synonyms kept
 for code written against the first release.
 """
+import sys
+
 __version__ = "0.1.0"
+
+if sys.platform != "linux":  # memfds, /proc/<pid>/fd and OFD locks have no equivalent elsewhere
+    raise ImportError(f"devipc needs Linux (memfds, /proc/<pid>/fd, open file description locks); "
+                      f"this is {sys.platform}, which it does not support")
 
 # The torch-free layers first: importing torch (below) may autoload a device package that
 # registers its hooks through these names while this package is still importing.

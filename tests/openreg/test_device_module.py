@@ -164,6 +164,29 @@ def test_device_name_and_properties():
         torch.openreg.get_device_properties(7)
 
 
+QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+NAME_ONLY = {getattr(torch, f"{kind}{bits}") for kind in ("int", "uint") for bits in range(1, 8)}
+
+
+def test_device_capability_lists_the_dtypes_openreg_holds_and_converts():
+    dtypes = torch.accelerator.get_device_capability("openreg:1")["supported_dtypes"]
+    assert dtypes == torch.accelerator.get_device_capability()["supported_dtypes"]
+    assert {torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.uint64,
+            torch.complex128, torch.bits8, torch.float4_e2m1fn_x2} <= dtypes
+    assert not dtypes & (QUANTIZED | NAME_ONLY)
+    raw = torch.arange(16, dtype=torch.uint8)
+    for dtype in dtypes:  # each one held: its bytes go there and back
+        held = raw.view(dtype).to("openreg")
+        assert held.dtype == dtype and torch.equal(held.cpu().view(torch.uint8), raw), dtype
+        packed = dtype == torch.float4_e2m1fn_x2  # two values a byte: no conversion, as on CPU
+        if (dtype.is_floating_point and not packed) or dtype in (torch.bool, torch.int32):
+            ones = torch.ones(3).to(dtype)  # and converted on the device
+            assert torch.equal(ones.to("openreg").to(torch.float32).cpu(), torch.ones(3)), dtype
+    for dtype in (torch.qint8, torch.quint8, torch.qint32):  # what is left out fails
+        with pytest.raises(NotImplementedError):
+            torch.quantize_per_tensor(torch.ones(3), 0.1, 0, dtype).to("openreg")
+
+
 def test_mem_get_info_is_the_hosts_memory_and_torch_accelerator_agrees():
     free, total = torch.openreg.mem_get_info()
     assert total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

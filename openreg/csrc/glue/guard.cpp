@@ -141,6 +141,23 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     return device_count();
   }
 
+  // torch.accelerator.get_device_capability: openreg holds any bytes and borrows the CPU's
+  // kernels, so every dtype but those the CPU has no kernels for either (quantized tensors, and
+  // the sub-byte integers that only carry a name).
+  c10::DeviceCapability getDeviceCapability(Device /*device*/) const override {
+    using c10::ScalarType;
+    c10::DeviceCapability capability;  // starts with every dtype
+    for (ScalarType dtype :
+         {ScalarType::QInt8, ScalarType::QUInt8, ScalarType::QInt32, ScalarType::QUInt4x2,
+          ScalarType::QUInt2x4, ScalarType::UInt1, ScalarType::UInt2, ScalarType::UInt3,
+          ScalarType::UInt4, ScalarType::UInt5, ScalarType::UInt6, ScalarType::UInt7,
+          ScalarType::Int1, ScalarType::Int2, ScalarType::Int3, ScalarType::Int4,
+          ScalarType::Int5, ScalarType::Int6, ScalarType::Int7}) {
+      capability.capability_data.capability_bits &= ~(uint64_t{1} << static_cast<int>(dtype));
+    }
+    return capability;
+  }
+
   bool queryStream(const Stream& stream) const override {
     return ready(orStreamQuery(native_stream(stream)));
   }
