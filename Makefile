@@ -1,14 +1,28 @@
 # Two entry points: `make demo` and `make test`. Each sets up .venv first when needed:
 # torch (pinned, alone first: an unpinned resolve would fetch a CUDA build), then both
 # distributions of this repository, editable, with their test extras.
+# TORCH=2.14.1 or TORCH=2.15.0 (any release devipc supports) does the same in a venv of its own,
+# .venv-torch<version>: `make test TORCH=2.15.0`. openreg's C++ glue is built against that torch.
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-VENV := .venv
+TORCH ?= 2.13.0
+VENV := $(if $(filter 2.13.0,$(TORCH)),.venv,.venv-torch$(TORCH))
+# Every pip command of the set-up holds torch at $(TORCH): a constraints file of the venv's own,
+# in place of any machine-wide one (which may cap torch below the release asked for).
+PIN := $(VENV)/torch-pin.txt
+# openreg is editable in .venv; another torch's venv installs its own build (built under the venv,
+# so the two never overwrite each other's _C).
+DEFAULT_VENV := $(filter .venv,$(VENV))
+OPENREG := $(if $(DEFAULT_VENV),-e )'./openreg[test,onnx]'
+OPENREG_ENV := $(if $(DEFAULT_VENV),,OPENREG_BUILD_BASE=$(abspath $(VENV))/openreg-build)
+SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/* openreg/csrc/*/*/*)
+SOURCES += $(if $(DEFAULT_VENV),,$(wildcard openreg/src/*.py openreg/src/*/*.py))  # not editable there
+# `make test PYTEST_ARGS='-m "not slow"'`: what CI runs on the newest torch.
+PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.devipc-installed
-SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/* openreg/csrc/*/*/*)
 
 .PHONY: demo test lint check-install bench bench-all fuzz stress conformance setup
 
@@ -16,7 +30,7 @@ demo: $(STAMP)
 	$(PY) examples/ipc_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -57,11 +71,13 @@ setup: $(STAMP)
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q setuptools wheel ninja
-	$(PIP) install -q --no-build-isolation -e '.[test,lint,nixl]'
+	echo "torch==$(TORCH)" > $(PIN)
+	PIP_CONSTRAINT=$(PIN) $(PIP) install -q torch==$(TORCH)
+	PIP_CONSTRAINT=$(PIN) $(PIP) install -q setuptools wheel ninja
+	PIP_CONSTRAINT=$(PIN) $(PIP) install -q --no-build-isolation -e '.[test,lint,nixl]'
 	@echo "building devipc-openreg: C++ runtime and PyTorch glue (full log: $(VENV)/openreg-build.log)"
-	$(PIP) install --no-build-isolation -e './openreg[test]' -v 2>&1 | tee $(VENV)/openreg-build.log \
+	$(if $(DEFAULT_VENV),,$(PIP) uninstall -q -y devipc-openreg)  # a rebuild, not "already satisfied"
+	$(OPENREG_ENV) PIP_CONSTRAINT=$(PIN) $(PIP) install --no-build-isolation $(OPENREG) -v 2>&1 | tee $(VENV)/openreg-build.log \
 	  | sed -un 's/^ *\(\[[0-9]*\/[0-9]*\]\) .* -c \([^ ]*\) .*/  \1 \2/p; /runtime: /p' \
 	  || { tail -40 $(VENV)/openreg-build.log; exit 1; }
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c "import devipc_openreg"

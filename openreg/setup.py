@@ -49,10 +49,25 @@ def build_runtime(out_dir):
     return out_dir
 
 
+# Beside _C: the torch release its glue was compiled against. The package reads it before it
+# loads _C, so an import under another torch refuses in words rather than with an undefined
+# symbol or a crash (_runtime.load_glue).
+BUILT_WITH = "torch-version.txt"
+BESIDE_C = ("libopenreg.so", BUILT_WITH)
+
+
+def record_torch(out_dir):
+    import torch
+
+    with open(os.path.join(out_dir, BUILT_WITH), "w") as f:
+        f.write(torch.__version__ + "\n")
+
+
 class BuildWithRuntime(BuildExtension):
     def build_extension(self, ext):
         out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
         build_runtime(out_dir)
+        record_torch(out_dir)
         ext.library_dirs = [out_dir, *ext.library_dirs]  # keep torch's own library directory
         super().build_extension(ext)
 
@@ -62,13 +77,19 @@ class BuildWithRuntime(BuildExtension):
         build_py = self.get_finalized_command("build_py")
         for ext in self.extensions:
             inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
-            target = os.path.join(os.path.dirname(inplace_file), "libopenreg.so")
-            built = os.path.join(os.path.dirname(regular_file), "libopenreg.so")
-            shutil.copy2(built, target + ".tmp")
-            os.replace(target + ".tmp", target)  # atomic, as in build_runtime
+            for name in BESIDE_C:
+                target = os.path.join(os.path.dirname(inplace_file), name)
+                built = os.path.join(os.path.dirname(regular_file), name)
+                shutil.copy2(built, target + ".tmp")
+                os.replace(target + ".tmp", target)  # atomic, as in build_runtime
 
+
+# Where the build happens: openreg/build unless the caller names another (one per torch: the
+# Makefile builds each torch's venv in its own, so the builds never mix).
+BUILD_BASE = os.environ.get("OPENREG_BUILD_BASE")
 
 setup(
+    options={"build": {"build_base": BUILD_BASE}} if BUILD_BASE else {},
     ext_modules=[
         CppExtension(
             "devipc_openreg._C",

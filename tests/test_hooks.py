@@ -85,3 +85,16 @@ def test_later_spelling_follows_event_size():
             return 64
 
     assert WithEvents().requires_event_sync() is True
+
+
+def test_a_memory_handle_is_a_pair_or_a_record_with_handle_and_offset():
+    IpcMemHandle = devipc.hooks.IpcMemHandle
+    assert IpcMemHandle.of((b"h", 8)) == (b"h", 8) == IpcMemHandle(handle=b"h", offset=8)
+
+    class Record:  # the RFC's pull requests: IpcMemHandle{offset, handle}
+        offset, handle = 8, b"h"
+
+    assert IpcMemHandle.of(Record()) == (b"h", 8)
+    for wrong in (b"h", None, (b"h", 8, 0)):
+        with pytest.raises(TypeError, match="get_ipc_mem_handle must return"):
+            IpcMemHandle.of(wrong)

@@ -1,4 +1,5 @@
 """torch.multiprocessing integration: what crosses a Queue, and what stays torch's."""
+import dataclasses
 import pickle
 import socket
 import textwrap
@@ -9,7 +10,7 @@ import _workers
 import pytest
 import torch
 import torch.multiprocessing.reductions as torch_reductions
-from _support import TIMEOUT, run_python, wait_until
+from _support import TIMEOUT, json_of, run_python, wait_until
 
 import devipc
 from devipc import _sharing, _wire
@@ -416,6 +417,102 @@ def test_install_is_idempotent_and_uninstall_restores_torch():
     finally:
         devipc.install()
     assert ForkingPickler._extra_reducers[torch.Tensor] is devipc._reductions.reduce_tensor
+
+
+@dataclasses.dataclass
+class _UpstreamMemHandle:
+    """The memory-handle record of the RFC's pull requests: IpcMemHandle{offset, handle}."""
+    offset: int
+    handle: bytes
+
+
+class _UpstreamSpelling(devipc.IpcHooks):
+    """openreg's hooks as code written against the PR branches spells them: a record for the
+    memory handle, requires_event_sync() and no ipc_event_handle_size()."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def supports_ipc(self):
+        return self.inner.supports_ipc()
+
+    def get_ipc_mem_handle(self, ptr):
+        handle, offset = self.inner.get_ipc_mem_handle(ptr)
+        return _UpstreamMemHandle(offset=offset, handle=handle)
+
+    def get_ipc_event_handle(self, device):
+        return self.inner.get_ipc_event_handle(device)
+
+    def open_ipc_mem_handle(self, handle):
+        return self.inner.open_ipc_mem_handle(handle)
+
+    def wait_ipc_event(self, event_handle, stream):
+        self.inner.wait_ipc_event(event_handle, stream)
+
+    def requires_event_sync(self):
+        return self.inner.ipc_event_handle_size() > 0
+
+
+def test_hooks_in_the_rfc_prs_spelling_share_unchanged(children, ipc_mode):
+    inner = devipc.get_ipc_hooks("openreg")
+    upstream = _UpstreamSpelling(inner)
+    assert upstream.ipc_event_handle_size() == 0  # the core asks requires_event_sync() alone
+    devipc.register_ipc_hooks("openreg", upstream)
+    try:
+        cpu = torch.arange(12.0).reshape(3, 4)
+        report, = _roundtrip(children, [(cpu.to("openreg")[1:], cpu[1:])])
+    finally:
+        devipc.register_ipc_hooks("openreg", inner)
+    assert report["equal"] and report["received"] and report["offset"] == 4
+
+
+def test_torchs_own_event_reducers_stay_as_torch_made_them():
+    """torch 2.15 replaced reduce_event by _reduce_event (registered for cuda and xpu events);
+    devipc's install re-runs torch's init_reductions and touches neither."""
+    own = getattr(torch_reductions, "_reduce_event", None) or torch_reductions.reduce_event
+    assert devipc.installed()
+    events = [torch.cuda.Event] + ([torch.xpu.Event] if hasattr(torch.xpu, "Event") else [])
+    for event_class in events:
+        assert ForkingPickler._extra_reducers.get(event_class) in (own, None), event_class
+    assert ForkingPickler._extra_reducers[torch.cuda.Event] is own
+
+
+def test_the_rfc_prs_support_query_answers_once_installed_and_goes_with_uninstall():
+    query = torch._C._acc._is_privateuse1_ipc_supported
+    assert query() is True  # openreg, the PrivateUse1 backend here, has hooks that share
+    devipc.uninstall()
+    try:
+        assert not hasattr(torch._C._acc, "_is_privateuse1_ipc_supported")
+    finally:
+        devipc.install()
+    assert torch._C._acc._is_privateuse1_ipc_supported() is True
+
+
+OWN_SHARE_DEVICE = """
+import json, torch
+native = torch.UntypedStorage._share_fd_cpu_  # a native method, as a torch with the RFC would have
+torch.UntypedStorage._share_device_ = native
+import devipc
+before = devipc.installed()
+try:
+    import devipc_openreg  # registers openreg's hooks, which installs the reductions
+except devipc.DevIpcError as error:
+    refused = str(error)
+else:
+    refused = None
+print(json.dumps({"installed": before or devipc.installed(), "refused": refused,
+                  "kept": torch.UntypedStorage._share_device_ is native,
+                  "hooks": devipc.get_ipc_hooks("openreg") is not None}))
+"""
+
+
+def test_a_torch_with_its_own_share_device_is_refused_not_overwritten():
+    """A future torch with the RFC merged: devipc says so and leaves torch's method in place."""
+    out = json_of(OWN_SHARE_DEVICE, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert out["refused"] and "has its own UntypedStorage._share_device_" in out["refused"]
+    assert "will not replace it" in out["refused"]
+    assert out["kept"] and not out["installed"]
+    assert not out["hooks"], "the refused registration stays registered"
 
 
 def test_a_non_leaf_that_requires_grad_is_refused_in_torchs_words():

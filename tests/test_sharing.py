@@ -255,6 +255,7 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
         tensor, other = torch.arange(4.0, device="openreg"), torch.ones(4, device="openreg")
         received = [ForkingPickler.loads(ForkingPickler.dumps(t)) for t in (tensor, other)]
         del received  # both die; their releases wait for the next open
+        torch.accelerator.synchronize()  # their streams' work done: the releases are due at once
         original, calls = _sharing._opened.release, []
 
         def release_then_fail(handle):

@@ -37,7 +37,7 @@ def test_weights_kept_packed_are_sent_without_a_copy():
         parameter.data = packed[name]
     with torch.no_grad():
         model[1].bias.add_(1)  # a training step writes the packed memory
-    allocated = torch.openreg.memory_allocated()
+    allocated, sent = torch.openreg.memory_allocated(), devipc.stats()["sent"]
     opened = devipc.open_state_dict(bytes(devipc.share_state_dict(model.state_dict(),
                                                                    copy=False)))
     assert torch.openreg.memory_allocated() <= allocated  # no copy (earlier tests' may go)
@@ -47,7 +47,7 @@ def test_weights_kept_packed_are_sent_without_a_copy():
     assert opened["1.bias"].cpu().tolist() == [0.0] * 10
     del opened
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["sent"] == 0,
+    wait_until(lambda: devipc.stats()["sent"] <= sent,  # an earlier test's sends may be held
                "the send ended", collect=True)
 
 

@@ -70,4 +70,11 @@ def autoload() -> None:
                     "prefer openreg over it. Set %s=1 or `import devipc_openreg` to load it "
                     "anyway; %s=0 silences this.", accelerator, SWITCH, SWITCH)
         return
-    import devipc_openreg  # noqa: F401  (importing it registers the device)
+    try:
+        import devipc_openreg  # noqa: F401  (importing it registers the device)
+    except ImportError as err:
+        if err.name != "devipc_openreg._C":
+            raise
+        # A glue not built, or built against another torch: `import torch` still works, without
+        # openreg, and the one line says how to rebuild (an explicit import raises it).
+        log.warning("devipc-openreg is not loaded: %s", err)

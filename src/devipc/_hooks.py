@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._devices import type_of
 from ._errors import UnsupportedDeviceError
@@ -31,6 +31,28 @@ class OpenedMemory:
     close: Callable[[], None]
 
 
+class IpcMemHandle(NamedTuple):
+    """What `get_ipc_mem_handle` returns: the handle naming a base allocation, and the pointer's
+    byte offset inside it. A plain `(handle, offset)` tuple is the same thing."""
+
+    handle: bytes
+    offset: int
+
+    @classmethod
+    def of(cls, result: Any) -> IpcMemHandle:
+        """A hook's answer as an IpcMemHandle: a `(handle, offset)` pair, or any record with
+        `handle` and `offset` fields (the spelling of the RFC's pull requests, whose C++ struct
+        is IpcMemHandle{offset, handle})."""
+        if hasattr(result, "handle") and hasattr(result, "offset"):
+            return cls(result.handle, result.offset)
+        try:
+            handle, offset = result
+        except (TypeError, ValueError):
+            raise TypeError(f"get_ipc_mem_handle must return (handle, offset) or a record with "
+                            f"handle and offset, got {type(result).__name__}") from None
+        return cls(handle, offset)
+
+
 class IpcHooks:
     """Base class of a device's IPC hooks. Every default says "no IPC": override all six.
 
@@ -42,9 +64,9 @@ class IpcHooks:
         """Whether this device can share memory between processes. Never raises."""
         return False
 
-    def get_ipc_mem_handle(self, ptr: int) -> tuple[bytes, int]:
+    def get_ipc_mem_handle(self, ptr: int) -> IpcMemHandle | tuple[bytes, int]:
         """(handle, offset): plain bytes naming the base allocation holding `ptr`, and `ptr`'s
-        byte offset inside it."""
+        byte offset inside it; an IpcMemHandle or a plain pair."""
         raise NotImplementedError(f"{type(self).__name__} needs get_ipc_mem_handle")
 
     def get_ipc_event_handle(self, device: torch.device) -> bytes:
@@ -60,11 +82,14 @@ class IpcHooks:
         """Make `stream` wait for the producer's event. No-op on empty bytes."""
 
     def ipc_event_handle_size(self) -> int:
-        """0: no events, the producer synchronizes the device before handing out a handle."""
+        """0: no events, the producer synchronizes the device before handing out a handle. The
+        RFC's first spelling; `requires_event_sync` is the later one: override either."""
         return 0
 
     def requires_event_sync(self) -> bool:
-        """The later upstream spelling of `ipc_event_handle_size() > 0`; override either."""
+        """Whether consumers wait on the producer's interprocess event (`get_ipc_event_handle`)
+        rather than the producer synchronizing before each send. The core asks only this;
+        default: `ipc_event_handle_size() > 0`."""
         return self.ipc_event_handle_size() > 0
 
     # Optional, beyond the RFC's six: the defaults are safe for any device.
@@ -119,10 +144,19 @@ def register_ipc_hooks(device_type: str, hooks: IpcHooks) -> None:
         raise ValueError(f"torch shares {device_type!r} tensors itself; devipc does not take "
                          f"them over")
     with _lock:
+        previous = _registry.get(device_type)
         _registry[device_type] = hooks
         listeners = list(_listeners)
-    for listener in listeners:
-        listener()
+    try:
+        for listener in listeners:
+            listener()
+    except BaseException:  # e.g. the reductions refused this torch: the registration is undone
+        with _lock:
+            if previous is None:
+                _registry.pop(device_type, None)
+            else:
+                _registry[device_type] = previous
+        raise
 
 
 def on_register(listener: Callable[[], None]) -> None:

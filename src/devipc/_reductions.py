@@ -247,13 +247,35 @@ _STORAGE_METHODS = {"_share_device_": share_device,
                     "_new_shared_device": classmethod(_new_shared_device),
                     "_release_ipc_counter_device": classmethod(_release_ipc_counter_device)}
 _MISSING = object()
+_ACC_NAME = "_is_privateuse1_ipc_supported"  # in torch._C._acc, where the RFC's PRs put it
+
+
+def _privateuse1_ipc_supported() -> bool:
+    """torch._C._acc._is_privateuse1_ipc_supported(), as the RFC's pull requests spell it."""
+    return device_supports_ipc(torch._C._get_privateuse1_backend_name())
+
+
+def _refuse_torchs_own_ipc() -> None:
+    """A torch with the RFC merged brings its own device IPC: devipc never replaces it."""
+    own = getattr(torch.UntypedStorage, "_share_device_", _MISSING)
+    if own is not _MISSING and own is not share_device:
+        raise DevIpcError(
+            f"torch {torch.__version__} has its own UntypedStorage._share_device_ (PyTorch's "
+            f"device IPC, which devipc implements for torch releases without it), and devipc "
+            f"will not replace it: share this torch's device tensors with torch.multiprocessing "
+            f"alone (uninstall devipc), or use a torch devipc supports (>=2.13,<2.16)")
 
 
 def install() -> None:
-    """Route torch.multiprocessing through devipc for devices with hooks. Idempotent."""
+    """Route torch.multiprocessing through devipc for devices with hooks. Idempotent. Refuses
+    (DevIpcError) a torch that has device IPC of its own."""
     with _lock:
         if _saved:
             return
+        _refuse_torchs_own_ipc()
+        if not hasattr(torch._C._acc, _ACC_NAME):
+            _saved["acc"] = _privateuse1_ipc_supported
+            setattr(torch._C._acc, _ACC_NAME, _privateuse1_ipc_supported)
         for name, function in _MODULE_NAMES.items():
             _saved[name] = getattr(torch_reductions, name, _MISSING)
             setattr(torch_reductions, name, function)
@@ -272,6 +294,8 @@ def uninstall() -> None:
             _restore(torch_reductions, name, _saved.pop(name))
         for name in _STORAGE_METHODS:
             _restore(torch.UntypedStorage, name, _saved.pop("storage." + name))
+        if _saved.pop("acc", None) is not None:
+            delattr(torch._C._acc, _ACC_NAME)
         torch_reductions.init_reductions()
 
 

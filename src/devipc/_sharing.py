@@ -28,7 +28,7 @@ from ._errors import (
     UnsupportedTensorError,
 )
 from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
-from ._hooks import IpcHooks, OpenedMemory, hooks_for
+from ._hooks import IpcHooks, IpcMemHandle, OpenedMemory, hooks_for
 from ._memory import TensorOrStorage, reap_freed, tensor_from_memory, untyped, watched
 from ._received import (
     DeferredReleases,
@@ -129,7 +129,7 @@ def share_storage(storage: torch.UntypedStorage, device: torch.device,
             raise ReshareError(f"this {device} storage lies inside memory received from another "
                                f"process without being a received storage itself; send a "
                                f"clone()")
-        wire = hooks.get_ipc_mem_handle(storage.data_ptr())
+        wire = IpcMemHandle.of(hooks.get_ipc_mem_handle(storage.data_ptr()))
         sent = (*_exports.send(storage, wire), wire)
     file, index, (handle, offset) = sent
     try:

@@ -8,6 +8,7 @@ must guarantee, and how to prove it with the conformance kit.
 """
 from ._hooks import (
     IpcHooks,
+    IpcMemHandle,
     OpenedMemory,
     device_supports_ipc,
     get_ipc_hooks,
@@ -15,5 +16,5 @@ from ._hooks import (
     unregister_ipc_hooks,
 )
 
-__all__ = ["IpcHooks", "OpenedMemory", "device_supports_ipc", "get_ipc_hooks",
+__all__ = ["IpcHooks", "IpcMemHandle", "OpenedMemory", "device_supports_ipc", "get_ipc_hooks",
            "register_ipc_hooks", "unregister_ipc_hooks"]

@@ -151,3 +151,36 @@ def test_a_refused_switch_stops_import_torch_loudly():
     proc = start_python("import torch", DEVIPC_OPENREG="false")
     _, err = proc.communicate(timeout=FRESH_TIMEOUT)
     assert proc.returncode != 0 and "DEVIPC_OPENREG='false' is not understood" in err
+
+
+def test_a_glue_built_against_another_torch_is_refused_in_one_line():
+    """The torch release _C was built against (torch-version.txt beside it) is checked before _C
+    is loaded: `import torch` goes on without openreg and says how to rebuild; an explicit import
+    raises that line."""
+    out, logs = autoload_after("torch.__version__ = '2.99.0'  # as if torch were upgraded")
+    assert out["openreg"] is False and out["privateuse1"] == "privateuseone" and out["works"] == 4
+    assert len(logs) == 1 and "built against torch 2.1" in logs[0] and "2.99.0" in logs[0]
+    assert "pip install --no-build-isolation --force-reinstall --no-deps devipc-openreg" in logs[0]
+    out = json_of(textwrap.dedent("""
+        import json, torch
+        torch.__version__ = "2.99.0"
+        try:
+            import devipc_openreg
+        except ImportError as error:
+            print(json.dumps({"error": str(error), "name": error.name}))
+    """), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert out["name"] == "devipc_openreg._C" and "\n" not in out["error"]
+    assert "but this is torch 2.99.0; rebuild it against this torch: `make setup`" in out["error"]
+
+
+def test_builds_of_one_torch_release_share_its_abi():
+    from devipc_openreg import _runtime
+
+    _runtime.check_glue_torch("2.14.1+cu128", "2.14.1")  # the CUDA build and the CPU build
+    for built, running in (("2.13.0+cpu", "2.15.0"), ("2.15.0", "2.15.1")):
+        try:
+            _runtime.check_glue_torch(built, running)
+        except ImportError as error:
+            assert error.name == "devipc_openreg._C"
+        else:
+            raise AssertionError(f"{built} accepted under {running}")

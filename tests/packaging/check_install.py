@@ -1,8 +1,9 @@
 """Installs both distributions as a user would, into a fresh venv, and uses them there.
 
-`pip wheel` builds each package in pip's build isolation (build requirements from the
-pyproject files: setuptools, ninja, torch==2.13.0), the wheels are checked (the runtime library
-inside, no sources, stripped, metadata with readme and license), then installed into a new venv:
+`pip wheel` builds the core in pip's build isolation and devipc-openreg, a torch C++ extension,
+with `--no-build-isolation` against the torch running this script, as its README tells users. The
+wheels are checked (the runtime library inside, no sources, stripped, metadata with readme and
+license), then installed into a new venv beside that same torch release:
 devipc alone first (importing it must register no device), then devipc-openreg beside it (`import
 torch` loads openreg, and a tensor crosses processes without LD_LIBRARY_PATH). `make check-install`.
 """
@@ -14,8 +15,11 @@ import tempfile
 import time
 import zipfile
 
+import torch
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TIMEOUT = 900  # seconds for one pip command: the openreg wheel compiles C++
+TORCH_RELEASE = torch.__version__.split("+")[0]  # what the openreg wheel is built against
 
 CORE_ONLY = """
 import json, sys, torch
@@ -94,14 +98,16 @@ def check_stripped(wheel, tmp):
 def main():
     with tempfile.TemporaryDirectory(prefix="devipc-install-") as tmp:
         wheels, venv = os.path.join(tmp, "wheels"), os.path.join(tmp, "venv")
+        build_base = os.path.join(tmp, "openreg-build")  # not the checkout's openreg/build
         pip = [sys.executable, "-m", "pip"]
         start = time.monotonic()
         run(*pip, "wheel", "-q", "--no-deps", "-w", wheels, ROOT)
         core_built = time.monotonic()
-        run(*pip, "wheel", "-q", "--no-deps", "-w", wheels, os.path.join(ROOT, "openreg"))
+        run(*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels,
+            os.path.join(ROOT, "openreg"), env=dict(os.environ, OPENREG_BUILD_BASE=build_base))
         openreg_built = time.monotonic()
-        print(f"wheels built in isolation: devipc {core_built - start:.0f} s, "
-              f"devipc-openreg {openreg_built - core_built:.0f} s")
+        print(f"wheels built: devipc {core_built - start:.0f} s, devipc-openreg (against torch "
+              f"{torch.__version__}) {openreg_built - core_built:.0f} s")
         core, = (os.path.join(wheels, w) for w in os.listdir(wheels) if w.startswith("devipc-"))
         openreg, = (os.path.join(wheels, w) for w in os.listdir(wheels)
                     if w.startswith("devipc_openreg-"))
@@ -113,13 +119,19 @@ def main():
         assert sections in ([], ["console_scripts"]), \
             f"the core wheel has an entry point other than the `devipc` command: {sections}"
         check_wheel(openreg, ["devipc_openreg/libopenreg.so", "devipc_openreg/_C",
+                              "devipc_openreg/torch-version.txt",
                               "_devipc_openreg_autoload.py", "entry_points.txt"], (".cpp", ".h"))
         check_stripped(openreg, tmp)
 
         run(sys.executable, "-m", "venv", venv)
         python = os.path.join(venv, "bin", "python")
-        # torch pinned and alone first: an unpinned resolve would fetch a CUDA build
-        run(python, "-m", "pip", "install", "-q", "torch==2.13.0")
+        # torch pinned and alone first: an unpinned resolve would fetch a CUDA build. The pin is
+        # this venv's constraints file, in place of any machine-wide one (which may cap torch).
+        pin = os.path.join(tmp, "torch-pin.txt")
+        with open(pin, "w") as f:
+            f.write(f"torch=={TORCH_RELEASE}\n")
+        os.environ["PIP_CONSTRAINT"] = pin
+        run(python, "-m", "pip", "install", "-q", f"torch=={TORCH_RELEASE}")
         run(python, "-m", "pip", "install", "-q", core)
         env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")
                and not k.startswith(("OPENREG_", "DEVIPC_"))}

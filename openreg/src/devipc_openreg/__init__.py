@@ -43,6 +43,11 @@ from . import _exit  # noqa: E402
 
 _exit.register()
 
+from . import _dlpack, _ties  # noqa: E402
+
+_dlpack.register()
+_ties.register()
+
 from . import _compile  # noqa: E402
 
 _compile.register()

@@ -115,11 +115,37 @@ def _handle(data):
 
 
 # ---- the glue: loaded once, then its ops -------------------------------------------------------
+GLUE = __package__ + "._C"
+_REBUILD = ("rebuild it against this torch: `make setup` in the devipc checkout, or `pip install "
+            "--no-build-isolation --force-reinstall --no-deps devipc-openreg`")
+
+
+def release(version):
+    """'2.15.0' of '2.15.0+cu128': builds of one release share its C++ ABI."""
+    return version.split("+")[0]
+
+
+def check_glue_torch(built_with, running):
+    """Refuses, in one line, a glue compiled against another torch release than the running one:
+    loading it would end in an undefined symbol, or worse. The ImportError names the glue, which
+    is how torch's autoload (_devipc_openreg_autoload) tells it from other failures."""
+    if release(built_with) != release(running):
+        raise ImportError(f"devipc_openreg was built against torch {built_with} but this is torch "
+                          f"{running}; {_REBUILD}", name=GLUE)
+
+
 def load_glue():
     """Loads `_C`, whose static registrations make openreg a PrivateUse1 backend."""
-    spec = importlib.util.find_spec(__package__ + "._C")
+    spec = importlib.util.find_spec(GLUE)
     if spec is None or spec.origin is None:
-        raise ImportError(f"devipc_openreg._C {_NOT_BUILT}")
+        raise ImportError(f"devipc_openreg._C {_NOT_BUILT}", name=GLUE)
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "torch-version.txt")) as f:
+            built_with = f.read().strip()
+    except OSError:
+        raise ImportError(f"devipc_openreg._C does not say which torch it was built against (an "
+                          f"older build); {_REBUILD}", name=GLUE) from None
+    check_glue_torch(built_with, torch.__version__)
     torch.ops.load_library(spec.origin)
 
 

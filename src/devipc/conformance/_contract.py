@@ -33,12 +33,14 @@ def defaults(kit: Kit) -> str:
            "the base class's defaults no longer say 'no IPC'")
     missing = [name for name in REQUIRED if not kit.overrides(name)]
     expect(not missing, f"the hooks keep the defaults of {missing}: they cannot share")
-    size = kit.hooks.ipc_event_handle_size()
-    expect(isinstance(size, int) and size >= 0, f"ipc_event_handle_size() is {size!r}")
-    expect(kit.hooks.requires_event_sync() == (size > 0),
-           f"requires_event_sync() is {kit.hooks.requires_event_sync()} while "
-           f"ipc_event_handle_size() is {size}")
-    return f"event handles of {size} bytes" if size else "no events: the producer synchronizes"
+    sync = kit.hooks.requires_event_sync()
+    expect(type(sync) is bool, f"requires_event_sync() is {sync!r}, not a bool")
+    if kit.overrides("ipc_event_handle_size"):  # the RFC's first spelling, kept consistent
+        size = kit.hooks.ipc_event_handle_size()
+        expect(isinstance(size, int) and size >= 0, f"ipc_event_handle_size() is {size!r}")
+        expect(sync == (size > 0),
+               f"requires_event_sync() is {sync} while ipc_event_handle_size() is {size}")
+    return "interprocess events" if sync else "no events: the producer synchronizes"
 
 
 @check("contract.supports_ipc",
@@ -74,12 +76,12 @@ def mem_handle(kit: Kit) -> str:
     large = torch.zeros(1 << 20, dtype=torch.float32, device=kit.device)
     for tensor in (small, large):
         ptr, nbytes = tensor.data_ptr(), tensor.nbytes
-        handle, offset = hooks.get_ipc_mem_handle(ptr)
+        handle, offset = devipc.hooks.IpcMemHandle.of(hooks.get_ipc_mem_handle(ptr))
         expect(type(handle) is bytes and handle, f"the handle is {type(handle).__name__} "
                f"{handle[:8]!r}..., not non-empty bytes")
         expect(type(offset) is int and offset >= 0, f"the offset is {offset!r}")
         for step in (4, nbytes - 4):
-            again, moved = hooks.get_ipc_mem_handle(ptr + step)
+            again, moved = devipc.hooks.IpcMemHandle.of(hooks.get_ipc_mem_handle(ptr + step))
             expect(again == handle, f"ptr + {step} of one allocation gave another handle")
             expect(moved == offset + step,
                    f"ptr + {step} gave offset {moved}, expected {offset} + {step}")
@@ -94,13 +96,19 @@ def mem_handle(kit: Kit) -> str:
 
 
 @check("contract.event_handle",
-       "get_ipc_event_handle gives exactly ipc_event_handle_size() bytes (b\"\" for 0), and "
-       "wait_ipc_event accepts them and b\"\" on a peer's stream")
+       "get_ipc_event_handle gives non-empty bytes with events, b\"\" without (exactly "
+       "ipc_event_handle_size() bytes where the hooks say a size), and wait_ipc_event accepts "
+       "them and b\"\" on a peer's stream")
 def event_handle(kit: Kit) -> str:
-    size = kit.events()
+    sync = kit.events()
     event = kit.hooks.get_ipc_event_handle(kit.device)
     expect(type(event) is bytes, f"the event handle is a {type(event).__name__}")
-    expect(len(event) == size, f"the event handle has {len(event)} bytes, the size is {size}")
+    expect(bool(event) == sync, f"the event handle has {len(event)} bytes while "
+           f"requires_event_sync() is {sync}")
+    if kit.overrides("ipc_event_handle_size"):
+        size = kit.hooks.ipc_event_handle_size()
+        expect(len(event) == size, f"the event handle has {len(event)} bytes, the size is {size}")
     waited = kit.peer().call("wait_events", kit.target, event)
     expect(waited == {"event": "ok", "empty": "ok"}, f"wait_ipc_event in the peer: {waited}")
+    size = len(event)
     return f"{size}-byte handles" if size else "b\"\" (no events)"

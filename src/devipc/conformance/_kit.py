@@ -39,9 +39,9 @@ class Kit:
     def peer(self) -> Peer:
         return self.peers.main()
 
-    def events(self) -> int:
-        """The event handle size the hooks report: 0, the producer synchronizes."""
-        return int(self.hooks.ipc_event_handle_size())
+    def events(self) -> bool:
+        """Whether the hooks use interprocess events; False: the producer synchronizes."""
+        return bool(self.hooks.requires_event_sync())
 
     def synchronize(self) -> None:
         _device.synchronize(self.device)

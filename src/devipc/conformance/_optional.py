@@ -70,7 +70,7 @@ def can_map_on(kit: Kit) -> str:
         raise Skip("the device keeps the default can_map_on (only the owning device)")
     peer = kit.peer()
     tensor = torch.arange(16, dtype=torch.float32, device=kit.device)
-    handle, _ = kit.hooks.get_ipc_mem_handle(tensor.data_ptr())
+    handle, _ = devipc.hooks.IpcMemHandle.of(kit.hooks.get_ipc_mem_handle(tensor.data_ptr()))
     answer = peer.call("can_map", kit.target, handle)
     answers, owner = answer["answers"], answer["owner"]
     expect(all(isinstance(value, bool) for value in answers.values()),

@@ -25,7 +25,7 @@ def refused(outcomes: dict[str, str]) -> list[str]:
        "InvalidHandleError (and the peer survives)")
 def hook_handles(kit: Kit) -> str:
     tensor = torch.ones(64, device=kit.device)
-    handle, _ = kit.hooks.get_ipc_mem_handle(tensor.data_ptr())
+    handle, _ = devipc.hooks.IpcMemHandle.of(kit.hooks.get_ipc_mem_handle(tensor.data_ptr()))
     noise = random.Random(19)
     damaged = {"empty": b"", "truncated by 1": handle[:-1], "half": handle[:len(handle) // 2],
                "extended by 1": handle + b"\0", "zeros": bytes(len(handle)),

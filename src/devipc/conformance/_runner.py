@@ -170,10 +170,10 @@ def describe(device: torch.device) -> str:
     if hooks is None:
         return f"{device}: no IPC hooks registered"
     try:
-        size = hooks.ipc_event_handle_size()
-        mode = f"{size}-byte event handles" if size else "no events (the producer synchronizes)"
+        mode = ("interprocess events" if hooks.requires_event_sync()
+                else "no events (the producer synchronizes)")
     except Exception as error:
-        mode = f"ipc_event_handle_size() raised {type(error).__name__}"
+        mode = f"requires_event_sync() raised {type(error).__name__}"
     count = _device.device_count(device)
     return (f"{device} of {count}, hooks {type(hooks).__module__}.{type(hooks).__qualname__}, "
             f"{mode}; torch {torch.__version__}, devipc {devipc.__version__}")
