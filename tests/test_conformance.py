@@ -104,7 +104,10 @@ def test_a_check_that_hangs_in_a_dataloader_worker_ends_with_the_worker_killed(t
     """The kit's output is captured (as CI does): the worker it started must not keep it open."""
     pids = tmp_path / "workers"
     try:
-        run = kit("--hooks-module", "_broken_hooks", "-k", "mp.dataloader", "--timeout", "5",
+        # long enough for the worker to start and reach the hooks (a spawned worker imports torch:
+        # ~8 s for a CUDA build of torch on an idle 2-core machine)
+        run = kit("--hooks-module", "_broken_hooks", "-k", "mp.dataloader",
+                  "--timeout", str(round(10 * SLOWDOWN)),
                   DEVIPC_BROKEN_HOOKS="worker_share_hangs", DEVIPC_BROKEN_HOOKS_PIDS=str(pids))
         assert run.returncode == 1, run.stdout + run.stderr
         assert table(run.stdout) == {"mp.dataloader": "failed"}

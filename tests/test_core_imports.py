@@ -41,7 +41,8 @@ def test_importing_devipc_registers_no_device():
                           "device_modules": sorted(m for m in sys.modules if "openreg" in m),
                           "installed": devipc.installed()}))
     """), DEVIPC_OPENREG="0")
-    assert state["before"] == state["after"] == ["None", "privateuseone"]
+    # torch's CUDA builds say "cuda" even without a GPU, its CPU builds None: unchanged is the point
+    assert state["before"] == state["after"] and state["before"][1] == "privateuseone"
     # the entry point of the installed reference device ran, and stepped aside
     assert state["device_modules"] == ["_devipc_openreg_autoload"]
     assert state["installed"] is False  # no device registered hooks: torch's reducers untouched

@@ -238,3 +238,16 @@ def test_dataloader_pin_memory_pins_batches():
     batches = [batch for (batch,) in loader]
     assert len(batches) == 2 and all(b.is_pinned() for b in batches)
     assert torch.equal(torch.cat(batches), data.tensors[0])
+
+
+@pytest.mark.skipif(not hasattr(torch.accelerator, "random"),
+                    reason="torch.accelerator.random came with torch 2.14")
+def test_torch_accelerator_random_reads_openreg_generators():
+    torch.manual_seed(5)
+    assert torch.accelerator.random.initial_seed() == 5
+    states = torch.accelerator.random.get_rng_state_all()
+    assert len(states) == torch.openreg.device_count()
+    for index, state in enumerate(states):
+        assert torch.equal(state, torch.openreg.get_rng_state(index))
+    torch.rand(4, device="openreg")  # draws move the generator
+    assert not torch.equal(torch.accelerator.random.get_rng_state(), states[0])
