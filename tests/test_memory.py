@@ -125,6 +125,43 @@ def test_a_bounded_reap_looks_at_the_newest_storages_only():
     assert reap_freed() == 38
 
 
+class _ChangedWhileListed(dict):
+    """A storage made by another thread while a reap lists the live ones (building the list
+    allocates, a collection runs finalizers, another thread takes the GIL): the dict changes
+    under the reap's iteration, once."""
+
+    def items(self):
+        view = super().items()
+        if -4 in self:  # changed once already
+            return view
+        owner = self
+
+        class Changing:
+            def _change_then(self, iterator):
+                for count, item in enumerate(iterator):
+                    if count == 1:
+                        owner[-4] = owner[-2]  # -> "dictionary changed size during iteration"
+                    yield item
+
+            def __iter__(self):
+                return self._change_then(iter(view))
+
+            def __reversed__(self):
+                return self._change_then(reversed(view))
+
+        return Changing()
+
+
+@pytest.mark.parametrize("newest", [None, 8], ids=["full", "bounded"])
+def test_a_reap_survives_storages_made_while_it_lists_them(monkeypatch, newest):
+    freed: list[int] = []
+    dead = (0, (_memory._LIVE + 1,), lambda: freed.append(1), None)  # its first word: died
+    live = (0, (_memory._LIVE,), lambda: freed.append(2), None)
+    monkeypatch.setattr(_memory, "_live", _ChangedWhileListed({-2: live, -1: dead, -3: live}))
+    assert reap_freed(newest) == 1 and freed == [1]
+    assert -1 not in _memory._live and -2 in _memory._live
+
+
 def test_a_storage_dying_while_an_exception_unwinds_keeps_the_exception():
     """The deleter runs no Python: CPython cannot call it while an exception is set (a ctypes
     callback there turned the user's exception into a SystemError, or crashed)."""

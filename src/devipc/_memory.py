@@ -126,10 +126,15 @@ def reap_freed(newest: int | None = None) -> int:
     paths, whose cost must not grow with what a process holds (a consumer holding 10,000
     received weights would otherwise scan them at every open). The storage a loop drops is
     among the newest; the collector's rounds look at all of them."""
-    if newest is None:
-        made = list(_live.items())
-    else:  # a C iterator only: no other thread runs, the dict cannot change meanwhile
-        made = list(itertools.islice(reversed(_live.items()), newest))
+    while True:
+        try:
+            if newest is None:
+                made = list(_live.items())
+            else:
+                made = list(itertools.islice(reversed(_live.items()), newest))
+            break
+        except RuntimeError:  # "changed size during iteration": building the list allocated,
+            continue  # a collection ran finalizers, and another thread added a storage meanwhile
     freed = []
     for number, entry in made:  # a loop, not comprehensions: this runs at every open
         if entry[1][0] != _LIVE and _live.pop(number, None) is not None:
