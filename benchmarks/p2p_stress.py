@@ -169,8 +169,8 @@ def main() -> int:
     args = parser.parse_args()
     result = run(args.threads, args.transfers, args.slots)
     print(json.dumps(result, indent=1))
-    failed = result["other_errors"] or result["hung_threads"] or result["mapped_after"] \
-        or not result["fds_back"]
+    failed = result["wrong_bytes"] or result["other_errors"] or result["hung_threads"] \
+        or result["mapped_after"] or not result["fds_back"]
     return 1 if failed else 0
 
 
