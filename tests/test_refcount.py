@@ -12,6 +12,7 @@ from devipc._refcount import (
     SENT,
     SLOTS_PER_FILE,
     ConsumerCounters,
+    CounterFile,
     ProducerCounters,
     SlotError,
     check_index,
@@ -97,6 +98,30 @@ def test_a_consumer_can_take_a_slot_for_forwarding():
     assert pool.new_slots() == [(file, forwarded, 42)]
     assert pool.new_slots() == []  # seen once
     assert pool.allocate(export=42) == (file, index + 1)  # the producer's next, reserved
+    counters.release(file.handle, index)
+    counters.release_unopened(file.handle, forwarded)
+
+
+def test_a_slot_another_process_takes_is_listed_with_its_export_whenever_the_producer_looks(
+        monkeypatch):
+    # The producer's collector may look between a forwarder's (or p2p peer's) move of the
+    # cursor and its assignment of the slot: a slot seen then with no export was never listed
+    # again, its export let go of the memory while the slot still used it (p2p_stress read
+    # another registration's bytes through it).
+    pool, counters = ProducerCounters(), ConsumerCounters()
+    file, index = pool.allocate(export=42)
+    counters.hold(file.handle, index, lambda: None)
+    seen, assign = [], CounterFile.assign
+
+    def look_then_assign(self, slot, export):
+        seen.extend(pool.new_slots())
+        assign(self, slot, export)
+
+    monkeypatch.setattr(CounterFile, "assign", look_then_assign)
+    forwarded = counters.forward(file.handle, index)
+    monkeypatch.undo()
+    seen.extend(pool.new_slots())
+    assert seen == [(file, forwarded, 42)]
     counters.release(file.handle, index)
     counters.release_unopened(file.handle, forwarded)
 

@@ -70,12 +70,20 @@ class CounterFile:
 
     # -- transitions --
     def take(self, export: int) -> int | None:
-        """A new SENT slot for `export`, or None when the file is full."""
-        slots = self.reserve(1)
-        if not slots:
-            return None
-        self.assign(slots[0], export)
-        return slots[0]
+        """A new SENT slot for `export`, or None when the file is full. The slot is assigned
+        before the cursor moves past it: the producer lists the slots others took, once each,
+        by the export they name (`ProducerCounters.new_slots`), and a slot it saw unassigned
+        would never keep its export's memory."""
+        _locks.lock(self.fd, *_CURSOR)
+        try:
+            index = self.cursor()
+            if not 0 <= index < SLOTS_PER_FILE:
+                return None
+            self.assign(index, export)
+            self._words.store_header(0, index + 1)
+            return index
+        finally:
+            _locks.unlock(self.fd, *_CURSOR)
 
     def reserve(self, count: int) -> range:
         """Up to `count` fresh slots for this process to `assign` later (empty: the file is
