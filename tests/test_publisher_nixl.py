@@ -266,17 +266,18 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
             late.wait(timeout=0.2)
         _workers.train_step(model, 1.0)
         publisher.publish(wait=False)
-        pull = late._pull
+        pull = late._backend._pull
 
         def overlapped(data):
             pull(data)
-            publisher._words[_publisher_remote._FILLING] = 2  # the trainer writes meanwhile
+            # the trainer writes meanwhile
+            publisher._backend._words[_publisher_remote._FILLING] = 2
 
-        monkeypatch.setattr(late, "_pull", overlapped)
+        monkeypatch.setattr(late._backend, "_pull", overlapped)
         with pytest.raises(TimeoutError):
             late.wait(timeout=0.2)
         monkeypatch.undo()
-        publisher._words[_publisher_remote._FILLING] = 1  # generation 1 is stable again
+        publisher._backend._words[_publisher_remote._FILLING] = 1  # generation 1 is stable again
         assert late.wait(timeout=TIMEOUT) == 1
         assert {n: t.cpu().tolist() for n, t in late.tensors().items()} == _workers.snapshot(model)
         late.ack()
@@ -417,8 +418,8 @@ def test_closing_a_subscriber_ends_another_threads_wait_with_a_clear_error(loopb
     with devipc.WeightPublisher(model, transport="nixl") as publisher:
         subscriber = devipc.WeightSubscriber(publisher.token())
         polls = []
-        poll = subscriber._poll
-        subscriber._poll = lambda: polls.append(1) or poll()
+        poll = subscriber._backend._poll
+        subscriber._backend._poll = lambda: polls.append(1) or poll()
         outcome = _in_other_thread(lambda: subscriber.wait(timeout=TIMEOUT))
         wait_until(lambda: len(polls) > 1, "the other thread waits for a generation")
         closing = time.monotonic()

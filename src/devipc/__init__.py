@@ -43,9 +43,10 @@ from .hooks import (  # synonyms of devipc.hooks
 from . import rfc
 from ._arena import Arena, ArenaReader, Chunk, open_arena
 from ._handles import Handle, open, open_tensors, pack, share, share_tensors
-from ._publisher import WeightPublisher, WeightSubscriber, pack_module
+from ._publisher import WeightPublisher, WeightSubscriber
 from ._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
 from ._state_dict import open_state_dict, share_state_dict
+from ._weights import pack_module
 from .rfc import (  # synonyms of devipc.rfc
     install,
     installed,

@@ -48,19 +48,18 @@ from ._errors import (
     PeerGoneError,
     RemoteTensorFreedError,
 )
-from ._publisher import ACK_TIMEOUT, InPlace, WeightPublisher, WeightSubscriber, named_weights
 from ._table import ALIGNMENT, Table
+from ._weights import ACK_TIMEOUT, WAY_IN_BYTES, InPlace, fill, named_weights
 from .p2p._descriptor import Descriptor, Metadata
 from .p2p._nixl import Remote, agent_metadata_from_bytes
 
-__all__ = ["NixlWeightPublisher", "NixlWeightSubscriber"]
+__all__ = ["NixlPublisher", "NixlSubscriber"]
 
 _T = TypeVar("_T")
 
 MAX_SUBSCRIBERS = 64
 HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
 LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts as dead
-_WAY_IN_BYTES = 1 << 20  # the endpoint metadata field of a token (as `_publisher` reads it)
 _JOIN = 5.0  # seconds a closing subscriber waits for its heartbeat thread
 _DESCRIPTOR_BYTES = 1 << 20
 _SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
@@ -81,7 +80,7 @@ def _word(index: int, field: int) -> int:
     return _HEADER + index * _FIELDS + field
 
 
-class NixlWeightPublisher(WeightPublisher):
+class NixlPublisher:
     """A WeightPublisher whose subscribers may be on other hosts (`transport="nixl"`).
 
     Thread-safe: publishes (and tokens) from several threads take turns, each publish its own
@@ -89,7 +88,7 @@ class NixlWeightPublisher(WeightPublisher):
     `wait_subscribers` under way there with ValueError, and the memory goes once they left."""
 
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False, transport: str = "nixl"):
+                 copy: bool = False):
         self._source = model_or_state_dict
         items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher")
         self.copy = bool(copy)
@@ -135,6 +134,10 @@ class NixlWeightPublisher(WeightPublisher):
     def _control(self, word: int, count: int) -> bytes:
         return self._endpoint.advertise(self._ids[0], 8 * word, 8 * count)
 
+    def __len__(self) -> int:
+        """How many tensors a generation holds."""
+        return len(self._table)
+
     @counted
     def token(self) -> bytes:
         """One subscriber's way in, on this host or another: open it once with
@@ -155,7 +158,7 @@ class NixlWeightPublisher(WeightPublisher):
         for field, value in ((_PID, 0), (_SERIAL, serial), (_ACK, -1), (_BEAT, 0),
                              (_STATE, PENDING)):
             self._words[_word(index, field)] = value
-        writer = _wire.Writer(_wire.WEIGHTS).bytes(self._endpoint.metadata(), _WAY_IN_BYTES)
+        writer = _wire.Writer(_wire.WEIGHTS).bytes(self._endpoint.metadata(), WAY_IN_BYTES)
         writer.device(self.device).int(self._nbytes).int(serial)
         for desc in (self._header, self._control(_word(index, _STATE), _FIELDS),
                      self._control(_word(index, _STATE), 2), self._control(_word(index, _ACK), 1),
@@ -179,7 +182,8 @@ class NixlWeightPublisher(WeightPublisher):
             if self.copy:
                 assert self._storage is not None
                 self._words[_FILLING] = generation  # subscribers reading it drop the pull
-                self._fill(self._storage, (generation % 2) * self._nbytes)
+                fill(self._storage, (generation % 2) * self._nbytes, self._table,
+                     named_weights(self._source), self.device)
             torch.get_device_module(self.device).synchronize(self.device)
             self.generation = generation
             self._words[_PUBLISHED] = generation
@@ -277,7 +281,7 @@ class NixlWeightPublisher(WeightPublisher):
             self._words = self._words.clone()
 
 
-class NixlWeightSubscriber(WeightSubscriber):
+class NixlSubscriber:
     """A WeightSubscriber of a `transport="nixl"` publisher: each generation is pulled into this
     process's memory, so `tensors()` stay valid until the next `wait()`, not only until `ack()`.
 
@@ -287,7 +291,7 @@ class NixlWeightSubscriber(WeightSubscriber):
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
         reader = _wire.Reader(token, (_wire.WEIGHTS,))
-        metadata = reader.bytes("publisher endpoint metadata", _WAY_IN_BYTES)
+        metadata = reader.bytes("publisher endpoint metadata", WAY_IN_BYTES)
         publisher_device = reader.device()
         nbytes = reader.int("buffer size", 1)
         serial = reader.int("token serial", 1)
@@ -379,6 +383,9 @@ class NixlWeightSubscriber(WeightSubscriber):
             except TimeoutError:
                 self._calls.check()
         self._torn = False
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     @counted
     def wait(self, timeout: float | None = None) -> int:

@@ -8,11 +8,18 @@ device.
 import torch
 
 from . import _runtime
+from ._current import current_device, current_stream, set_device
+from ._current import index_of as _index
+from ._streams import Event, Stream, StreamContext, default_stream, set_stream, stream
 
 __all__ = [
     "DeviceProperties",
+    "Event",
+    "Stream",
+    "StreamContext",
     "current_device",
     "current_stream",
+    "default_stream",
     "device",
     "device_count",
     "empty_cache",
@@ -42,6 +49,8 @@ __all__ = [
     "set_device",
     "set_rng_state",
     "set_rng_state_all",
+    "set_stream",
+    "stream",
     "synchronize",
 ]
 
@@ -55,21 +64,6 @@ _STAT_KEYS = {  # orMemStats field: its key in torch.cuda.memory_stats
     "num_frees": "allocation.all.freed",
     "num_segments": "segment.all.current",
 }
-_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
-
-
-def _index(device) -> int:
-    """Index of an openreg device given as None (current), int, str or torch.device."""
-    if device is None:
-        return current_device()
-    if isinstance(device, int):
-        return device
-    device = torch.device(device)
-    if device.type != "openreg":
-        raise ValueError(f"expected an openreg device, got {device}")
-    return current_device() if device.index is None else device.index
-
-
 def is_available() -> bool:
     return device_count() > 0
 
@@ -97,14 +91,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def current_device() -> int:
-    return _runtime.current_device()
-
-
-def set_device(device) -> None:
-    _runtime.set_device(_index(device))
-
-
 class device:
     """Context manager that makes `device` the current openreg device; None changes nothing."""
 
@@ -125,13 +111,6 @@ class device:
 def synchronize(device=None) -> None:
     """Waits for all work queued on every stream of `device`."""
     _runtime.synchronize(_index(device))
-
-
-def current_stream(device=None) -> torch.Stream:
-    """This thread's current stream of `device`."""
-    index = _index(device)
-    stream_id = _runtime.current_stream_id(index)
-    return torch.Stream(stream_id=stream_id, device_index=index, device_type=_PRIVATEUSE1)
 
 
 # ---- memory ----
@@ -287,7 +266,3 @@ def ipc_collect() -> int:
 
     return devipc.ipc_collect()
 
-
-from ._streams import Event, Stream, StreamContext, default_stream, set_stream, stream  # noqa: E402
-
-__all__ += ["Event", "Stream", "StreamContext", "default_stream", "set_stream", "stream"]

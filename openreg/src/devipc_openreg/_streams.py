@@ -10,7 +10,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
-from . import _device, _runtime
+from . import _runtime
+from ._current import PRIVATEUSE1, current_device, current_stream, index_of, set_device
 
 __all__ = ["Event", "Stream", "StreamContext", "default_stream", "set_stream", "stream"]
 
@@ -18,7 +19,7 @@ __all__ = ["Event", "Stream", "StreamContext", "default_stream", "set_stream", "
 def _openreg_stream(stream) -> torch.Stream:
     """`stream`, checked to be an openreg stream; None: the current stream of the current device."""
     if stream is None:
-        return _device.current_stream()
+        return current_stream()
     if not isinstance(stream, torch.Stream):
         raise TypeError(f"expected an openreg stream, got {type(stream).__name__}")
     if stream.device.type != "openreg":
@@ -40,7 +41,7 @@ class Stream(torch.Stream):
     def __new__(cls, device=None, priority=0, **kwargs):
         if kwargs:
             return super().__new__(cls, **kwargs)
-        index = _device._index(device)
+        index = index_of(device)
         return super().__new__(cls, torch.device("openreg", index), priority=priority)
 
     def wait_event(self, event) -> None:
@@ -87,7 +88,7 @@ class Event:
     @classmethod
     def from_ipc_handle(cls, device, handle) -> "Event":
         """The interprocess event named by `handle` (from `ipc_handle()` in another process)."""
-        index = _device._index(device)
+        index = index_of(device)
         event = cls.__new__(cls)
         event._event = None
         event.enable_timing, event.blocking, event.interprocess = False, False, True
@@ -154,7 +155,7 @@ def _rebuild_event(device_index, handle):
 
 def _reduce_event(event):
     """How torch.multiprocessing sends an Event: as its IPC handle, like torch.cuda.Event."""
-    index = event.device.index if event.device is not None else _device.current_device()
+    index = event.device.index if event.device is not None else current_device()
     return _rebuild_event, (index, event.ipc_handle())
 
 
@@ -163,8 +164,8 @@ ForkingPickler.register(Event, _reduce_event)
 
 def default_stream(device=None) -> Stream:
     """The default stream (id 0) of `device`."""
-    index = _device._index(device)
-    return Stream(stream_id=0, device_index=index, device_type=_device._PRIVATEUSE1)
+    index = index_of(device)
+    return Stream(stream_id=0, device_index=index, device_type=PRIVATEUSE1)
 
 
 def set_stream(stream) -> None:
@@ -173,7 +174,7 @@ def set_stream(stream) -> None:
     if stream is None:
         return
     stream = _openreg_stream(stream)
-    _device.set_device(stream.device_index)
+    set_device(stream.device_index)
     _runtime.exchange_stream(stream.device_index, stream.stream_id)
 
 
@@ -189,7 +190,7 @@ class StreamContext:
         if self.stream is None:
             return None
         index = self.stream.device_index
-        self._restore = (_device.current_device(), index, _runtime.current_stream_id(index))
+        self._restore = (current_device(), index, _runtime.current_stream_id(index))
         set_stream(self.stream)
         return self.stream
 
@@ -199,7 +200,7 @@ class StreamContext:
         device, index, stream_id = self._restore
         self._restore = None
         _runtime.exchange_stream(index, stream_id)
-        _device.set_device(device)
+        set_device(device)
 
 
 def stream(stream) -> StreamContext:

@@ -6,22 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._verdicts import CheckFailed, Skip, expect
+
 if TYPE_CHECKING:
     from ._kit import Kit
 
-
-class Skip(Exception):
-    """The device does not offer what the check tests; the message says why."""
-
-
-class CheckFailed(Exception):
-    """The device broke the contract; the message says how."""
-
-
-def expect(condition: object, message: str) -> None:
-    """`assert` that survives `python -O`: the kit's verdicts must not depend on a flag."""
-    if not condition:
-        raise CheckFailed(message)
+__all__ = ["CHECKS", "Check", "CheckFailed", "Skip", "check", "expect"]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import torch
 
 import devipc
 
+from . import _tasks
 from ._check import check, expect
 from ._kit import Kit
 
@@ -62,7 +63,7 @@ def supports_ipc(kit: Kit) -> str:
         thread.join(10)
     expect(len(answers) == 400 and all(answer is True for answer in answers),
            f"answers other than True: {[a for a in answers if a is not True][:3]}")
-    expect(kit.peer().call("hooks_supports_ipc", kit.device.type) is True,
+    expect(kit.peer().call(_tasks.hooks_supports_ipc, kit.device.type) is True,
            "a fresh process's hooks do not say True")
     return "400 calls in 4 threads, and the peer's"
 
@@ -85,7 +86,7 @@ def mem_handle(kit: Kit) -> str:
             expect(again == handle, f"ptr + {step} of one allocation gave another handle")
             expect(moved == offset + step,
                    f"ptr + {step} gave offset {moved}, expected {offset} + {step}")
-        opened = kit.peer().call("open_mem_handle", kit.target, handle)
+        opened = kit.peer().call(_tasks.open_mem_handle, kit.target, handle)
         expect(opened["types"] == ("int", "int"), f"OpenedMemory ptr/size are {opened['types']}")
         expect(opened["ptr"] != 0, "the peer's mapping is at address 0")
         expect(opened["size"] >= offset + nbytes,
@@ -108,7 +109,7 @@ def event_handle(kit: Kit) -> str:
     if kit.overrides("ipc_event_handle_size"):
         size = kit.hooks.ipc_event_handle_size()
         expect(len(event) == size, f"the event handle has {len(event)} bytes, the size is {size}")
-    waited = kit.peer().call("wait_events", kit.target, event)
+    waited = kit.peer().call(_tasks.wait_events, kit.target, event)
     expect(waited == {"event": "ok", "empty": "ok"}, f"wait_ipc_event in the peer: {waited}")
     size = len(event)
     return f"{size}-byte handles" if size else "b\"\" (no events)"

@@ -10,8 +10,8 @@ import torch
 import devipc
 
 from . import _device
-from ._check import CheckFailed, Skip
 from ._peers import Peer, Peers
+from ._verdicts import CheckFailed, Skip
 
 WAIT = 15.0  # seconds for a background effect (a release, a reclaim) to show
 

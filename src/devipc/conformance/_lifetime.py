@@ -6,6 +6,7 @@ import torch
 
 import devipc
 
+from . import _tasks
 from ._check import CheckFailed, check, expect
 from ._kit import Kit
 
@@ -46,16 +47,16 @@ def release(kit: Kit) -> str:
     peer = kit.peer()
     baseline = Baseline(kit)
     tensor = torch.ones(NBYTES // 4, device=kit.device)
-    peer.call("hold", "released", tensor)
-    mapped = peer.call("mapped_file", "released")
+    peer.call(_tasks.hold, "released", tensor)
+    mapped = peer.call(_tasks.mapped_file, "released")
     del tensor
     devipc.ipc_collect()
     baseline.still_held()
-    after = peer.call("drop", "released", kit.target)
+    after = peer.call(_tasks.drop, "released", kit.target)
     expect(after["mapped"] == 0, f"the peer still maps {after['mapped']} allocations")
     if mapped is not None:  # the mapping count of the received file goes back: close unmapped
         file, count = mapped
-        kit.wait_for(lambda: peer.call("mapping_count", file) < count,
+        kit.wait_for(lambda: peer.call(_tasks.mapping_count, file) < count,
                      "the peer still maps the received memory after devipc closed it "
                      "(OpenedMemory.close must unmap it: else every long-lived consumer leaks)")
     baseline.back("the consumer released it")
@@ -71,10 +72,10 @@ def release(kit: Kit) -> str:
        fresh_peers=1)
 def dead_consumer(kit: Kit) -> str:
     doomed = kit.peers.fresh()
-    doomed.call("pid")
+    doomed.call(_tasks.pid)
     baseline = Baseline(kit)
     tensor = torch.ones(NBYTES // 4, device=kit.device)
-    doomed.call("hold", "doomed", tensor)
+    doomed.call(_tasks.hold, "doomed", tensor)
     del tensor
     baseline.still_held()
     doomed.kill()
@@ -88,10 +89,10 @@ def dead_consumer(kit: Kit) -> str:
        fresh_peers=1)
 def producer_exit(kit: Kit) -> str:
     producer = kit.peers.fresh()
-    producer.call("pid")
+    producer.call(_tasks.pid)
     baseline = Baseline(kit)
     mapped_before = devipc.stats()["mapped"]
-    tensor, unopened = producer.call("produce_then_exit", kit.target)
+    tensor, unopened = producer.call(_tasks.produce_then_exit, kit.target)
     producer.close()
     expect(producer.process.exitcode == 0,
            f"the producer exited with {producer.process.exitcode}")

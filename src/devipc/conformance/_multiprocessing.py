@@ -8,8 +8,8 @@ import torch
 
 from . import _tasks
 from ._check import check, expect
+from ._compare import compare
 from ._kit import Kit
-from ._roundtrip import compare
 
 TIMEOUT = 60.0
 
@@ -21,10 +21,10 @@ def queue(kit: Kit) -> str:
     peer = kit.peer()
     sent = [torch.full((100,), float(i), device=kit.device) for i in range(20)]
     for tensor in sent:
-        peer.send("describe", [tensor])
+        peer.send(_tasks.describe, [tensor])
     for i, tensor in enumerate(sent):
-        compare(f"message {i}", tensor, peer.reply("describe")[0])
-    made = peer.call("make", kit.target, 20)
+        compare(f"message {i}", tensor, peer.reply(_tasks.describe)[0])
+    made = peer.call(_tasks.make, kit.target, 20)
     for i, tensor in enumerate(made):
         expect(tensor.device.type == kit.device.type
                and torch.equal(tensor.cpu(), torch.full((100,), float(i))),

@@ -6,7 +6,7 @@ import torch
 
 import devipc
 
-from . import _device
+from . import _device, _tasks
 from ._check import CheckFailed, Skip, check, expect
 from ._kit import Kit
 from ._tasks import raised
@@ -71,7 +71,7 @@ def can_map_on(kit: Kit) -> str:
     peer = kit.peer()
     tensor = torch.arange(16, dtype=torch.float32, device=kit.device)
     handle, _ = devipc.hooks.IpcMemHandle.of(kit.hooks.get_ipc_mem_handle(tensor.data_ptr()))
-    answer = peer.call("can_map", kit.target, handle)
+    answer = peer.call(_tasks.can_map, kit.target, handle)
     answers, owner = answer["answers"], answer["owner"]
     expect(all(isinstance(value, bool) for value in answers.values()),
            f"answers that are not bools: {answers}")
@@ -85,7 +85,7 @@ def can_map_on(kit: Kit) -> str:
             if name in ("cpu", past):
                 continue
             handles.append(devipc.share(tensor))
-            got = peer.call("open_on", bytes(handles[-1]), name)
+            got = peer.call(_tasks.open_on, bytes(handles[-1]), name)
             if yes:
                 where = got if isinstance(got, str) else got["device"]
                 expect(where == name, f"devipc.open(device={name!r}) gave {where}")
@@ -96,7 +96,7 @@ def can_map_on(kit: Kit) -> str:
     finally:
         for sent in handles:
             sent.revoke()
-        peer.call("drop", "", kit.target)
+        peer.call(_tasks.drop, "", kit.target)
     return f"{count} devices, mapped where it says yes"
 
 
@@ -112,7 +112,7 @@ def device_identity(kit: Kit) -> str:
     again = [kit.hooks.device_identity(torch.device(kit.device.type, i)) for i in range(count)]
     expect(again == ours, "identities changed between two calls")
     expect(len(set(ours)) == count, "two devices share an identity")
-    theirs = kit.peer().call("identities", kit.device.type)
+    theirs = kit.peer().call(_tasks.identities, kit.device.type)
     expect(theirs == ours, "the peer's identities of the same devices differ")
     return f"{count} devices"
 
@@ -138,7 +138,7 @@ def make_resizable(kit: Kit) -> str:
     peer = kit.peer()
     tensor = torch.arange(1024, dtype=torch.float32, device=kit.device)
     try:
-        peer.call("hold", "resized", tensor)
+        peer.call(_tasks.hold, "resized", tensor)
         sent_ptr = tensor.data_ptr()
         storage = tensor.untyped_storage()
         storage.resize_(0)
@@ -146,9 +146,9 @@ def make_resizable(kit: Kit) -> str:
         tensor.fill_(-1)
         kit.synchronize()
         expect(tensor.data_ptr() != sent_ptr, "regrowth gave the storage the sent block back")
-        got = peer.call("held_report", "resized")["values"]
+        got = peer.call(_tasks.held_report, "resized")["values"]
         expect(torch.equal(got, torch.arange(1024.0)),
                "the consumer's values changed when the producer resized and refilled")
     finally:
-        peer.call("drop", "resized", kit.target)
+        peer.call(_tasks.drop, "resized", kit.target)
     return "4 KiB, resized to 0 and back"

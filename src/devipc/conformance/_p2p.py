@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _tasks
 from ._check import check, expect
 from ._kit import Kit
 from ._tasks import raised
@@ -26,22 +27,22 @@ def read_write(kit: Kit) -> str:
         halves = [endpoint.advertise(tensor, 0, half * 4), endpoint.advertise(tensor, half * 4)]
         like, like_half = torch.empty(ELEMENTS), torch.empty(half)
         try:
-            peer.call("p2p_connect", endpoint.metadata())
-            got = peer.call("p2p_read", whole, like, device)
+            peer.call(_tasks.p2p_connect, endpoint.metadata())
+            got = peer.call(_tasks.p2p_read, whole, like, device)
             expect(torch.equal(got, torch.arange(float(ELEMENTS))), "read: other values")
-            peer.call("p2p_write", whole, torch.full((ELEMENTS,), 3.0), device)
+            peer.call(_tasks.p2p_write, whole, torch.full((ELEMENTS,), 3.0), device)
             expect(torch.equal(tensor.cpu(), torch.full((ELEMENTS,), 3.0)),
                    "write: the owner does not see the peer's write")
-            peer.call("p2p_writev", halves, [torch.full((half,), 1.0), torch.full((half,), 2.0)],
-                      device)
+            peer.call(_tasks.p2p_writev, halves,
+                      [torch.full((half,), 1.0), torch.full((half,), 2.0)], device)
             expected = torch.cat([torch.full((half,), 1.0), torch.full((half,), 2.0)])
             expect(torch.equal(tensor.cpu(), expected), "writev: the owner sees other values")
-            got = peer.call("p2p_readv", halves, [like_half, like_half], device)
+            got = peer.call(_tasks.p2p_readv, halves, [like_half, like_half], device)
             expect(torch.equal(torch.cat(got), expected), "readv: other values")
             p2p.free_tensor(tensor)
-            refused = peer.call("p2p_read_refused", whole, like, device)
+            refused = peer.call(_tasks.p2p_read_refused, whole, like, device)
             expect(raised(refused, "RemoteTensorFreedError"),
                    f"a read of a freed registration gave {refused!r}")
         finally:
-            peer.call("p2p_close", device)
+            peer.call(_tasks.p2p_close, device)
     return f"{ELEMENTS} float32, halves through readv/writev"

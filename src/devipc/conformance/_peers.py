@@ -1,4 +1,5 @@
-"""The kit's other processes: spawned peers that run tasks of `_tasks` on request.
+"""The kit's other processes: spawned peers that run tasks of `_tasks` on request (a task is a
+module-level function of it, sent by reference: it pickles as its module and name).
 
 Requests and replies travel through torch.multiprocessing Queues, so every tensor in them crosses
 the way users' tensors do (pickled by devipc's reducers in the feeder thread). Every wait is
@@ -13,11 +14,12 @@ import os
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing
 
-from . import _device, _tasks
+from . import _device
 
 START_TIMEOUT = 120.0  # a fresh interpreter imports torch and the device: seconds, not minutes
 POLL = 0.05  # how often a waiting side looks whether the other side is still alive
@@ -28,7 +30,7 @@ class PeerError(Exception):
 
 
 def serve(requests: Any, replies: Any, modules: list[str]) -> None:
-    """The peer's loop: (number, task name, args) in, (number, "ok", value) or (number,
+    """The peer's loop: (number, task, args) in, (number, "ok", value) or (number,
     "error", text) out, number 0 its start; None ends it. It ends by itself when the kit's
     process is gone."""
     try:
@@ -52,7 +54,7 @@ def serve(requests: Any, replies: Any, modules: list[str]) -> None:
             return
         number, task, args = request
         try:
-            replies.put((number, "ok", getattr(_tasks, task)(*args)))
+            replies.put((number, "ok", task(*args)))
         except Exception as error:
             replies.put((number, "error", f"{type(error).__name__}: {error}"))
 
@@ -69,21 +71,23 @@ class Peer:
         # request numbers: sent, answered (the reply taken), seen (the newest reply read)
         self._sent = self._answered = self._seen = 0  # 0 is the peer's start
 
-    def call(self, task: str, *args: Any, timeout: float = 30.0) -> Any:
+    def call(self, task: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
         """Run `task(*args)` in the peer; its value, or PeerError."""
         return self.reply(task, timeout, self.send(task, *args))
 
-    def send(self, task: str, *args: Any) -> int:
+    def send(self, task: Callable[..., Any], *args: Any) -> int:
         """Queue `task(*args)` without waiting; its number, for `reply`."""
         self._await_start()
         self._sent += 1
         self.requests.put((self._sent, task, args))
         return self._sent
 
-    def reply(self, task: str, timeout: float = 30.0, number: int | None = None) -> Any:
+    def reply(self, task: Callable[..., Any], timeout: float = 30.0,
+              number: int | None = None) -> Any:
         """The value of request `number` (default: the oldest not answered yet). Replies to
         earlier requests that a failed check left unread are dropped."""
-        return self._reply(task, timeout, self._answered + 1 if number is None else number)
+        return self._reply(task.__name__, timeout,
+                           self._answered + 1 if number is None else number)
 
     def alive(self) -> bool:
         return self.process.is_alive()

@@ -8,9 +8,10 @@ import torch
 
 import devipc
 
+from . import _tasks
 from ._check import check, expect
+from ._compare import compare
 from ._kit import Kit
-from ._roundtrip import compare
 from ._tasks import raised
 
 
@@ -30,7 +31,7 @@ def hook_handles(kit: Kit) -> str:
     damaged = {"empty": b"", "truncated by 1": handle[:-1], "half": handle[:len(handle) // 2],
                "extended by 1": handle + b"\0", "zeros": bytes(len(handle)),
                "0xff": b"\xff" * len(handle), "random": noise.randbytes(len(handle))}
-    wrong = refused(kit.peer().call("hook_refusals", kit.target, damaged))
+    wrong = refused(kit.peer().call(_tasks.hook_refusals, kit.target, damaged))
     expect(not wrong, "not refused with InvalidHandleError: " + "; ".join(wrong))
     return f"{len(damaged)} damaged {len(handle)}-byte handles"
 
@@ -45,11 +46,11 @@ def typed_handles(kit: Kit) -> str:
     damaged = {f"truncated to {n}": data[:n] for n in range(len(data))}
     damaged.update({"bad magic": b"XXXX" + data[4:], "trailing byte": data + b"\0",
                     "other version": data[:4] + bytes([data[4] ^ 0x7F]) + data[5:]})
-    wrong = refused(peer.call("open_refusals", damaged))
+    wrong = refused(peer.call(_tasks.open_refusals, damaged))
     expect(not wrong, f"{len(wrong)} not refused with InvalidHandleError: "
            + "; ".join(wrong[:3]))
     try:
-        compare("the genuine handle", tensor, peer.call("open_handle", "genuine", data))
+        compare("the genuine handle", tensor, peer.call(_tasks.open_handle, "genuine", data))
     finally:
-        peer.call("drop", "genuine", kit.target)
+        peer.call(_tasks.drop, "genuine", kit.target)
     return f"{len(damaged)} damaged handles of {len(data)} bytes"

@@ -4,43 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ._check import CheckFailed, check, expect
+from . import _tasks
+from ._check import check, expect
+from ._compare import compare, preview, views_of
 from ._kit import Kit
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)
-
-
-def compare(name: str, sent: torch.Tensor, got: dict) -> None:
-    """`got` (a task's report of a received tensor) is `sent`, zero-copy, on the same device,
-    viewed with the same stride and offset."""
-    same_values(name, sent, got)
-    for field, value in (("stride", sent.stride()), ("offset", sent.storage_offset())):
-        expect(got[field] == value, f"{name}: {field} {got[field]}, sent {value}")
-
-
-def same_values(name: str, sent: torch.Tensor, got: dict) -> None:
-    """`got` holds `sent`'s values, dtype and shape, in memory received on the same device."""
-    expect(got["received"], f"{name}: not in memory received through devipc (a copy?)")
-    expect(got["device"] == str(sent.device),  # the peer sees the devices the kit sees
-           f"{name}: arrived on {got['device']}, sent from {sent.device}")
-    for field, value in (("dtype", sent.dtype), ("shape", tuple(sent.shape))):
-        expect(got[field] == value, f"{name}: {field} {got[field]}, sent {value}")
-    expected = sent.detach().cpu()
-    if not torch.equal(got["values"], expected):
-        raise CheckFailed(f"{name}: values differ: sent {preview(expected)}, "
-                          f"got {preview(got['values'])}")
-
-
-def preview(tensor: torch.Tensor) -> str:
-    return str(tensor.flatten()[:6].tolist())
-
-
-def views_of(base: torch.Tensor) -> dict[str, torch.Tensor]:
-    grid = base.view(8, 8)
-    return {"whole": base, "slice [5:20]": base[5:20], "transposed": grid.t(),
-            "strided [::3]": base[::3], "block [2:, 1:5]": grid[2:, 1:5],
-            "expanded": base[7:8].expand(4, 3)}
 
 
 @check("roundtrip.views",
@@ -50,12 +20,12 @@ def views(kit: Kit) -> str:
     torch.empty(100, dtype=torch.uint8, device=kit.device)  # the next block starts inside a segment
     base = torch.arange(64, dtype=torch.float32, device=kit.device) * 1.5 + 1
     sent = views_of(base)
-    reports = kit.peer().call("describe", list(sent.values()))
+    reports = kit.peer().call(_tasks.describe, list(sent.values()))
     for (name, tensor), got in zip(sent.items(), reports):
         compare(f"to the peer, {name}", tensor, got)
     expect(len({got["storage"] for got in reports}) == 1,
            "the views arrived in more than one storage")
-    back = kit.peer().call("views_back", kit.target)
+    back = kit.peer().call(_tasks.views_back, kit.target)
     for name, tensor in views_of(back["base"]).items():
         got = back["views"][name]
         expect(got.device == kit.device, f"from the peer, {name}: arrived on {got.device}, "
@@ -77,7 +47,7 @@ def dtypes(kit: Kit) -> str:
         except Exception:
             unsupported.append(str(dtype).removeprefix("torch."))
     expect(sent, "the device holds none of the dtypes tried")
-    reports = kit.peer().call("describe", list(sent.values()))
+    reports = kit.peer().call(_tasks.describe, list(sent.values()))
     for (name, tensor), got in zip(sent.items(), reports):
         compare(name, tensor, got)
     note = f"; the device holds no {', '.join(unsupported)}" if unsupported else ""
@@ -91,7 +61,7 @@ def empty(kit: Kit) -> str:
     sent = {"empty (0,)": torch.empty(0, device=kit.device),
             "empty (3, 0)": torch.empty(3, 0, dtype=torch.int64, device=kit.device),
             "view [4:4]": base[4:4]}
-    reports = kit.peer().call("describe", list(sent.values()))
+    reports = kit.peer().call(_tasks.describe, list(sent.values()))
     for (name, tensor), got in zip(sent.items(), reports):
         expect(got["shape"] == tuple(tensor.shape) and got["dtype"] == tensor.dtype,
                f"{name}: arrived as {got['dtype']} {got['shape']}")
@@ -107,7 +77,7 @@ def parameter(kit: Kit) -> str:
             "Parameter(requires_grad=False)": torch.nn.Parameter(
                 torch.ones(3, device=kit.device), requires_grad=False),
             "leaf requiring grad": torch.zeros(5, device=kit.device).requires_grad_()}
-    reports = kit.peer().call("describe", list(sent.values()))
+    reports = kit.peer().call(_tasks.describe, list(sent.values()))
     for (name, tensor), got in zip(sent.items(), reports):
         compare(name, tensor, got)
         expect(got["type"] == type(tensor).__name__,
@@ -123,8 +93,8 @@ def writes(kit: Kit) -> str:
     tensor = torch.zeros(32, device=kit.device)
     peer = kit.peer()
     try:
-        peer.call("hold", "written", tensor[8:24])
-        peer.call("add_to_held", "written", 1.0)
+        peer.call(_tasks.hold, "written", tensor[8:24])
+        peer.call(_tasks.add_to_held, "written", 1.0)
         expected = torch.zeros(32)
         expected[8:24] = 1
         expect(torch.equal(tensor.cpu(), expected),
@@ -132,9 +102,9 @@ def writes(kit: Kit) -> str:
                f"from [6:]")
         tensor.fill_(7)
         kit.synchronize()
-        got = peer.call("held_report", "written")["values"]
+        got = peer.call(_tasks.held_report, "written")["values"]
         expect(torch.equal(got, torch.full((16,), 7.0)),
                f"the kit wrote 7; the peer sees {preview(got)}")
     finally:
-        peer.call("drop", "written", kit.target)
+        peer.call(_tasks.drop, "written", kit.target)
     return "a view of 16 of 32 elements"

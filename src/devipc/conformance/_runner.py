@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _device
+from . import _device, _tasks
 from ._check import Check, CheckFailed, Skip
 from ._kit import Kit
 from ._peers import PeerError, Peers
@@ -64,7 +64,7 @@ def run_one(check: Check, kit: Kit, timeout: float) -> Result:
 def forget(kit: Kit) -> None:
     """After a failure, the shared peer lets go of what the check left it holding."""
     try:
-        kit.peer().call("reset", kit.target, timeout=20)
+        kit.peer().call(_tasks.reset, kit.target, timeout=20)
     except PeerError:
         pass  # it was killed; the next check gets a new one
 

@@ -16,6 +16,7 @@ import torch
 
 import devipc
 
+from . import _tasks
 from ._check import Skip, check, expect
 from ._kit import Kit
 
@@ -45,13 +46,14 @@ def queue_busy_work(kit: Kit) -> tuple[torch.Tensor, int]:
 
 def sends_see_queued_work(kit: Kit) -> str:
     peer = kit.peer()
-    peer.call("min_max", torch.zeros(4, device=kit.device))  # its device set up: reads are quick
+    # its device set up: reads are quick
+    peer.call(_tasks.min_max, torch.zeros(4, device=kit.device))
     for path in ("a Queue", "devipc.share"):
         tensor, copies = queue_busy_work(kit)
         if path == "a Queue":
-            seen = peer.call("min_max", tensor)  # pickled in the Queue's feeder thread
+            seen = peer.call(_tasks.min_max, tensor)  # pickled in the Queue's feeder thread
         else:
-            seen = peer.call("open_min_max", bytes(devipc.share(tensor)))  # this thread
+            seen = peer.call(_tasks.open_min_max, bytes(devipc.share(tensor)))  # this thread
         expect(seen == (1, 1), f"through {path}, the peer read values in {seen}, not all 1: "
                f"it read before the {copies} copies queued ahead of the send had run")
         kit.synchronize()

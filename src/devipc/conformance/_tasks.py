@@ -1,4 +1,5 @@
-"""What peers run, by name (`Peer.call("name", ...)`): the other process's half of each check.
+"""What peers run, by reference (`Peer.call(_tasks.hold, ...)`): the other process's half of each
+check.
 
 Tasks take and return plain values, CPU tensors and device tensors; a device tensor in the
 arguments was opened while the request was unpickled. `held` keeps what a check wants to stay
@@ -16,6 +17,7 @@ import torch
 import devipc
 
 from . import _device
+from ._compare import views_of
 
 TIMEOUT = 20.0
 held: dict[str, Any] = {}
@@ -118,8 +120,6 @@ def reset(device: str) -> dict:
 
 def views_back(device: str) -> dict:
     """The peer's own tensor and views of it, sent to the kit (the kit is the consumer)."""
-    from ._roundtrip import views_of
-
     base = torch.arange(64, dtype=torch.float32, device=device) - 7
     return {"base": base, "views": views_of(base)}
 

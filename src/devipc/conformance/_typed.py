@@ -6,9 +6,10 @@ import torch
 
 import devipc
 
+from . import _tasks
 from ._check import check, expect
+from ._compare import compare, same_values
 from ._kit import WAIT, Kit
-from ._roundtrip import compare, same_values
 from ._tasks import raised
 
 
@@ -19,17 +20,17 @@ def share_open(kit: Kit) -> str:
     peer = kit.peer()
     base = torch.arange(32, dtype=torch.float32, device=kit.device)
     try:
-        got = peer.call("open_handle", "handle", bytes(devipc.share(base[4:20].view(4, 4))))
+        got = peer.call(_tasks.open_handle, "handle", bytes(devipc.share(base[4:20].view(4, 4))))
         compare("devipc.open", base[4:20].view(4, 4), got)
-        peer.call("add_to_held", "handle", 100.0)
+        peer.call(_tasks.add_to_held, "handle", 100.0)
         expected = torch.arange(32.0)
         expected[4:20] += 100
         expect(torch.equal(base.cpu(), expected), "the peer's write is not seen by the producer")
     finally:
-        peer.call("drop", "handle", kit.target)
+        peer.call(_tasks.drop, "handle", kit.target)
     revoked = devipc.share(base)
     expect(revoked.revoke() and not revoked.unopened(), "revoke() of an unopened send failed")
-    refused = peer.call("open_refusals", {"revoked": bytes(revoked)})["revoked"]
+    refused = peer.call(_tasks.open_refusals, {"revoked": bytes(revoked)})["revoked"]
     expect(raised(refused, "InvalidHandleError"),
            f"opening a revoked handle gave {refused!r}, not InvalidHandleError")
     return "a 4x4 view at offset 16 bytes; a revoked send"
@@ -70,21 +71,21 @@ def buckets(kit: Kit) -> str:
     in_place = devipc.share_tensors(devipc.pack(named), copy=False)
     try:
         for key, handle in (("copied", copied), ("in place", in_place)):
-            got = peer.call("open_bucket", key, bytes(handle))
+            got = peer.call(_tasks.open_bucket, key, bytes(handle))
             expect(set(got) == set(named), f"{key}: names {sorted(got)}")
             for name, tensor in named.items():
                 if tensor.numel():
                     same_values(f"{key} {name}", tensor, got[name])
             expect(len({got[name]["storage"] for name in got if got[name]["shape"] != (0,)})
                    == 1, f"{key}: the views are not of one mapping")
-            peer.call("add_to_bucket", key, "weight", 1.0)
+            peer.call(_tasks.add_to_bucket, key, "weight", 1.0)
             local = (handle.local or {}).get("weight")
             expect(local is not None
                    and torch.equal(local.cpu(), torch.arange(12.0).view(3, 4) + 1),
                    f"{key}: the peer's write is not in the producer's view (Handle.local)")
     finally:
-        peer.call("drop", "copied", kit.target)
-        peer.call("drop", "in place", kit.target)
+        peer.call(_tasks.drop, "copied", kit.target)
+        peer.call(_tasks.drop, "in place", kit.target)
     return "4 tensors of 3 dtypes, both ways of packing"
 
 
@@ -98,12 +99,12 @@ def publish(kit: Kit) -> str:
                            "b": torch.zeros(3, dtype=torch.int64, device=kit.device)})
     publisher = devipc.WeightPublisher(weights)
     try:
-        peer.call("subscribe", "weights", publisher.token())
+        peer.call(_tasks.subscribe, "weights", publisher.token())
         for step in range(1, 3):
             weights["w"].mul_(step)
             weights["b"].fill_(step)
             generation = publisher.publish(wait=False)
-            got = peer.call("take_generation", "weights")
+            got = peer.call(_tasks.take_generation, "weights")
             expect(got["generation"] == generation,
                    f"the peer got generation {got['generation']}, not {generation}")
             for name, tensor in weights.items():
@@ -111,6 +112,6 @@ def publish(kit: Kit) -> str:
                        f"generation {generation}: the peer's {name!r} differs")
             publisher.wait_acks(generation, timeout=WAIT)
     finally:
-        peer.call("unsubscribe", "weights", kit.target)
+        peer.call(_tasks.unsubscribe, "weights", kit.target)
         publisher.close()
     return "2 generations of 2 packed tensors, acknowledged"

@@ -7,6 +7,7 @@ field by field: they come from other processes, and anything malformed is Invali
                      memory handle | offset in allocation | ref-counter handle | anchor slot or
                      inode | fd | event | transport extra
 """
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -16,12 +17,12 @@ from .._errors import InvalidHandleError, TransferSizeError
 from .._memfd import HANDLE_SIZE, handle_pid, host_identity
 from .._refcount import SLOTS_PER_FILE
 from ._registry import PAGE_SLOTS
-from ._transport import check_name
 
-__all__ = ["CPU", "DEVICE", "NONE", "Descriptor", "Metadata", "host_identity"]
+__all__ = ["CPU", "DEVICE", "NONE", "Descriptor", "Metadata", "check_name", "host_identity"]
 
 NONE, DEVICE, CPU = 0, 1, 2  # how a peer on the same host reaches the memory
 MAX_FD = 1 << 30
+_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,15}")
 
 
 @dataclass(frozen=True)
@@ -135,3 +136,11 @@ class Descriptor:
                    offset=offset, nbytes=nbytes, device=device, identity=identity, kind=kind,
                    mem=mem, mem_offset=mem_offset, counter=counter, anchor=anchor, fd=fd,
                    event=event, extra=extra)
+
+
+def check_name(name: object) -> str:
+    """A transport's name: a short lowercase word, as the wire format carries it."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"a transport's name is 1-16 characters of [a-z0-9_.-] starting with a "
+                         f"letter, got {name!r}")
+    return name

@@ -20,15 +20,14 @@ from .. import _wire
 from .._errors import InvalidHandleError, TransferSizeError
 from .._handles import identity_of
 from . import _transport
-from ._descriptor import NONE, Descriptor, Metadata, host_identity
+from ._descriptor import NONE, Descriptor, Metadata, check_name, host_identity
 from ._ipc import IpcTransport
 from ._registry import Registration, registry
 from ._transfer import Transfer
-from ._transport import Link, Transport, check_name
+from ._transport import READ, WRITE, Link, Transport, operation
 
 __all__ = ["Connection", "Endpoint", "PreparedTransfer"]
 
-READ, WRITE = "READ", "WRITE"
 _DECODED_KEPT = 4096  # decoded descriptors a connection remembers, by their bytes
 _VECTORS_KEPT = 64  # vectors of descriptors a connection remembers, decoded, by all their bytes
 _VECTOR_MIN = 16  # descriptors from which a vector is remembered whole
@@ -227,11 +226,10 @@ class Connection:
                 offsets: Iterable[int] | None = None) -> "PreparedTransfer":
         """`op` ("read" or "write") of each local tensor and remote range, validated once:
         `post()` starts it again and again. The local tensors are held until `close()`."""
-        if op not in ("read", "write"):
-            raise ValueError(f"op is 'read' or 'write', not {op!r}")
+        kind = operation(op)
         locals_ = list(locals_)
         descs = self._descs(locals_, list(remotes), offsets)
-        prepared = PreparedTransfer(self, _transport.prepare(self._open_link(), op.upper(),
+        prepared = PreparedTransfer(self, _transport.prepare(self._open_link(), kind,
                                                              locals_, descs))
         self._prepared.add(prepared)
         return prepared

@@ -11,6 +11,7 @@ memory: a peer maps the file itself, whose pages live while anyone maps them.
 """
 import os
 import threading
+import weakref
 
 import torch
 
@@ -22,6 +23,8 @@ from ._registry import Registration
 __all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]
 
 _lock = threading.Lock()
+_exports: "weakref.WeakKeyDictionary[Registration, CpuExport | DeviceExport]" = \
+    weakref.WeakKeyDictionary()
 PEER_ROOM = 64  # slots an advertisement leaves in its counter file for peers' first opens
 
 
@@ -46,9 +49,6 @@ class DeviceExport:
         (a peer opening an advertisement takes one there)."""
         return _sharing.takes_slots(self.counter, PEER_ROOM)
 
-    def close(self) -> None:
-        pass  # the export lives while the storage does, then while peers' slots do
-
 
 class CpuExport:
     __slots__ = ("fd", "inode")
@@ -60,20 +60,19 @@ class CpuExport:
     def usable(self) -> bool:
         return True
 
-    def close(self) -> None:
-        pass  # the fd belongs to the storage; peers' mappings keep their pages
-
 
 def export_of(reg: Registration) -> CpuExport | DeviceExport | None:
     """The registration's export, made on first use (again when the anchor's counter file
-    filled up); None once the storage died."""
+    filled up); None once the storage died. Kept as long as the registration object is."""
     with _lock:
-        if reg.export is None or not reg.export.usable():
+        export = _exports.get(reg)
+        if export is None or not export.usable():
             storage = reg.storage()
             if storage is None:
                 return None
-            reg.export = (CpuExport if storage.device.type == "cpu" else DeviceExport)(storage)
-        return reg.export
+            export = _exports[reg] = \
+                (CpuExport if storage.device.type == "cpu" else DeviceExport)(storage)
+        return export
 
 
 def order_for_peers(device: torch.device) -> bytes:

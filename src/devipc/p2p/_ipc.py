@@ -28,10 +28,10 @@ from ._export import CpuExport, DeviceExport, export_of, order_for_peers
 from ._registry import Registration
 from ._remote import Peer, RemoteEntry, host_addressable, host_bytes
 from ._transfer import DONE, Transfer, record_events, run_on_host
+from ._transport import READ
 
 __all__ = ["IpcLink", "IpcPrepared", "IpcTransport"]
 
-READ = "READ"
 _BATCH_MIN = 2  # pairs from which a post hands the device one batch (hooks' copy_batch)
 _INLINE_PAIRS = 1  # pairs the calling thread may copy itself (vectors: one batch of the device)
 _INLINE_BYTES = 1 << 20  # ... and, for a prepared post (asynchronous), at most this many bytes

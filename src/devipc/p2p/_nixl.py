@@ -58,6 +58,7 @@ from .._hooks import get_ipc_hooks
 from ._descriptor import Descriptor, Metadata
 from ._registry import PAGE_BYTES, PAGE_SLOTS, Registration, registry, word_offset
 from ._transfer import Transfer
+from ._transport import OPERATIONS, READ, WRITE
 
 __all__ = ["NixlLink", "NixlPrepared", "NixlTransport", "load_nixl", "memory_kind",
            "new_agent"]
@@ -476,8 +477,8 @@ class NixlTransport:
         """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
         `local` (addr, nbytes, device) and a peer descriptor's transport part (from `shifts`
         bytes in, when given). `keep` (what holds the local memory) lives until NIXL is done."""
-        if op not in ("READ", "WRITE"):
-            raise ValueError(f"op is 'READ' or 'WRITE', not {op!r}")
+        if op not in OPERATIONS:
+            raise ValueError(f"op is {READ!r} or {WRITE!r}, not {op!r}")
         remotes = self.remotes(remote_agent, local, remote_extras, shifts)
         with self._lock:
             if self._closed:
@@ -511,7 +512,7 @@ class NixlTransport:
             scratch = self._scratch_reg.base
             local = [(scratch + 8 * i, 8, 0) for i in range(len(chunk))]
             remote = [(page + word_offset(slot), 8, 0) for (page, slot), _ in chunk]
-            handle = self._request("READ", agent, local, "DRAM", remote, "DRAM")
+            handle = self._request(READ, agent, local, "DRAM", remote, "DRAM")
             self._finish_now(_Pending(owned=[handle]), handle, agent)
             for i, (_, reg_id) in enumerate(chunk):
                 if int(self._scratch[i]) != reg_id:
@@ -732,7 +733,7 @@ class NixlPrepared:
                 self._ids = [reg_id for _, reg_id in words]
                 self._read = (ctypes.c_int64 * len(words)).from_address(scratch)  # lands there
                 self._live = self._prepped(
-                    "READ", [(scratch + 8 * i, 8, 0) for i in range(len(words))], "DRAM",
+                    READ, [(scratch + 8 * i, 8, 0) for i in range(len(words))], "DRAM",
                     [(word, 8, 0) for word, _ in words], "DRAM") if words else None
             except BaseException:
                 self._release(nixl)

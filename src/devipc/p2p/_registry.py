@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,9 +38,6 @@ from .._errors import DevIpcError, NotRegisteredError
 from .._hooks import hooks_for
 from .._memfd import SharedFile, WordTable
 from .._memory import TensorOrStorage, untyped
-
-if TYPE_CHECKING:
-    from ._export import CpuExport, DeviceExport
 
 __all__ = ["PAGE_BYTES", "PAGE_LIFELINE", "PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry",
            "registry", "word_offset"]
@@ -62,17 +59,16 @@ def word_offset(slot: int) -> int:
 
 class Registration:
     """One registered storage. `id` is never reused; `base` is the storage's data_ptr, `nbytes`
-    its size; `export` is what a transport made of it for peers (set lazily, dropped with it)."""
+    its size."""
 
-    __slots__ = ("id", "nbytes", "device", "base", "slot", "_ref", "_key", "_finalizer", "export",
-                 "_hold", "__weakref__")
+    __slots__ = ("id", "nbytes", "device", "base", "slot", "_ref", "_key", "_finalizer", "_hold",
+                 "__weakref__")
 
     def __init__(self, reg_id: int, storage: torch.UntypedStorage, slot: int):
         self.id, self.slot = reg_id, slot
         self.nbytes, self.device, self.base = storage.nbytes(), storage.device, storage.data_ptr()
         self._ref, self._key = weakref.ref(storage), id(storage)
         self._finalizer: weakref.finalize | None = None
-        self.export: CpuExport | DeviceExport | None = None
         self._hold: _sharing.Hold | None = None  # device memory kept while it lives
 
     def moved(self, storage: torch.UntypedStorage) -> bool:
@@ -248,9 +244,6 @@ class Registry:
             except Exception:  # noqa: BLE001 - every listener must hear it
                 _log.exception("devipc.p2p: a deregistration listener "
                                "failed")
-        export, reg.export = reg.export, None
-        if export is not None:
-            export.close()
         held, reg._hold = reg._hold, None
         if held is not None:
             _sharing.release_hold(held)  # last: peers and listeners let go first

@@ -10,7 +10,6 @@ The Endpoint does what every transport needs: it validates the descriptors and l
 a call, keeps the registry (ids, liveness words, holds), and writes the wire bytes; a transport
 adds only its own part of a descriptor and moves the bytes.
 """
-import re
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -20,9 +19,14 @@ if TYPE_CHECKING:
     from ._registry import Registration
     from ._transfer import Transfer
 
-__all__ = ["Link", "Prepared", "Reposted", "Transport", "check_name", "prepare"]
+__all__ = ["OPERATIONS", "READ", "WRITE", "Link", "Prepared", "Reposted", "Transport", "operation",
+           "prepare"]
 
-_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,15}")
+# A link's two operations, in NIXL's words: READ copies remote ranges into local tensors, WRITE
+# the other way. Users name them "read" and "write" (`operation`).
+READ, WRITE = "READ", "WRITE"
+OPERATIONS = (READ, WRITE)
+
 
 
 class Prepared(Protocol):
@@ -116,9 +120,10 @@ def prepare(link: Link, op: str, locals_: "list[torch.Tensor]",
     return Reposted(link, op, locals_, descs) if own is None else own(op, locals_, descs)
 
 
-def check_name(name: object) -> str:
-    """A transport's name: a short lowercase word, as the wire format carries it."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"a transport's name is 1-16 characters of [a-z0-9_.-] starting with a "
-                         f"letter, got {name!r}")
-    return name
+def operation(op: object) -> str:
+    """The operation a user names "read" or "write" (READ, WRITE); ValueError otherwise."""
+    if op == "read":
+        return READ
+    if op == "write":
+        return WRITE
+    raise ValueError(f"op is 'read' or 'write', not {op!r}")

@@ -1,0 +1,137 @@
+"""What both weight publishers share (one host: `_publisher_local`; across hosts:
+`_publisher_remote`): the weights as named tensors, packing a module, the copy=False check that
+they still lie where they were published, the token's first field that says which kind it is,
+and copying a generation into an engine's tensors."""
+from collections.abc import Mapping
+
+import torch
+
+from . import _handles, _wire
+from ._copies import copy_pairs, copy_rows
+from ._errors import InvalidHandleError
+from ._table import Table
+
+__all__ = ["ACK_TIMEOUT", "WAY_IN_BYTES", "InPlace", "copy_into", "fill",
+           "is_remote_token", "named_weights", "pack_module"]
+
+ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
+WAY_IN_BYTES = 1 << 20  # a token's first field: an arena attachment, or a NIXL endpoint's metadata
+
+
+def pack_module(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Move every parameter and persistent buffer of `module` into one new allocation laid out
+    as a bucket, in place: each keeps its identity (an optimizer made before or after works
+    unchanged) and now lies in that allocation, so training updates it there and
+    `share_state_dict(module.state_dict(), copy=False)` or `WeightPublisher(module)` send it
+    without a copy. Tied weights stay tied. Non-persistent buffers are not in a state dict and
+    stay where they are. Returns the packed tensors by state-dict name."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"pack_module takes a torch.nn.Module, not {type(module).__name__}")
+    named = module.state_dict(keep_vars=True)
+    if not named:
+        raise ValueError("this module has no parameters or persistent buffers to pack")
+    packed = _handles.pack(named.items())
+    with torch.no_grad():
+        for name, tensor in named.items():
+            tensor.data = packed[name]  # the same object, its memory moved
+    return {name: tensor.data for name, tensor in named.items()}
+
+
+def named_weights(weights: torch.nn.Module | Mapping[str, torch.Tensor],
+                  ) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(weights, torch.nn.Module):
+        return [(name, tensor.detach()) for name, tensor in weights.state_dict().items()]
+    if isinstance(weights, Mapping):
+        return [(name, tensor.detach()) for name, tensor in weights.items()]
+    raise TypeError(f"publish a torch.nn.Module or a state dict, not {type(weights).__name__}")
+
+
+class InPlace:
+    """The weights a copy=False publisher sends where they lie, and the check, at each publish,
+    that they still lie there: weights moved out of the allocation (FSDP's `resize_(0)` and
+    `resize_(n)` of the packed storage, `model.to(...)` or `.double()`, a new `.data`) would
+    otherwise go out as the old bytes under a new generation number."""
+
+    def __init__(self, source: torch.nn.Module | Mapping[str, torch.Tensor],
+                 items: list[tuple[str, torch.Tensor]], storage: torch.UntypedStorage):
+        self._storage, self._where = storage, (storage.data_ptr(), storage.nbytes())
+        # a module's own tensors, whose .data may move; a mapping is looked at again each time
+        self._source = source
+        self._tensors = (list(source.state_dict(keep_vars=True).values())
+                         if isinstance(source, torch.nn.Module) else None)
+        self._names = [name for name, _ in items]
+        self._rows = [(t.data_ptr(), t.dtype, t.shape) for _, t in items]
+
+    def check(self) -> None:
+        """ValueError naming what left the published allocation."""
+        advice = ("publish with copy=True, or pack the weights again (devipc.pack_module) and "
+                  "make a new WeightPublisher")
+        if (self._storage.data_ptr(), self._storage.nbytes()) != self._where:
+            raise ValueError(f"the published allocation was resized or its memory replaced "
+                             f"since the publisher was made (FSDP's resize_?): {advice}")
+        tensors = self._tensors
+        if tensors is None:
+            source = self._source
+            assert isinstance(source, Mapping)
+            if len(source) != len(self._names) or list(source) != self._names:
+                raise ValueError(f"the published state dict's names changed: {advice}")
+            tensors = list(source.values())
+        for name, tensor, (ptr, dtype, shape) in zip(self._names, tensors, self._rows):
+            if tensor.dtype != dtype or tensor.shape != shape or (
+                    tensor.data_ptr() != ptr and tensor.numel()):
+                raise ValueError(f"{name!r} no longer lies where it was published (now "
+                                 f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}, "
+                                 f"moved by .to(), .double(), a new .data or a resize_): "
+                                 f"{advice}")
+
+
+def fill(storage: torch.UntypedStorage, base: int, table: Table,
+         items: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """A copy=True publisher's copy of the weights `items` into its buffer at byte `base` of
+    `storage`, laid out by `table`: one batched device operation where the hooks offer it.
+    ValueError if the tensors are no longer those the publisher was made with."""
+    if [(name, t.dtype, tuple(t.shape)) for name, t in items] != list(
+            zip(table.names, table.dtypes, table.shapes)):
+        raise ValueError("the published tensors changed names, dtypes or shapes since the "
+                         "publisher was made: make a new WeightPublisher")
+    start = storage.data_ptr() + base
+    rows = [(start + offset, tensor.data_ptr(), tensor.nbytes)
+            for offset, (_, tensor) in zip(table.offsets, items)
+            if tensor.numel() and tensor.is_contiguous()]
+    if len(rows) == sum(1 for _, t in items if t.numel()) and copy_rows(device, rows):
+        return
+    views = table.views(storage, shift=base)
+    copy_pairs([(views[name], tensor) for name, tensor in items])
+
+
+def is_remote_token(token: bytes | bytearray | memoryview) -> bool:
+    """Whether a token's way in is a NIXL endpoint's metadata (else: an arena attachment, or bad
+    bytes that the same-host path names)."""
+    try:
+        reader = _wire.Reader(token, (_wire.WEIGHTS,))
+        way_in = reader.bytes("way in", WAY_IN_BYTES)
+        return _wire.Reader(way_in, (_wire.P2P_METADATA,)).kind == _wire.P2P_METADATA
+    except InvalidHandleError:
+        return False
+
+
+def copy_into(source: dict[str, torch.Tensor],
+              module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+    """Copy a held generation (`source`) into an engine's own tensors of the same names (one
+    device operation where the hooks batch copies). Every name must match in dtype and shape."""
+    targets = named_weights(module_or_state_dict)
+    missing = sorted(set(source) - {name for name, _ in targets})
+    if missing:
+        raise KeyError(f"the engine has no tensors named {missing[:5]}"
+                       f"{' ...' if len(missing) > 5 else ''}")
+    pairs = []
+    for name, target in targets:
+        if name not in source:
+            continue
+        weights = source[name]
+        if target.dtype != weights.dtype or target.shape != weights.shape:
+            raise ValueError(f"{name!r}: the engine's tensor is {target.dtype} "
+                             f"{tuple(target.shape)}, the published one {weights.dtype} "
+                             f"{tuple(weights.shape)}")
+        pairs.append((target, weights))
+    copy_pairs(pairs)
