@@ -2,6 +2,7 @@
 in one process and across processes, in both openreg IPC modes."""
 import logging
 import textwrap
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 import _workers
@@ -249,8 +250,12 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
     monkeypatch.setattr(logger, "propagate", False)
     try:
         devipc.ipc_collect()
-        # the collector's rounds would run the releases too: only the open runs them here
-        monkeypatch.setattr(_sharing._background, "_round", lambda: True)
+        # the collector's rounds would run the releases too: only the open runs them here, once
+        # a round already under way (a busy machine's may be long) has ended
+        idle = threading.Event()
+        monkeypatch.setattr(_sharing._background, "_round", lambda: idle.set() or True)
+        _sharing._background.wake()
+        assert idle.wait(TIMEOUT), "the collector thread never came round"
         before = devipc.stats()["mapped"]
         tensor, other = torch.arange(4.0, device="openreg"), torch.ones(4, device="openreg")
         received = [ForkingPickler.loads(ForkingPickler.dumps(t)) for t in (tensor, other)]

@@ -20,11 +20,14 @@ class InvalidHandleError(DevIpcError, ValueError):
 
 
 class PeerGoneError(DevIpcError):
-    """The process that exported a handle has exited before the handle was opened."""
+    """The other process is gone: a producer exited before its send was opened, a weight
+    publisher closed or exited, a p2p owner exited (the connection is then closed)."""
 
 
 class ReshareError(DevIpcError):
-    """A tensor received through IPC was sent on again, which is not supported yet."""
+    """Memory received from another process cannot be sent on this way: a view inside a
+    received storage that is not the received tensor itself, or a received storage advertised
+    by devipc.p2p (a received tensor itself may be sent on, A -> B -> C). Send a clone()."""
 
 
 class ConsumerDiedError(PeerGoneError):

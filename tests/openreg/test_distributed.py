@@ -159,3 +159,14 @@ def test_a_shut_down_group_refuses_work(group):
     dist.destroy_process_group(group)
     with pytest.raises(RuntimeError, match="was shut down"):
         group.allreduce([torch.ones(2, device="openreg")], dist.AllreduceOptions())
+
+
+def test_the_ops_called_without_options_take_their_defaults(group):
+    # torch always passes options; a caller of the process group itself may not
+    backend = dist.distributed_c10d._get_default_group()
+    x = torch.arange(4.0, device="openreg")
+    gathered, single = [torch.empty_like(x)], torch.empty_like(x)
+    for work in (backend.allgather([gathered], [x]), backend.all_gather_single(single, x),
+                 backend.allgather_coalesced([gathered], [x])):
+        work.wait()
+    assert torch.equal(gathered[0].cpu(), x.cpu()) and torch.equal(single.cpu(), x.cpu())

@@ -4,10 +4,10 @@ import torch
 
 from . import _runtime
 
-PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)  # type: ignore[call-overload]
 
 
-def index_of(device) -> int:
+def index_of(device: torch.device | str | int | None) -> int:
     """Index of an openreg device given as None (current), int, str or torch.device."""
     if device is None:
         return current_device()
@@ -23,11 +23,11 @@ def current_device() -> int:
     return _runtime.current_device()
 
 
-def set_device(device) -> None:
+def set_device(device: torch.device | str | int | None) -> None:
     _runtime.set_device(index_of(device))
 
 
-def current_stream(device=None) -> torch.Stream:
+def current_stream(device: torch.device | str | int | None = None) -> torch.Stream:
     """This thread's current stream of `device`."""
     index = index_of(device)
     stream_id = _runtime.current_stream_id(index)

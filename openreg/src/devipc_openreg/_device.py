@@ -84,7 +84,7 @@ def is_initialized() -> bool:
     return _runtime.runtime_state() == _runtime.RUNTIME_INITIALIZED
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> bool:
     # torch.utils.checkpoint reads `_initialized` to decide whether to stash the device's RNG state.
     if name == "_initialized":
         return is_initialized()
@@ -94,53 +94,53 @@ def __getattr__(name):
 class device:
     """Context manager that makes `device` the current openreg device; None changes nothing."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device | str | int | None) -> None:
         self.index = None if device is None else _index(device)
-        self.previous = None
+        self.previous: int | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         if self.index is not None:
             self.previous = current_device()
             set_device(self.index)
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> None:
         if self.previous is not None:
             set_device(self.previous)
 
 
-def synchronize(device=None) -> None:
+def synchronize(device: torch.device | str | int | None = None) -> None:
     """Waits for all work queued on every stream of `device`."""
     _runtime.synchronize(_index(device))
 
 
 # ---- memory ----
-def memory_stats(device=None) -> dict:
+def memory_stats(device: torch.device | str | int | None = None) -> dict[str, int]:
     """The allocator's statistics, with the keys torch.cuda.memory_stats uses for them."""
     stats = _runtime.mem_stats(_index(device))
     return {key: stats[field] for field, key in _STAT_KEYS.items()}
 
 
-def memory_allocated(device=None) -> int:
+def memory_allocated(device: torch.device | str | int | None = None) -> int:
     return memory_stats(device)["allocated_bytes.all.current"]
 
 
-def max_memory_allocated(device=None) -> int:
+def max_memory_allocated(device: torch.device | str | int | None = None) -> int:
     return memory_stats(device)["allocated_bytes.all.peak"]
 
 
-def memory_reserved(device=None) -> int:
+def memory_reserved(device: torch.device | str | int | None = None) -> int:
     return memory_stats(device)["reserved_bytes.all.current"]
 
 
-def max_memory_reserved(device=None) -> int:
+def max_memory_reserved(device: torch.device | str | int | None = None) -> int:
     return memory_stats(device)["reserved_bytes.all.peak"]
 
 
-def reset_peak_memory_stats(device=None) -> None:
+def reset_peak_memory_stats(device: torch.device | str | int | None = None) -> None:
     _runtime.reset_peak_memory_stats(_index(device))
 
 
-def reset_accumulated_memory_stats(device=None) -> None:
+def reset_accumulated_memory_stats(device: torch.device | str | int | None = None) -> None:
     _runtime.reset_accumulated_memory_stats(_index(device))
 
 
@@ -188,26 +188,27 @@ def seed_all() -> None:
 
 
 # ---- RNG state: what torch.random.fork_rng and torch.utils.checkpoint save and restore ----
-def get_rng_state(device="openreg") -> torch.Tensor:
+def get_rng_state(device: torch.device | str | int | None = "openreg") -> torch.Tensor:
     """The state of `device`'s default generator, a CPU uint8 tensor."""
     return _runtime.get_rng_state(_index(device))
 
 
-def set_rng_state(new_state: torch.Tensor, device="openreg") -> None:
+def set_rng_state(new_state: torch.Tensor,
+                  device: torch.device | str | int | None = "openreg") -> None:
     _runtime.set_rng_state(_index(device), new_state.to("cpu", torch.uint8).contiguous())
 
 
-def get_rng_state_all() -> list:
+def get_rng_state_all() -> list[torch.Tensor]:
     return [get_rng_state(index) for index in range(device_count())]
 
 
-def set_rng_state_all(new_states) -> None:
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     for index, state in enumerate(new_states):
         set_rng_state(state, index)
 
 
 # ---- AMP: torch.autocast("openreg") asks which dtypes it may cast to ----
-def get_amp_supported_dtype() -> list:
+def get_amp_supported_dtype() -> list[torch.dtype]:
     """Kernels run on the CPU, which computes in both."""
     return [torch.float16, torch.bfloat16]
 
@@ -226,29 +227,30 @@ class DeviceProperties:
         self.uuid = _runtime.device_uuid(index)
         self.total_memory = mem_get_info(index)[1]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"DeviceProperties(name={self.name!r}, index={self.index}, uuid={self.uuid!r}, "
                 f"total_memory={self.total_memory >> 20}MB)")
 
 
-def get_device_name(device=None) -> str:
+def get_device_name(device: torch.device | str | int | None = None) -> str:
     _index(device)  # a bad device raises here as in torch.cuda
     return "openreg"
 
 
-def get_device_properties(device=None) -> DeviceProperties:
+def get_device_properties(device: torch.device | str | int | None = None) -> DeviceProperties:
     index = _index(device)
     if not 0 <= index < device_count():
         raise ValueError(f"openreg device {index} does not exist ({device_count()} visible)")
     return DeviceProperties(index)
 
 
-def mem_get_info(device=None) -> tuple:
+def mem_get_info(device: torch.device | str | int | None = None) -> tuple[int, int]:
     """(free, total) bytes of the host memory the device allocates from (shared by all devices)."""
     return _runtime.mem_get_info(_index(device))
 
 
-def memory_summary(device=None, abbreviated: bool = False) -> str:
+def memory_summary(device: torch.device | str | int | None = None,
+                   abbreviated: bool = False) -> str:
     """A readable table of memory_stats (`abbreviated` is accepted for torch.cuda's signature)."""
     index = _index(device)
     stats = memory_stats(index)

@@ -12,17 +12,25 @@ completes, and refuses what it cannot serve with an error that names openreg. It
 `ProcessGroup` subclass because torch's C++ `Backend` cannot be subclassed from Python; torch then
 uses the group as is for every device.
 """
+from __future__ import annotations
+
 import ctypes
 import datetime
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from . import _device
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import AllgatherOptions
 
 BACKEND = "oreg"
 _DEVICES = ["openreg", "cpu"]  # cpu tensors (object collectives, barrier) go to gloo as they are
 _AVG, _SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+_Options = TypeVar("_Options", bound=dist.AllreduceOptions)
 
 
 def register() -> None:
@@ -32,7 +40,8 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, devices=_DEVICES)
 
 
-def _create(store, rank, size, timeout):
+def _create(store: dist.Store, rank: int, size: int,
+            timeout: datetime.timedelta) -> OpenRegProcessGroup:
     return OpenRegProcessGroup(store, rank, size, timeout)
 
 
@@ -43,7 +52,7 @@ def _host_alias(tensor: torch.Tensor) -> torch.Tensor:
     if storage.nbytes() == 0:
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
     pages = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
-    pages.owner = tensor
+    pages.owner = tensor  # type: ignore[attr-defined]
     flat = torch.frombuffer(pages, dtype=torch.uint8).view(tensor.dtype)
     return flat.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
@@ -52,17 +61,18 @@ class _Prepared:
     """The arguments of one call with every openreg tensor replaced by its host alias, after the
     work queued on the current streams of their devices is done."""
 
-    def __init__(self, what: str, args):
+    def __init__(self, what: str, args: tuple[object, ...]) -> None:
         self.what = what
-        self.originals = {}  # id(alias): (alias, openreg tensor), for the work's future
-        devices = set()
+        # id(alias): (alias, openreg tensor), for the work's future
+        self.originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        devices: set[int] = set()
         for arg in args:
             self._check(arg, devices)
         for index in sorted(devices):
             _device.current_stream(index).synchronize()
         self.args = [self._alias(arg) for arg in args]
 
-    def _check(self, arg, devices):
+    def _check(self, arg: object, devices: set[int]) -> None:
         """Checks the tensors of `arg` (a tensor or nested lists of them); other values pass."""
         if isinstance(arg, (list, tuple)):
             for a in arg:
@@ -80,7 +90,7 @@ class _Prepared:
         if arg.device.type == "openreg":
             devices.add(arg.device.index)
 
-    def _alias(self, arg):
+    def _alias(self, arg: object) -> object:
         if isinstance(arg, (list, tuple)):
             return [self._alias(a) for a in arg]
         if isinstance(arg, torch.Tensor) and arg.device.type == "openreg":
@@ -89,7 +99,7 @@ class _Prepared:
             return alias
         return arg
 
-    def restore(self, value):
+    def restore(self, value: object) -> object:
         """`value` (a future's result) with each alias of ours replaced by its openreg tensor."""
         if isinstance(value, (list, tuple)):
             return [self.restore(v) for v in value]
@@ -101,28 +111,28 @@ class _Prepared:
 class _Work(dist.Work):
     """gloo's work on the aliases; its errors and its future's result speak of openreg."""
 
-    def __init__(self, inner, prepared: _Prepared):
+    def __init__(self, inner: dist.Work, prepared: _Prepared) -> None:
         super().__init__()
         self._inner = inner
         self._prepared = prepared
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         try:
             return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as e:
             raise RuntimeError(f"{self._prepared.what} on the {BACKEND!r} (openreg) process "
                                f"group: {e}") from e
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         return self._inner.is_completed()
 
-    def is_success(self):
+    def is_success(self) -> bool:
         return self._inner.is_success()
 
-    def exception(self):
+    def exception(self) -> Any:
         return self._inner.exception()
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future[object]:
         prepared = self._prepared
         return self._inner.get_future().then(lambda done: prepared.restore(done.value()))
 
@@ -130,15 +140,16 @@ class _Work(dist.Work):
 class OpenRegProcessGroup(dist.ProcessGroup):
     """A process group whose collectives and point-to-point ops take openreg (or cpu) tensors."""
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
-        super().__init__(rank, size)
+    def __init__(self, store: dist.Store, rank: int, size: int,
+                 timeout: datetime.timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
         store = dist.PrefixStore(f"{BACKEND}/gloo/", store)
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(store, rank, size, timeout)
 
     def getBackendName(self) -> str:  # noqa: N802  (the name torch's C++ asks for)
         return BACKEND
 
-    def _run(self, what: str, gloo_method: str, *args):
+    def _run(self, what: str, gloo_method: str, *args: object) -> _Work:
         if self._gloo is None:
             raise RuntimeError(f"{what}: this {BACKEND!r} process group was shut down")
         prepared = _Prepared(what, args)
@@ -148,7 +159,8 @@ class OpenRegProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"{what} on the {BACKEND!r} (openreg) process group: {e}") from e
         return _Work(inner, prepared)
 
-    def _reduce_op(self, what: str, tensors, opts, options_type):
+    def _reduce_op(self, what: str, tensors: list[torch.Tensor], opts: _Options,
+                   options_type: type[_Options]) -> _Options:
         """`opts` as gloo can serve it: gloo has no AVG, so each share is divided by the group
         size here and the shares are summed."""
         if opts.reduceOp != _AVG:  # gloo refuses what it cannot do (PREMUL_SUM) by itself
@@ -159,75 +171,93 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         for t in tensors:
             t.div_(self.size())
         summed = options_type()
-        summed.reduceOp, summed.timeout = _SUM, opts.timeout
+        summed.reduceOp, summed.timeout = _SUM, opts.timeout  # type: ignore[assignment]
         return summed
 
     # ---- collectives ----
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
+                  opts: dist.AllreduceOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
         opts = self._reduce_op("all_reduce", tensors, opts, dist.AllreduceOptions)
         return self._run("all_reduce", "allreduce", tensors, opts)
 
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(self, tensors: list[torch.Tensor],
+                            opts: dist.AllreduceCoalescedOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         opts = self._reduce_op("all_reduce_coalesced", tensors, opts,
                                dist.AllreduceCoalescedOptions)
         return self._run("all_reduce_coalesced", "allreduce_coalesced", tensors, opts)
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors: list[torch.Tensor],  # type: ignore[override]
+                  opts: dist.BroadcastOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else dist.BroadcastOptions()
         return self._run("broadcast", "broadcast", tensors, opts)
 
-    def reduce(self, tensors, opts):
+    def reduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
+               opts: dist.ReduceOptions) -> dist.Work:
         if opts.reduceOp == _AVG:
             raise ValueError(f"reduce on the {BACKEND!r} process group does not support AVG "
                              f"(only all_reduce does)")
         return self._run("reduce", "reduce", tensors, opts)
 
-    def allgather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+    def allgather(self, output_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                  inputs: list[torch.Tensor], opts: AllgatherOptions | None = None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         return self._run("all_gather", "allgather", output_lists, inputs, opts)
 
-    def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: AllgatherOptions | None = None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         return self._run("all_gather_single", "_allgather_base", output, input, opts)
 
     _allgather_base = all_gather_single
 
-    def reduce_scatter(self, outputs, input_lists, opts=None):
+    def reduce_scatter(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                       input_lists: list[list[torch.Tensor]],
+                       opts: dist.ReduceScatterOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run("reduce_scatter", "reduce_scatter", outputs, input_lists, opts)
 
-    def reduce_scatter_single(self, output, input, opts=None):
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: dist.ReduceScatterOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run("reduce_scatter_single", "_reduce_scatter_base", output, input, opts)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
-    def gather(self, output_lists, inputs, opts):
+    def gather(self, output_lists: list[list[torch.Tensor]],  # type: ignore[override]
+               inputs: list[torch.Tensor], opts: dist.GatherOptions) -> dist.Work:
         return self._run("gather", "gather", output_lists, inputs, opts)
 
-    def scatter(self, outputs, input_lists, opts):
+    def scatter(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                input_lists: list[list[torch.Tensor]], opts: dist.ScatterOptions) -> dist.Work:
         return self._run("scatter", "scatter", outputs, input_lists, opts)
 
-    def alltoall(self, outputs, inputs, opts=None):
+    def alltoall(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                 inputs: list[torch.Tensor],
+                 opts: dist.AllToAllOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
         return self._run("all_to_all", "alltoall", outputs, inputs, opts)
 
-    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+    def all_to_all_single(self, output: torch.Tensor,  # type: ignore[override]
+                          input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                          opts: dist.AllToAllOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
         return self._run("all_to_all_single", "alltoall_base", output, input, output_splits,
                          input_splits, opts)
 
-    def barrier(self, opts=None):
+    def barrier(self,  # type: ignore[override]
+                opts: dist.BarrierOptions | None = None) -> dist.Work:
         return self._run("barrier", "barrier", dist.BarrierOptions())
 
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor],
+                            opts: AllgatherOptions | None = None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         return self._run("all_gather_coalesced", "allgather_coalesced", output_lists, inputs,
                          opts)
 
-    def _unsupported(self, *args, **kwargs):
+    def _unsupported(self, *args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(
             f"the {BACKEND!r} (openreg) process group does not coalesce collectives; issue "
             f"them one by one")
@@ -236,17 +266,17 @@ class OpenRegProcessGroup(dist.ProcessGroup):
     all_gather_single_coalesced = reduce_scatter_single_coalesced = _unsupported
 
     # ---- point to point ----
-    def send(self, tensors, dst: int, tag: int = 0):
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         return self._run("send", "send", tensors, dst, tag)
 
-    def recv(self, tensors, src: int, tag: int = 0):
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         return self._run("recv", "recv", tensors, src, tag)
 
-    def recv_anysource(self, tensors, tag: int = 0):
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         return self._run("recv", "recv_anysource", tensors, tag)
 
     # ---- life cycle ----
-    def shutdown(self):
+    def shutdown(self) -> None:
         """Closes gloo's connections now, not whenever the group object is collected."""
         gloo, self._gloo = self._gloo, None
         if gloo is not None:

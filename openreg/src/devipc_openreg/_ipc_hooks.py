@@ -41,7 +41,8 @@ class OpenRegIpcHooks(IpcHooks):
             return b""
         event = _runtime.event_create(interprocess=True, timing=False)
         try:
-            _runtime.event_record(event, _runtime_stream(torch.openreg.current_stream(device)))
+            _runtime.event_record(event, _runtime_stream(
+                torch.openreg.current_stream(device)))  # type: ignore[attr-defined]
             return _runtime.ipc_get_event_handle(event)
         finally:
             # The handle names the event; destroyed, it keeps its slot until this record has run,
@@ -74,7 +75,7 @@ class OpenRegIpcHooks(IpcHooks):
     def can_map_on(self, memory: OpenedMemory, device: torch.device) -> bool:
         # Every openreg device's memory is host memory: any visible openreg device can use it.
         return device.type == "openreg" and device.index is not None \
-            and 0 <= device.index < torch.openreg.device_count()
+            and 0 <= device.index < torch.openreg.device_count()  # type: ignore[attr-defined]
 
     def device_identity(self, device: torch.device) -> bytes:
         return _runtime.device_uuid(device.index).encode()

@@ -6,7 +6,9 @@ interprocess event or carry an IPC handle. As with CUDA, an interprocess event's
 event: every process that opened it may record it, and waits are for its latest record. Events
 pickle (for `torch.multiprocessing`) as their IPC handle, like `torch.cuda.Event`.
 """
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
+from typing import Any, NoReturn, Self
 
 import torch
 
@@ -16,7 +18,7 @@ from ._current import PRIVATEUSE1, current_device, current_stream, index_of, set
 __all__ = ["Event", "Stream", "StreamContext", "default_stream", "set_stream", "stream"]
 
 
-def _openreg_stream(stream) -> torch.Stream:
+def _openreg_stream(stream: torch.Stream | None) -> torch.Stream:
     """`stream`, checked to be an openreg stream; None: the current stream of the current device."""
     if stream is None:
         return current_stream()
@@ -38,31 +40,33 @@ class Stream(torch.Stream):
     `Stream(stream_id=..., device_index=..., device_type=...)` names an existing stream instead.
     """
 
-    def __new__(cls, device=None, priority=0, **kwargs):
+    def __new__(cls, device: torch.device | str | int | None = None, priority: int = 0,
+                **kwargs: Any) -> Self:
         if kwargs:
             return super().__new__(cls, **kwargs)
         index = index_of(device)
         return super().__new__(cls, torch.device("openreg", index), priority=priority)
 
-    def wait_event(self, event) -> None:
+    def wait_event(self, event: "Event | torch.Event") -> None:
         """Work queued on this stream afterwards waits for `event`'s latest record."""
         if isinstance(event, Event):
             event.wait(self)
         else:
             super().wait_event(event)
 
-    def wait_stream(self, stream) -> None:
+    def wait_stream(self, stream: torch.Stream | None) -> None:
         """Work queued on this stream afterwards waits for the work queued on `stream` so far."""
         self.wait_event(Stream.record_event(_openreg_stream(stream)))
 
-    def record_event(self, event=None) -> "Event":
+    def record_event(self: torch.Stream,  # type: ignore[override]
+                     event: "Event | None" = None) -> "Event":
         """Records `event` (a new Event if None) on this stream and returns it."""
         if event is None:
             event = Event()
         event.record(self)
         return event
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<torch.openreg.Stream device=openreg:{self.device_index} id={self.stream_id}>"
 
 
@@ -74,23 +78,27 @@ class Event:
     process with `Event.from_ipc_handle`.
     """
 
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+    _event: int  # None only while half-made or once destroyed
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
         if interprocess and enable_timing:
             raise ValueError("an interprocess openreg event cannot measure time: "
                              "create it with enable_timing=False (as in CUDA)")
-        self._event = None  # set first, so __del__ of a half-made event does nothing
+        # set first, so __del__ of a half-made event does nothing
+        self._event = None  # type: ignore[assignment]
         self.enable_timing, self.blocking, self.interprocess = \
             bool(enable_timing), bool(blocking), bool(interprocess)
-        self.device = None  # the device of the first stream it is recorded on
+        self.device: torch.device | None = None  # the device of the first stream it is recorded on
         self._event = _runtime.event_create(interprocess=self.interprocess,
                                             timing=self.enable_timing)
 
     @classmethod
-    def from_ipc_handle(cls, device, handle) -> "Event":
+    def from_ipc_handle(cls, device: torch.device | str | int | None, handle: bytes) -> "Event":
         """The interprocess event named by `handle` (from `ipc_handle()` in another process)."""
         index = index_of(device)
         event = cls.__new__(cls)
-        event._event = None
+        event._event = None  # type: ignore[assignment]
         event.enable_timing, event.blocking, event.interprocess = False, False, True
         event.device = torch.device("openreg", index)
         event._event = _runtime.ipc_open_event_handle(handle)
@@ -101,7 +109,7 @@ class Event:
         """The runtime's event (an orEvent_t), as an int."""
         return self._event
 
-    def record(self, stream=None) -> None:
+    def record(self, stream: torch.Stream | None = None) -> None:
         """Records this event on `stream` (None: the current stream); a later record replaces the
         one waits are for."""
         stream = _openreg_stream(stream)
@@ -112,7 +120,7 @@ class Event:
         _runtime.event_record(self._event, _native(stream))
         self.device = target
 
-    def wait(self, stream=None) -> None:
+    def wait(self, stream: torch.Stream | None = None) -> None:
         """Work queued on `stream` (None: the current stream) afterwards waits for this event's
         latest record, as it is now."""
         _runtime.stream_wait_event(_native(_openreg_stream(stream)), self._event)
@@ -135,25 +143,25 @@ class Event:
             raise ValueError("only an openreg Event(interprocess=True) has an IPC handle")
         return _runtime.ipc_get_event_handle(self._event)
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise TypeError("an openreg Event holds a runtime pointer; only multiprocessing's pickler "
                         "(torch.multiprocessing included) sends it, as its IPC handle")
 
-    def __del__(self):
-        event, self._event = getattr(self, "_event", None), None
+    def __del__(self) -> None:
+        event, self._event = getattr(self, "_event", None), None  # type: ignore[assignment]
         if event is not None and _runtime is not None:  # None late in interpreter shutdown
             _runtime.event_destroy(event)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         kind = "interprocess " if self.interprocess else ""
         return f"<torch.openreg.Event {kind}{self._event:#x} device={self.device}>"
 
 
-def _rebuild_event(device_index, handle):
+def _rebuild_event(device_index: int | None, handle: bytes) -> Event:
     return Event.from_ipc_handle(device_index, handle)
 
 
-def _reduce_event(event):
+def _reduce_event(event: Event) -> tuple[Callable[..., Event], tuple[int | None, bytes]]:
     """How torch.multiprocessing sends an Event: as its IPC handle, like torch.cuda.Event."""
     index = event.device.index if event.device is not None else current_device()
     return _rebuild_event, (index, event.ipc_handle())
@@ -162,13 +170,13 @@ def _reduce_event(event):
 ForkingPickler.register(Event, _reduce_event)
 
 
-def default_stream(device=None) -> Stream:
+def default_stream(device: torch.device | str | int | None = None) -> Stream:
     """The default stream (id 0) of `device`."""
     index = index_of(device)
     return Stream(stream_id=0, device_index=index, device_type=PRIVATEUSE1)
 
 
-def set_stream(stream) -> None:
+def set_stream(stream: torch.Stream | None) -> None:
     """Makes `stream` the current stream of its device, and its device the current device (as
     torch.cuda.set_stream). None does nothing."""
     if stream is None:
@@ -182,11 +190,11 @@ class StreamContext:
     """Makes `stream` current (and its device) inside the `with`, then restores both; None does
     nothing."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: torch.Stream | None) -> None:
         self.stream = None if stream is None else _openreg_stream(stream)
-        self._restore = None
+        self._restore: tuple[int, int, int] | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> torch.Stream | None:
         if self.stream is None:
             return None
         index = self.stream.device_index
@@ -194,7 +202,7 @@ class StreamContext:
         set_stream(self.stream)
         return self.stream
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> None:
         if self._restore is None:
             return
         device, index, stream_id = self._restore
@@ -203,6 +211,6 @@ class StreamContext:
         set_device(device)
 
 
-def stream(stream) -> StreamContext:
+def stream(stream: torch.Stream | None) -> StreamContext:
     """`with torch.openreg.stream(s):` queues work on `s` inside the block."""
     return StreamContext(stream)

@@ -11,6 +11,7 @@ Parameter again (the first place's converted one). Ties made later (`model.tie_w
 models built under `with torch.device("openreg")` need nothing of this.
 """
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +29,8 @@ def _places_of_shared_parameters(module: torch.nn.Module) -> list[list[tuple]]:
     return [group for group in places.values() if len(group) > 1]
 
 
-def _apply_keeping_ties(self: torch.nn.Module, fn, recurse: bool = True):
+def _apply_keeping_ties(self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                        recurse: bool = True) -> torch.nn.Module:
     if getattr(_inside, "depth", 0) or not recurse:
         return _torchs_own(self, fn, recurse)
     shared = _places_of_shared_parameters(self)
