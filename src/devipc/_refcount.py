@@ -70,30 +70,25 @@ class CounterFile:
 
     # -- transitions --
     def take(self, export: int) -> int | None:
-        """A new SENT slot for `export`, or None when the file is full. The slot is assigned
-        before the cursor moves past it: the producer lists the slots others took, once each,
-        by the export they name (`ProducerCounters.new_slots`), and a slot it saw unassigned
-        would never keep its export's memory."""
-        _locks.lock(self.fd, *_CURSOR)
-        try:
-            index = self.cursor()
-            if not 0 <= index < SLOTS_PER_FILE:
-                return None
-            self.assign(index, export)
-            self._words.store_header(0, index + 1)
-            return index
-        finally:
-            _locks.unlock(self.fd, *_CURSOR)
+        """A new SENT slot for `export`, or None when the file is full."""
+        slots = self.reserve(1, export)
+        return slots[0] if slots else None
 
-    def reserve(self, count: int) -> range:
-        """Up to `count` fresh slots for this process to `assign` later (empty: the file is
-        full). Until then they read RELEASED, and no consumer can open them."""
+    def reserve(self, count: int, export: int | None = None) -> range:
+        """Up to `count` fresh slots (empty: the file is full): for this process to `assign`
+        later, reading RELEASED until then so that no consumer can open them; or, with `export`,
+        SENT slots for it, assigned before the cursor moves past them: the producer lists the
+        slots others took, once each, by the export they name (`ProducerCounters.new_slots`),
+        and a slot it saw unassigned would never keep its export's memory."""
         _locks.lock(self.fd, *_CURSOR)
         try:
             start = self.cursor()
             if not 0 <= start < SLOTS_PER_FILE:
                 return range(0)
             end = min(start + count, SLOTS_PER_FILE)
+            if export is not None:
+                for index in range(start, end):
+                    self.assign(index, export)
             self._words.store_header(0, end)
             return range(start, end)
         finally:
