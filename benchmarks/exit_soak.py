@@ -54,7 +54,7 @@ try:
 except ImportError:
     pass
 SENT = torch.ones(1024, device="openreg").untyped_storage()
-devipc.share_device(SENT)
+devipc.rfc.share_device(SENT)
 handle = devipc.share(torch.ones(8, device="openreg"))
 bucket = devipc.share_tensors({"w": torch.ones(8, device="openreg")})
 received = devipc.open(devipc.share(torch.ones(8, device="openreg")))

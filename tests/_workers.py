@@ -42,7 +42,7 @@ def hold_lifeline(conn, handle, how):
 
 
 def release_slot(handle, index, done):
-    devipc.release_ipc_counter_device(handle, index)
+    devipc.rfc.release_ipc_counter_device(handle, index)
     done.put("ok")
 
 

@@ -1,10 +1,13 @@
 """The public surface, by audience: `devipc` for users, `devipc.hooks` for vendors, `devipc.rfc`
 for torch's plumbing, `devipc.p2p` for transfers; each name documented in the README."""
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
 import types
+
+import pytest
 
 import devipc
 import devipc.p2p
@@ -20,15 +23,29 @@ def test_every_public_name_is_exported_once():
             assert hasattr(module, name), f"{module.__name__}.{name}"
     public = {name for name, value in vars(devipc).items()
               if not name.startswith("_") and not isinstance(value, types.ModuleType)}
-    synonyms = set(devipc.hooks.__all__) | set(devipc.rfc.__all__)
-    assert public - synonyms == set(devipc.__all__) - {"hooks", "rfc"}
+    assert public == set(devipc.__all__) - {"hooks", "rfc"}
 
 
-def test_vendor_and_rfc_names_in_devipc_are_the_same_objects():
+def test_vendor_and_rfc_names_asked_of_devipc_say_where_they_live():
     for module in (devipc.hooks, devipc.rfc):
         for name in module.__all__:
-            if name not in ("SharedStorage", "IpcMemHandle"):  # newer than the synonyms
-                assert getattr(devipc, name) is getattr(module, name), name
+            where = rf"devipc\.{name} is {module.__name__}\.{name}"
+            with pytest.raises(AttributeError, match=where):
+                getattr(devipc, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        devipc.no_such_name  # noqa: B018
+
+
+def test_public_objects_report_the_module_users_import_them_from():
+    for module in AUDIENCES:
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, types.ModuleType):
+                continue
+            assert value.__module__ in ("devipc", module.__name__), (module.__name__, name)
+            assert pickle.loads(pickle.dumps(value)) is value, name  # pickled by that name
+    assert repr(devipc.Handle) == "<class 'devipc.Handle'>"
+    assert devipc.p2p.NotRegisteredError.__module__ == "devipc.p2p"
 
 
 def test_the_readme_documents_every_public_name():

@@ -39,7 +39,7 @@ def test_importing_devipc_registers_no_device():
                  torch._C._get_privateuse1_backend_name())
         print(json.dumps({"before": before, "after": after,
                           "device_modules": sorted(m for m in sys.modules if "openreg" in m),
-                          "installed": devipc.installed()}))
+                          "installed": devipc.rfc.installed()}))
     """), DEVIPC_OPENREG="0")
     # torch's CUDA builds say "cuda" even without a GPU, its CPU builds None: unchanged is the point
     assert state["before"] == state["after"] and state["before"][1] == "privateuseone"

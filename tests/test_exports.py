@@ -145,14 +145,14 @@ def test_a_send_forwarded_between_two_sends_of_the_producer_is_tracked():
 
     baseline = _baseline()
     tensor = torch.ones(1024, device="openreg")
-    first = devipc.share_device(tensor.untyped_storage())
+    first = devipc.rfc.share_device(tensor.untyped_storage())
     forwarder, receiver = ConsumerCounters(), ConsumerCounters()  # opens of their own
     forwarder.hold(first[4], first[5], lambda: None)
     forwarded = forwarder.forward(first[4], first[5])
-    second = devipc.share_device(tensor.untyped_storage())
+    second = devipc.rfc.share_device(tensor.untyped_storage())
     receiver.hold(first[4], forwarded, lambda: None)
     forwarder.release(first[4], first[5])
-    devipc.release_ipc_counter_device(second[4], second[5])
+    devipc.rfc.release_ipc_counter_device(second[4], second[5])
     del tensor
     devipc.ipc_collect()
     assert torch.accelerator.memory_allocated() >= baseline + 4096, "freed while still held"

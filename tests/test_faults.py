@@ -49,8 +49,8 @@ def _fds():
 def _warm_up():
     """Creates the counter file, event page and cached segment that later sends reuse."""
     scratch = torch.zeros(NBYTES // 4, device="openreg")
-    shared = devipc.share_device(scratch.untyped_storage())
-    devipc.release_ipc_counter_device(shared[4], shared[5])
+    shared = devipc.rfc.share_device(scratch.untyped_storage())
+    devipc.rfc.release_ipc_counter_device(shared[4], shared[5])
     del scratch, shared
 
 

@@ -5,17 +5,17 @@ import devipc
 from devipc._hooks import hooks_for
 
 
-class _Broken(devipc.IpcHooks):
+class _Broken(devipc.hooks.IpcHooks):
     def supports_ipc(self):
         raise RuntimeError("driver exploded")
 
 
-class _Unable(devipc.IpcHooks):
+class _Unable(devipc.hooks.IpcHooks):
     pass
 
 
 def test_defaults_say_no_ipc():
-    hooks = devipc.IpcHooks()
+    hooks = devipc.hooks.IpcHooks()
     assert hooks.supports_ipc() is False
     assert hooks.ipc_event_handle_size() == 0
     assert hooks.requires_event_sync() is False
@@ -27,8 +27,8 @@ def test_defaults_say_no_ipc():
 
 
 def test_optional_hooks_default_to_the_safe_answer():
-    hooks = devipc.IpcHooks()
-    memory = devipc.OpenedMemory(0, 64, torch.device("openreg", 0), lambda: None)
+    hooks = devipc.hooks.IpcHooks()
+    memory = devipc.hooks.OpenedMemory(0, 64, torch.device("openreg", 0), lambda: None)
     assert hooks.can_map_on(memory, torch.device("openreg", 0))
     assert not hooks.can_map_on(memory, torch.device("openreg", 1))
     assert hooks.device_identity(torch.device("openreg", 0)) == b""
@@ -36,21 +36,21 @@ def test_optional_hooks_default_to_the_safe_answer():
 
 
 def test_unregistered_devices_do_not_support_ipc():
-    assert devipc.device_supports_ipc("no_such_device") is False
-    assert devipc.device_supports_ipc("cuda") is False
-    assert devipc.get_ipc_hooks("no_such_device") is None
+    assert devipc.hooks.device_supports_ipc("no_such_device") is False
+    assert devipc.hooks.device_supports_ipc("cuda") is False
+    assert devipc.hooks.get_ipc_hooks("no_such_device") is None
 
 
 def test_supports_ipc_never_throws():
-    devipc.register_ipc_hooks("fakedev", _Broken())
+    devipc.hooks.register_ipc_hooks("fakedev", _Broken())
     try:
-        assert devipc.device_supports_ipc("fakedev") is False
+        assert devipc.hooks.device_supports_ipc("fakedev") is False
     finally:
-        devipc.unregister_ipc_hooks("fakedev")
+        devipc.hooks.unregister_ipc_hooks("fakedev")
 
 
 def test_error_names_the_device_and_says_what_to_do():
-    devipc.register_ipc_hooks("fakedev", _Unable())
+    devipc.hooks.register_ipc_hooks("fakedev", _Unable())
     try:
         with pytest.raises(devipc.UnsupportedDeviceError) as error:
             hooks_for(_FakeDevice())
@@ -58,7 +58,7 @@ def test_error_names_the_device_and_says_what_to_do():
         assert "register_ipc_hooks" in str(error.value)
         assert "never copies silently" in str(error.value)
     finally:
-        devipc.unregister_ipc_hooks("fakedev")
+        devipc.hooks.unregister_ipc_hooks("fakedev")
 
 
 class _FakeDevice:
@@ -71,16 +71,16 @@ class _FakeDevice:
 @pytest.mark.parametrize("device_type", ["cpu", "cuda", "meta"])
 def test_torch_owned_devices_cannot_be_taken_over(device_type):
     with pytest.raises(ValueError, match="torch shares"):
-        devipc.register_ipc_hooks(device_type, devipc.IpcHooks())
+        devipc.hooks.register_ipc_hooks(device_type, devipc.hooks.IpcHooks())
 
 
 def test_hooks_must_implement_the_contract():
     with pytest.raises(TypeError, match="IpcHooks"):
-        devipc.register_ipc_hooks("fakedev", object())
+        devipc.hooks.register_ipc_hooks("fakedev", object())
 
 
 def test_later_spelling_follows_event_size():
-    class WithEvents(devipc.IpcHooks):
+    class WithEvents(devipc.hooks.IpcHooks):
         def ipc_event_handle_size(self):
             return 64
 

@@ -109,8 +109,8 @@ def test_no_descriptor_is_left_open_on_either_side(children):
     from _support import open_fds
 
     tensor = torch.ones(1024, device="openreg")
-    shared = devipc.share_device(tensor.untyped_storage())  # the counter file now exists
-    devipc.release_ipc_counter_device(shared[4], shared[5])
+    shared = devipc.rfc.share_device(tensor.untyped_storage())  # the counter file now exists
+    devipc.rfc.release_ipc_counter_device(shared[4], shared[5])
     inbox, outbox = children.ctx.Queue(), children.ctx.Queue()
     children.start(_workers.count_fds_around_a_receive, inbox, outbox)
     before = open_fds()
@@ -405,17 +405,17 @@ def test_cuda_tensors_still_reach_torchs_rebuild_cuda_tensor():
 
 def test_install_is_idempotent_and_uninstall_restores_torch():
     original = devipc._reductions._saved["reduce_tensor"]
-    devipc.install()
+    devipc.rfc.install()
     assert torch_reductions.reduce_tensor is devipc._reductions.reduce_tensor
-    devipc.uninstall()
+    devipc.rfc.uninstall()
     try:
         assert torch_reductions.reduce_tensor is original
         assert ForkingPickler._extra_reducers[torch.Tensor] is original
         assert not hasattr(torch_reductions, "rebuild_device_tensor")
         assert not hasattr(torch.UntypedStorage, "_share_device_")
-        devipc.uninstall()
+        devipc.rfc.uninstall()
     finally:
-        devipc.install()
+        devipc.rfc.install()
     assert ForkingPickler._extra_reducers[torch.Tensor] is devipc._reductions.reduce_tensor
 
 
@@ -426,7 +426,7 @@ class _UpstreamMemHandle:
     handle: bytes
 
 
-class _UpstreamSpelling(devipc.IpcHooks):
+class _UpstreamSpelling(devipc.hooks.IpcHooks):
     """openreg's hooks as code written against the PR branches spells them: a record for the
     memory handle, requires_event_sync() and no ipc_event_handle_size()."""
 
@@ -454,15 +454,15 @@ class _UpstreamSpelling(devipc.IpcHooks):
 
 
 def test_hooks_in_the_rfc_prs_spelling_share_unchanged(children, ipc_mode):
-    inner = devipc.get_ipc_hooks("openreg")
+    inner = devipc.hooks.get_ipc_hooks("openreg")
     upstream = _UpstreamSpelling(inner)
     assert upstream.ipc_event_handle_size() == 0  # the core asks requires_event_sync() alone
-    devipc.register_ipc_hooks("openreg", upstream)
+    devipc.hooks.register_ipc_hooks("openreg", upstream)
     try:
         cpu = torch.arange(12.0).reshape(3, 4)
         report, = _roundtrip(children, [(cpu.to("openreg")[1:], cpu[1:])])
     finally:
-        devipc.register_ipc_hooks("openreg", inner)
+        devipc.hooks.register_ipc_hooks("openreg", inner)
     assert report["equal"] and report["received"] and report["offset"] == 4
 
 
@@ -470,7 +470,7 @@ def test_torchs_own_event_reducers_stay_as_torch_made_them():
     """torch 2.15 replaced reduce_event by _reduce_event (registered for cuda and xpu events);
     devipc's install re-runs torch's init_reductions and touches neither."""
     own = getattr(torch_reductions, "_reduce_event", None) or torch_reductions.reduce_event
-    assert devipc.installed()
+    assert devipc.rfc.installed()
     events = [torch.cuda.Event] + ([torch.xpu.Event] if hasattr(torch.xpu, "Event") else [])
     for event_class in events:
         assert ForkingPickler._extra_reducers.get(event_class) in (own, None), event_class
@@ -480,11 +480,11 @@ def test_torchs_own_event_reducers_stay_as_torch_made_them():
 def test_the_rfc_prs_support_query_answers_once_installed_and_goes_with_uninstall():
     query = torch._C._acc._is_privateuse1_ipc_supported
     assert query() is True  # openreg, the PrivateUse1 backend here, has hooks that share
-    devipc.uninstall()
+    devipc.rfc.uninstall()
     try:
         assert not hasattr(torch._C._acc, "_is_privateuse1_ipc_supported")
     finally:
-        devipc.install()
+        devipc.rfc.install()
     assert torch._C._acc._is_privateuse1_ipc_supported() is True
 
 
@@ -493,16 +493,16 @@ import json, torch
 native = torch.UntypedStorage._share_fd_cpu_  # a native method, as a torch with the RFC would have
 torch.UntypedStorage._share_device_ = native
 import devipc
-before = devipc.installed()
+before = devipc.rfc.installed()
 try:
     import devipc_openreg  # registers openreg's hooks, which installs the reductions
 except devipc.DevIpcError as error:
     refused = str(error)
 else:
     refused = None
-print(json.dumps({"installed": before or devipc.installed(), "refused": refused,
+print(json.dumps({"installed": before or devipc.rfc.installed(), "refused": refused,
                   "kept": torch.UntypedStorage._share_device_ is native,
-                  "hooks": devipc.get_ipc_hooks("openreg") is not None}))
+                  "hooks": devipc.hooks.get_ipc_hooks("openreg") is not None}))
 """
 
 

@@ -24,12 +24,12 @@ def _drain():
 
 def test_share_and_rebuild_in_one_process_is_zero_copy():
     source = torch.arange(16, dtype=torch.float32, device="openreg")
-    shared = devipc.share_device(source.untyped_storage())
+    shared = devipc.rfc.share_device(source.untyped_storage())
     assert len(shared) == 8
     device, handle, size_bytes, offset_bytes, rc_handle, rc_offset, event, needs_event = shared
     assert isinstance(handle, bytes) and size_bytes == 64 and isinstance(offset_bytes, int)
     assert needs_event == (len(event) > 0)
-    storage = devipc.new_shared_device(*shared)
+    storage = devipc.rfc.new_shared_device(*shared)
     assert storage.device == source.device and storage.nbytes() == 64
     view = torch.tensor([], dtype=torch.float32, device="openreg").set_(storage)
     view[3] = -1
@@ -46,11 +46,11 @@ def test_sharing_waits_for_queued_work():
     target = torch.empty(32 << 20, dtype=torch.uint8, device="openreg")
     for _ in range(4):
         target.copy_(big, non_blocking=True)
-    shared = devipc.share_device(target.untyped_storage())
+    shared = devipc.rfc.share_device(target.untyped_storage())
     if not shared[7]:
         # No events: the producer synchronized; nothing may still be queued.
         assert torch.accelerator.current_stream().query()
-    storage = devipc.new_shared_device(*shared)
+    storage = devipc.rfc.new_shared_device(*shared)
     received = torch.tensor([], dtype=torch.uint8, device="openreg").set_(storage)
     assert int(received[-1].item()) == 7
     del received, storage, target
@@ -121,17 +121,17 @@ def test_an_allocation_sent_again_stays_mapped_across_a_pending_release(children
 def test_a_refused_open_leaves_the_send_to_the_genuine_bytes():
     """The device refuses a forged memory handle before the slot is taken (issue 27, defect 6)."""
     tensor = torch.ones(4, device="openreg")
-    shared = devipc.share_device(tensor.untyped_storage())
+    shared = devipc.rfc.share_device(tensor.untyped_storage())
     forged = list(shared)
     forged[1] = bytes(len(shared[1]))  # forged memory handle
     with pytest.raises(devipc.InvalidHandleError):
-        devipc.new_shared_device(*forged)
+        devipc.rfc.new_shared_device(*forged)
     counter = _sharing._counters._open(shared[4])
     try:
         assert counter.state(shared[5]) == SENT
     finally:
         _sharing._counters._put(shared[4])
-    received = devipc.new_shared_device(*shared)
+    received = devipc.rfc.new_shared_device(*shared)
     assert torch.equal(torch.empty(0, device="openreg").set_(received).cpu(), tensor.cpu())
     del tensor, received
     _drain()
@@ -139,40 +139,40 @@ def test_a_refused_open_leaves_the_send_to_the_genuine_bytes():
 
 def test_storage_larger_than_its_allocation_is_refused():
     tensor = torch.ones(4, device="openreg")
-    shared = list(devipc.share_device(tensor.untyped_storage()))
+    shared = list(devipc.rfc.share_device(tensor.untyped_storage()))
     shared[2] = 1 << 40
     with pytest.raises(devipc.InvalidHandleError, match="exceeds"):
-        devipc.new_shared_device(*shared)
+        devipc.rfc.new_shared_device(*shared)
     assert devipc.revoke(tensor) == 1  # refused before its slot was taken: still unopened
     del tensor
     _drain()
 
 
 def test_unsupported_device_is_an_error_not_a_copy():
-    hooks = devipc.get_ipc_hooks("openreg")
-    devipc.unregister_ipc_hooks("openreg")
+    hooks = devipc.hooks.get_ipc_hooks("openreg")
+    devipc.hooks.unregister_ipc_hooks("openreg")
     try:
         tensor = torch.ones(4, device="openreg")
         with pytest.raises(devipc.UnsupportedDeviceError, match="openreg:0"):
-            devipc.share_device(tensor.untyped_storage())
+            devipc.rfc.share_device(tensor.untyped_storage())
         # torch's own path, which devices without hooks take, gets the same clear error
         with pytest.raises(devipc.UnsupportedDeviceError, match="register_ipc_hooks"):
             ForkingPickler.dumps(tensor)
     finally:
-        devipc.register_ipc_hooks("openreg", hooks)
+        devipc.hooks.register_ipc_hooks("openreg", hooks)
 
 
 def test_many_unopened_sends_warn_once_naming_revoke_and_are_freed_once_released():
     tensor = torch.ones(4, device="openreg")
     before = _sharing.stats()["sent"]
     with pytest.warns(UserWarning, match=r"never opened.*revoke\(storage\).*set_unopened_deadline"):
-        sends = [devipc.share_device(tensor.untyped_storage())
+        sends = [devipc.rfc.share_device(tensor.untyped_storage())
                  for _ in range(_sharing.LIMBO_WARN_BLOCKS + 1)]
         devipc.ipc_collect()
     assert _sharing.stats()["unopened"] == len(sends)
     assert _sharing.stats()["oldest_unopened_s"] >= 0
     for shared in sends:
-        devipc.release_ipc_counter_device(shared[4], shared[5])
+        devipc.rfc.release_ipc_counter_device(shared[4], shared[5])
     # With IPC events a release completes on the stream's worker: collect until all have.
     wait_until(lambda: _sharing.stats()["sent"] <= before,
                "every released send collected", collect=True)
@@ -184,7 +184,7 @@ def test_unopened_sends_print_one_visible_warning_apart_from_held_ones():
     result = run_python(textwrap.dedent("""
         import torch, devipc
         tensor = torch.ones(4, device="openreg")
-        sends = [devipc.share_device(tensor.untyped_storage()) for _ in range(3000)]
+        sends = [devipc.rfc.share_device(tensor.untyped_storage()) for _ in range(3000)]
         for _ in range(3):
             devipc.ipc_collect()
         print(devipc.stats()["unopened"], devipc.stats()["sent"])
@@ -198,9 +198,9 @@ def test_unopened_sends_print_one_visible_warning_apart_from_held_ones():
 
 def test_dropping_received_memory_waits_for_copies_queued_on_it():
     source = torch.full((8 << 20,), 3, dtype=torch.int32, device="openreg")
-    shared = devipc.share_device(source.untyped_storage())
+    shared = devipc.rfc.share_device(source.untyped_storage())
     received = torch.tensor([], dtype=torch.int32, device="openreg").set_(
-        devipc.new_shared_device(*shared))
+        devipc.rfc.new_shared_device(*shared))
     out = torch.zeros(8 << 20, dtype=torch.int32)
     for _ in range(4):
         out.copy_(received, non_blocking=True)  # queued reads of the mapping

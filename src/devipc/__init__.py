@@ -6,8 +6,7 @@ without hooks keep torch's own path. This package never imports a device.
 
 The public surface, by audience: `devipc` for users (below, `__all__`); `devipc.hooks` for device
 vendors; `devipc.rfc` for the RFC's plumbing that torch calls; `devipc.p2p` for point-to-point
-transfers. The vendor and RFC names are also importable from `devipc` itself, as synonyms kept
-for code written against the first release.
+transfers.
 """
 import sys
 
@@ -19,7 +18,7 @@ if sys.platform != "linux":  # memfds, /proc/<pid>/fd and OFD locks have no equi
 
 # The torch-free layers first: importing torch (below) may autoload a device package that
 # registers its hooks through these names while this package is still importing.
-from . import hooks
+from . import _public, hooks
 from ._errors import (
     AckTimeoutError,
     ConsumerDiedError,
@@ -30,14 +29,6 @@ from ._errors import (
     UnsupportedDeviceError,
     UnsupportedTensorError,
 )
-from .hooks import (  # synonyms of devipc.hooks
-    IpcHooks,
-    OpenedMemory,
-    device_supports_ipc,
-    get_ipc_hooks,
-    register_ipc_hooks,
-    unregister_ipc_hooks,
-)
 
 # isort: split
 from . import rfc
@@ -47,15 +38,6 @@ from ._publisher import WeightPublisher, WeightSubscriber
 from ._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
 from ._state_dict import open_state_dict, share_state_dict
 from ._weights import pack_module
-from .rfc import (  # synonyms of devipc.rfc
-    install,
-    installed,
-    new_shared_device,
-    rebuild_device_tensor,
-    release_ipc_counter_device,
-    share_device,
-    uninstall,
-)
 
 __all__ = [
     "AckTimeoutError",
@@ -89,3 +71,15 @@ __all__ = [
     "share_tensors",
     "stats",
 ]
+
+_public.name_as_public(__name__, globals(), __all__)
+
+_MOVED = {name: module.__name__ for module in (hooks, rfc) for name in module.__all__}
+
+
+def __getattr__(name: str) -> object:
+    """A vendor's or torch's name asked of `devipc` itself: say where it lives."""
+    if name in _MOVED:
+        raise AttributeError(f"devipc.{name} is {_MOVED[name]}.{name}: "
+                             f"`from {_MOVED[name]} import {name}`")
+    raise AttributeError(f"module 'devipc' has no attribute {name!r}")

@@ -130,8 +130,8 @@ def devices(report: Report) -> list[str]:
             print(f"        {device}: identity {shown or '(none)'}, "
                   f"memory kind for NIXL {kind or '(none: over NIXL it is refused)'}")
     if types and not installed():
-        report("FAIL", "torch.multiprocessing is not routed through devipc (devipc.uninstall() "
-                       "was called?)", "call devipc.install()")
+        report("FAIL", "torch.multiprocessing is not routed through devipc (devipc.rfc.uninstall() "
+                       "was called?)", "call devipc.rfc.install()")
     return types
 
 

@@ -206,8 +206,9 @@ def unsupported_device(device: torch.device) -> UnsupportedDeviceError:
     return UnsupportedDeviceError(
         f"cannot share a tensor on {device} between processes: no IPC hooks able to share are "
         f"registered for device type {device.type!r} (registered: {known}). Implement "
-        f"devipc.IpcHooks for the device and call devipc.register_ipc_hooks({device.type!r}, "
-        f"hooks), or move the tensor to the CPU explicitly. devipc never copies silently."
+        f"devipc.hooks.IpcHooks for the device and call "
+        f"devipc.hooks.register_ipc_hooks({device.type!r}, hooks), or move the tensor to the "
+        f"CPU explicitly. devipc never copies silently."
     )
 
 

@@ -15,6 +15,9 @@ from ._hooks import (
     register_ipc_hooks,
     unregister_ipc_hooks,
 )
+from ._public import name_as_public
 
 __all__ = ["IpcHooks", "IpcMemHandle", "OpenedMemory", "device_supports_ipc", "get_ipc_hooks",
            "register_ipc_hooks", "unregister_ipc_hooks"]
+
+name_as_public(__name__, globals(), __all__)

@@ -79,8 +79,8 @@ def test_direct_import_without_autoload():
 def test_import_devipc_before_torch():
     """devipc imports torch, whose autoload registers openreg's hooks while devipc is half done."""
     out = json_of("import json, devipc, torch; t = torch.ones(1, device='openreg'); "
-                  "print(json.dumps([str(t.device), devipc.device_supports_ipc('openreg'), "
-                  "devipc.installed()]))")
+                  "print(json.dumps([str(t.device), devipc.hooks.device_supports_ipc('openreg'), "
+                  "devipc.rfc.installed()]))")
     assert out == ["openreg:0", True, True]
 
 

@@ -9,8 +9,8 @@ from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 
 def test_registered_and_supported():
-    assert isinstance(devipc.get_ipc_hooks("openreg"), OpenRegIpcHooks)
-    assert devipc.device_supports_ipc("openreg")
+    assert isinstance(devipc.hooks.get_ipc_hooks("openreg"), OpenRegIpcHooks)
+    assert devipc.hooks.device_supports_ipc("openreg")
 
 
 def test_handle_names_the_segment_and_the_offset():
@@ -83,8 +83,8 @@ def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkey
     monkeypatch.setenv("OPENREG_IPC_EVENTS", "1" if mode == "events" else "0")
     source = torch.ones(1 << 20, device="openreg")  # 4 MiB: a segment of its own
     sent_ptr = source.data_ptr()
-    shared = devipc.share_device(source.untyped_storage())
-    received = torch.tensor([], device="openreg").set_(devipc.new_shared_device(*shared))
+    shared = devipc.rfc.share_device(source.untyped_storage())
+    received = torch.tensor([], device="openreg").set_(devipc.rfc.new_shared_device(*shared))
     stream = torch.openreg.current_stream()
     gate.hold_torch_stream(stream)
     copy = received.clone()  # queued behind the gate

@@ -27,7 +27,7 @@ before = (str(torch.accelerator.current_accelerator()), torch._C._get_privateuse
 import devipc
 after = (str(torch.accelerator.current_accelerator()), torch._C._get_privateuse1_backend_name())
 assert before == after and before[1] == "privateuseone", (before, after)  # CUDA builds: "cuda"
-assert not devipc.installed() and not hasattr(torch, "openreg")
+assert not devipc.rfc.installed() and not hasattr(torch, "openreg")
 assert not any("openreg" in name for name in sys.modules), sorted(sys.modules)
 print("devipc", devipc.__version__, "alone: no device registered, torch.accelerator unchanged")
 """

@@ -18,16 +18,16 @@ REQUIRED = ("supports_ipc", "get_ipc_mem_handle", "open_ipc_mem_handle")
        "hooks are registered for the device type and say it can share")
 def registered(kit: Kit) -> str:
     hooks = kit.hooks
-    expect(isinstance(hooks, devipc.IpcHooks), f"{type(hooks).__name__} is not an IpcHooks")
+    expect(isinstance(hooks, devipc.hooks.IpcHooks), f"{type(hooks).__name__} is not an IpcHooks")
     expect(hooks.supports_ipc() is True, f"supports_ipc() is {hooks.supports_ipc()!r}, not True")
-    expect(devipc.device_supports_ipc(kit.device.type), "device_supports_ipc() is False")
+    expect(devipc.hooks.device_supports_ipc(kit.device.type), "device_supports_ipc() is False")
     return f"{type(hooks).__module__}.{type(hooks).__qualname__}"
 
 
 @check("contract.defaults",
        "a bare IpcHooks says no IPC; the device overrides what sharing needs, consistently")
 def defaults(kit: Kit) -> str:
-    bare, device = devipc.IpcHooks(), kit.device
+    bare, device = devipc.hooks.IpcHooks(), kit.device
     expect(bare.supports_ipc() is False and bare.ipc_event_handle_size() == 0
            and bare.requires_event_sync() is False and bare.get_ipc_event_handle(device) == b""
            and bare.device_identity(device) == b"" and bare.memory_kind(0) is None,

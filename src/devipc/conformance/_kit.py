@@ -30,8 +30,8 @@ class Kit:
         return str(self.device)
 
     @property
-    def hooks(self) -> devipc.IpcHooks:
-        hooks = devipc.get_ipc_hooks(self.device.type)
+    def hooks(self) -> devipc.hooks.IpcHooks:
+        hooks = devipc.hooks.get_ipc_hooks(self.device.type)
         if hooks is None:
             raise CheckFailed(f"no IPC hooks are registered for {self.device.type!r}")
         return hooks
@@ -68,4 +68,4 @@ class Kit:
 
     def overrides(self, hook: str) -> bool:
         """Whether the device's hooks define `hook` themselves instead of the default."""
-        return getattr(type(self.hooks), hook) is not getattr(devipc.IpcHooks, hook)
+        return getattr(type(self.hooks), hook) is not getattr(devipc.hooks.IpcHooks, hook)

@@ -113,7 +113,7 @@ def preflight(device: torch.device) -> None:
     supports_ipc() raises or says no (devipc then refuses every send)."""
     import devipc
 
-    hooks = devipc.get_ipc_hooks(device.type)
+    hooks = devipc.hooks.get_ipc_hooks(device.type)
     if hooks is None:
         raise CannotStart(f"no IPC hooks are registered for {device.type!r} (is its hooks "
                           f"package installed? --hooks-module imports it)")
@@ -166,7 +166,7 @@ def describe(device: torch.device) -> str:
     """One line on what is tested: the device, its hooks and their event mode."""
     import devipc
 
-    hooks = devipc.get_ipc_hooks(device.type)
+    hooks = devipc.hooks.get_ipc_hooks(device.type)
     if hooks is None:
         return f"{device}: no IPC hooks registered"
     try:

@@ -23,8 +23,8 @@ TIMEOUT = 20.0
 held: dict[str, Any] = {}
 
 
-def hooks_of(device: str) -> devipc.IpcHooks:
-    hooks = devipc.get_ipc_hooks(torch.device(device).type)
+def hooks_of(device: str) -> devipc.hooks.IpcHooks:
+    hooks = devipc.hooks.get_ipc_hooks(torch.device(device).type)
     if hooks is None:
         raise RuntimeError(f"no IPC hooks registered for {device} in the peer")
     return hooks

@@ -24,6 +24,7 @@ from .._errors import (
     TransferSizeError,
     UnsupportedDeviceError,
 )
+from .._public import name_as_public
 from ._endpoint import Connection, Endpoint, PreparedTransfer
 from ._registry import Registration, registry
 from ._transfer import Transfer
@@ -99,3 +100,5 @@ def add_listener(listener: Any) -> None:
 
 def remove_listener(listener: object) -> None:
     registry.remove_listener(listener)
+
+name_as_public(__name__, globals(), __all__)
