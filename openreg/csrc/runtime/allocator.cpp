@@ -210,8 +210,12 @@ size_t availableHostMemory() {
   if (!f) return 0;
   char line[256];
   unsigned long long kib = 0;
+  const char field[] = "MemAvailable:";
   while (fgets(line, sizeof(line), f))
-    if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    if (strncmp(line, field, sizeof(field) - 1) == 0) {
+      kib = strtoull(line + sizeof(field) - 1, nullptr, 10);  // leading blanks skipped, then kB
+      break;
+    }
   fclose(f);
   return (size_t)kib * 1024;
 }
@@ -285,7 +289,7 @@ orError_t orHostAlloc(void** ptr, size_t size) {
   void* base = nullptr;
   if (int err = posix_memalign(&base, kHostAlign, size))
     return fail(orErrorMemoryAllocation, "orHostAlloc: cannot allocate %zu bytes: %s", size,
-                strerror(err));
+                openreg::osError(err));
   HostBlocks& h = hostBlocks();
   std::lock_guard<std::mutex> lock(h.mutex);
   h.blocks[(uintptr_t)base] = size;

@@ -30,7 +30,8 @@ struct DeviceTable {
 
   DeviceTable() {
     int count = kDefaultCount;
-    if (const char* env = getenv("OPENREG_DEVICE_COUNT")) {
+    // The environment is read once, as the table is built (a static of the first caller).
+    if (const char* env = getenv("OPENREG_DEVICE_COUNT")) {  // NOLINT(concurrency-mt-unsafe)
       long value = 0;
       if (!parseIndex(env, &value) || value > kMaxCount) {
         refuse("OPENREG_DEVICE_COUNT", env, "an integer from 0 to 1024");
@@ -38,7 +39,7 @@ struct DeviceTable {
       }
       count = (int)value;
     }
-    const char* visible = getenv("OPENREG_VISIBLE_DEVICES");
+    const char* visible = getenv("OPENREG_VISIBLE_DEVICES");  // NOLINT(concurrency-mt-unsafe)
     if (visible == nullptr) {
       for (int i = 0; i < count; i++) physical.push_back(i);
     } else if (*visible != '\0') {

@@ -1,7 +1,9 @@
 // Error strings and the thread-local message of the last failure.
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
+#define OPENREG_DEFINES_FAIL  // the one definition, which the analyzer reads as written
 #include "internal.h"
 
 namespace {
@@ -15,6 +17,11 @@ orError_t fail(orError_t err, const char* fmt, ...) {
   vsnprintf(lastMessage, sizeof(lastMessage), fmt, args);
   va_end(args);
   return err;
+}
+
+const char* osError(int e) {
+  thread_local char text[256];
+  return strerror_r(e, text, sizeof(text));  // the GNU variant: the text, in `text` or static
 }
 }  // namespace openreg
 

@@ -21,6 +21,17 @@ namespace openreg {
 // ---- errors (error.cpp) -------------------------------------------------------------------------
 // Records a printf-style message as this thread's last error and returns `err`.
 orError_t fail(orError_t err, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+#if defined(__clang_analyzer__) && !defined(OPENREG_DEFINES_FAIL)
+// clang-tidy's analyzer does not follow calls of variadic functions: it would take a failing call
+// for one that may have succeeded. Under analysis only, a fail() is its error.
+template <typename... Args>
+orError_t analyzedFail(orError_t err, Args&&...) {
+  return err;
+}
+#define fail(...) ::openreg::analyzedFail(__VA_ARGS__)
+#endif
+// strerror's text for errno `e`, in a buffer of the calling thread (strerror may share one).
+const char* osError(int e);
 
 // ---- devices (device.cpp) -----------------------------------------------------------------------
 int deviceCount();

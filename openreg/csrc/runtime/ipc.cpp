@@ -122,7 +122,7 @@ orError_t openPeerFile(const HandleData& h, const char* call, int* out) {
                   "even by its own user)",
                   call, path, h.pid, h.pid);
     if (e == EMFILE || e == ENFILE || e == ENOMEM)
-      return fail(orErrorOsCall, "%s: cannot open %s: %s", call, path, strerror(e));
+      return fail(orErrorOsCall, "%s: cannot open %s: %s", call, path, osError(e));
     if (e == ENOENT)
       return fail(orErrorInvalidHandle,
                   "%s: fd %d is no longer open in process %d: the memory was released there "
@@ -131,7 +131,7 @@ orError_t openPeerFile(const HandleData& h, const char* call, int* out) {
     return fail(orErrorInvalidHandle,
                 "%s: fd %d of process %d cannot be opened as memory (%s): the handle is forged or "
                 "stale",
-                call, h.fd, h.pid, strerror(e));
+                call, h.fd, h.pid, osError(e));
   }
   // Check what was actually opened, not the path again: the exporter may reuse fd numbers. The
   // whole link name, tag included (the physical device of a segment, "progress" for an event
@@ -162,14 +162,14 @@ orError_t openPeerFile(const HandleData& h, const char* call, int* out) {
 }
 
 orError_t mapPeerFile(const HandleData& h, const char* call, void** base) {
-  int fd;
+  int fd = -1;
   if (orError_t err = openPeerFile(h, call, &fd)) return err;
   void* p = mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int e = errno;
   close(fd);
   if (p == MAP_FAILED)
     return fail(orErrorMemoryAllocation, "%s: cannot map %llu bytes from process %d: %s", call,
-                (unsigned long long)h.size, h.pid, strerror(e));
+                (unsigned long long)h.size, h.pid, osError(e));
   *base = p;
   return orSuccess;
 }
@@ -196,7 +196,7 @@ orError_t orIpcGetMemHandle(orIpcMemHandle_t* handle, size_t* offset, const void
 orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHandle_t handle) {
   const char* call = "orIpcOpenMemHandle";
   if (!base || !size || !device) return fail(orErrorInvalidValue, "%s: NULL argument", call);
-  HandleData h;
+  HandleData h{};
   if (orError_t err = decodeHandle(handle.reserved, kMemHandle, call, &h)) return err;
   if (h.physical < 0)
     return fail(orErrorInvalidHandle, "%s: corrupted memory handle (physical device %d)", call,
@@ -205,7 +205,7 @@ orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHan
   if (local < 0) {
     // A hidden device and a forged device field look alike: the memfd's name, which carries the
     // physical index, tells them apart (a forged one is an invalid handle, like any other forgery).
-    int fd;
+    int fd = -1;
     if (orError_t err = openPeerFile(h, call, &fd)) return err;
     close(fd);
     return fail(orErrorInvalidDevice,
@@ -217,7 +217,7 @@ orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHan
   std::lock_guard<std::mutex> lock(imports().mutex);
   auto it = imports().byToken.find(token);
   if (it == imports().byToken.end()) {
-    void* p;
+    void* p = nullptr;
     if (orError_t err = mapPeerFile(h, call, &p)) return err;
     Region r;
     r.base = (uintptr_t)p;

@@ -12,6 +12,8 @@
 
 #include "internal.h"
 
+using openreg::fail;
+
 namespace {
 
 struct RegionTable {
@@ -29,7 +31,7 @@ orError_t randomToken(const char* call, unsigned char* token) {
   while (got < openreg::kTokenSize) {
     ssize_t n = getrandom(token + got, openreg::kTokenSize - got, 0);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return openreg::fail(orErrorOsCall, "%s: getrandom failed: %s", call, strerror(errno));
+    if (n < 0) return fail(orErrorOsCall, "%s: getrandom failed: %s", call, openreg::osError(errno));
     got += (size_t)n;
   }
   return orSuccess;
@@ -77,19 +79,19 @@ orError_t createSharedFile(const char* call, const char* tag, size_t size, Share
   if (file.fd < 0)
     return fail(errno == EMFILE || errno == ENFILE ? orErrorMemoryAllocation : orErrorOsCall,
                 "%s: memfd_create failed: %s (each segment holds one fd; raise `ulimit -n`?)", call,
-                strerror(errno));
+                osError(errno));
   if (ftruncate(file.fd, (off_t)size) != 0) {
     int e = errno;
     close(file.fd);
     return fail(orErrorMemoryAllocation, "%s: cannot size a %zu-byte segment: %s", call, size,
-                strerror(e));
+                osError(e));
   }
   file.base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, file.fd, 0);
   if (file.base == MAP_FAILED) {
     int e = errno;
     close(file.fd);
     return fail(orErrorMemoryAllocation, "%s: cannot map a %zu-byte segment: %s", call, size,
-                strerror(e));
+                osError(e));
   }
   file.size = size;
   *out = file;
@@ -99,7 +101,7 @@ orError_t createSharedFile(const char* call, const char* tag, size_t size, Share
 }  // namespace openreg
 
 extern "C" orError_t orPointerGetAttributes(orPointerAttributes* attributes, const void* ptr) {
-  if (!attributes) return openreg::fail(orErrorInvalidValue, "orPointerGetAttributes: attributes is NULL");
+  if (!attributes) return fail(orErrorInvalidValue, "orPointerGetAttributes: attributes is NULL");
   openreg::Region r;
   if (!openreg::findRegion(ptr, &r)) {
     uintptr_t base = 0;
