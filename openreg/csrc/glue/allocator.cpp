@@ -40,8 +40,9 @@ struct OpenRegAllocator final : c10::DeviceAllocator {
       const orMemStats stats = runtime_stats(device);
       TORCH_CHECK_WITH(OutOfMemoryError, false, "openreg: allocating ", nbytes,
                        " bytes on openreg:", device, " failed: ", orGetErrorString(err), " (",
-                       orGetLastErrorMessage(), "); allocated ", stats.allocated, " bytes, reserved ",
-                       stats.reserved, "; torch.openreg.empty_cache() returns unused segments");
+                       orGetLastErrorMessage(), "); allocated ", stats.allocated,
+                       " bytes, reserved ", stats.reserved,
+                       "; torch.openreg.empty_cache() returns unused segments");
     }
     return {ptr, ptr, &free_device_memory, c10::Device(kDeviceType, device)};
   }
@@ -94,7 +95,7 @@ struct OpenRegAllocator final : c10::DeviceAllocator {
     return stats;
   }
 
-  // torch.accelerator.get_memory_info: (free, total) of the host memory every device allocates from.
+  // torch.accelerator.get_memory_info: (free, total) of the host memory all devices allocate in.
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     size_t free = 0, total = 0;
     OR_CHECK(orMemGetInfo(checked_index(device), &free, &total));

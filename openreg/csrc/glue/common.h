@@ -8,12 +8,12 @@
 
 #include "openreg.h"
 
-// Turns a runtime failure into a c10::Error that names the call, the runtime's error and its detail.
-#define OR_CHECK(expr)                                                                  \
-  do {                                                                                  \
-    const orError_t or_check_err_ = (expr);                                             \
-    TORCH_CHECK(or_check_err_ == orSuccess, "openreg: ", #expr, " failed: ",            \
-                orGetErrorString(or_check_err_), " (", orGetLastErrorMessage(), ")"); \
+// A runtime failure as a c10::Error that names the call, the runtime's error and its detail.
+#define OR_CHECK(expr)                                                                             \
+  do {                                                                                             \
+    const orError_t or_check_err_ = (expr);                                                        \
+    TORCH_CHECK(or_check_err_ == orSuccess, "openreg: ", #expr,                                    \
+                " failed: ", orGetErrorString(or_check_err_), " (", orGetLastErrorMessage(), ")"); \
   } while (0)
 
 namespace devipc::openreg {

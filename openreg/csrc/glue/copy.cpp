@@ -75,8 +75,8 @@ void copy_dense(const Tensor& src, const Tensor& dst, bool non_blocking) {
     const orStream_t dst_stream = stream_of(dst);
     const orStream_t src_stream = stream_of(src);
     if (dst_stream != src_stream) stream_wait(dst_stream, src_stream);
-    OR_CHECK(orMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, orMemcpyDeviceToDevice,
-                           dst_stream));
+    OR_CHECK(
+        orMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, orMemcpyDeviceToDevice, dst_stream));
     if (dst_stream != src_stream) stream_wait(src_stream, dst_stream);
   }
 }

@@ -99,8 +99,7 @@ c10::Storage cpu_storage_over(const c10::Storage& storage) {
   // Resizable as the original is: the CPU kernel may resize an out= argument (see write_back).
   return c10::Storage(c10::Storage::use_byte_size_t(), storage.nbytes(),
                       borrowed(storage, c10::kCPU),
-                      storage.resizable() ? c10::GetCPUAllocator() : nullptr,
-                      storage.resizable());
+                      storage.resizable() ? c10::GetCPUAllocator() : nullptr, storage.resizable());
 }
 
 bool in_openreg_memory(const c10::Storage& cpu_storage) {

@@ -43,17 +43,18 @@ TORCH_LIBRARY(devipc_openreg, m) {
   m.def("initial_seed(int device) -> int", [](int64_t device) {
     return static_cast<int64_t>(default_generator(device).current_seed());
   });
-  // A generator's state is a CPU byte tensor (openreg generators are CPU generators, generator.cpp).
+  // A generator's state is a CPU byte tensor (openreg's generators are CPU ones: generator.cpp).
   m.def("get_rng_state(int device) -> Tensor", [](int64_t device) {
     at::Generator& generator = default_generator(device);
     const std::lock_guard<std::mutex> lock(generator.mutex());
     return generator.get_state();
   });
-  m.def("set_rng_state(int device, Tensor state) -> ()", [](int64_t device, const at::Tensor& state) {
-    at::Generator& generator = default_generator(device);
-    const std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(state);
-  });
+  m.def("set_rng_state(int device, Tensor state) -> ()",
+        [](int64_t device, const at::Tensor& state) {
+          at::Generator& generator = default_generator(device);
+          const std::lock_guard<std::mutex> lock(generator.mutex());
+          generator.set_state(state);
+        });
   m.def("seed(int device) -> int", [](int64_t device) {
     at::Generator& generator = default_generator(device);
     const std::lock_guard<std::mutex> lock(generator.mutex());

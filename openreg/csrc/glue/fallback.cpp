@@ -54,8 +54,7 @@ c10::DeviceIndex device_of_arguments(const torch::jit::Stack& stack, size_t firs
 // numbers.
 class GeneratorLoan {
  public:
-  GeneratorLoan(const c10::OperatorHandle& op, torch::jit::Stack& stack,
-                c10::DeviceIndex device) {
+  GeneratorLoan(const c10::OperatorHandle& op, torch::jit::Stack& stack, c10::DeviceIndex device) {
     const auto& arguments = op.schema().arguments();
     const size_t first = stack.size() - arguments.size();
     for (size_t i = 0; i < arguments.size(); ++i) {
@@ -91,8 +90,7 @@ class GeneratorLoan {
 
 // The one openreg device of an op's tensor arguments, as a device kernel requires: a CPU kernel
 // would happily mix openreg:0 and openreg:1, or write into a CPU tensor from openreg's stream.
-void check_one_device(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                      size_t first) {
+void check_one_device(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first) {
   const auto& arguments = op.schema().arguments();
   std::optional<at::Device> device;
   std::optional<at::Device> written_on_cpu;
@@ -113,10 +111,10 @@ void check_one_device(const c10::OperatorHandle& op, const torch::jit::Stack& st
   }
   TORCH_CHECK(!device || !written_on_cpu,
               "Expected all tensors to be on the same device, but found at least two devices, ",
-              *device, " and ", written_on_cpu.value_or(at::kCPU), "! (", op.schema().operator_name(),
-              " writes to a ", written_on_cpu.value_or(at::kCPU), " tensor)");
+              *device, " and ", written_on_cpu.value_or(at::kCPU), "! (",
+              op.schema().operator_name(), " writes to a ", written_on_cpu.value_or(at::kCPU),
+              " tensor)");
 }
-
 
 bool same_geometry(const Tensor& a, const Tensor& b) {
   return a.sizes() == b.sizes() && a.strides() == b.strides() &&
@@ -253,10 +251,10 @@ std::string naming_openreg(const std::string& message) {
   std::string out;
   for (size_t i = 0; i < message.size();) {
     const bool word_start = i == 0 || !is_word_char(message[i - 1]);
-    const bool cpu_word = word_start && i + 3 <= message.size() &&
-                          (message.compare(i, 3, "cpu") == 0 ||
-                           message.compare(i, 3, "CPU") == 0) &&
-                          (i + 3 == message.size() || !is_word_char(message[i + 3]));
+    const bool cpu_word =
+        word_start && i + 3 <= message.size() &&
+        (message.compare(i, 3, "cpu") == 0 || message.compare(i, 3, "CPU") == 0) &&
+        (i + 3 == message.size() || !is_word_char(message[i + 3]));
     if (cpu_word) {
       out += "openreg";
       i += 3;
@@ -330,7 +328,8 @@ void run_on_cpu(const c10::OperatorHandle& cpu_op, torch::jit::Stack* stack) {
     const c10::AliasInfo* alias = returns[i].alias_info();
     // A view must alias its base: CPU view kernels always do, which is checked all the same.
     TORCH_CHECK(alias == nullptr || aliases.aliases_argument(value), "openreg: the operator ",
-                schema.operator_name(), " is a view operator but its CPU kernel returned new memory");
+                schema.operator_name(),
+                " is a view operator but its CPU kernel returned new memory");
     value = aliases.result(value);
   }
 }

@@ -34,8 +34,8 @@ DeviceIndex checked_index(int64_t index) {
   if (index < 0) return current_device();
   int count = 0;
   OR_CHECK(orGetDeviceCount(&count));  // names a refused OPENREG_* value
-  TORCH_CHECK(index < count, "openreg: invalid device index ", static_cast<int>(index), "; ",
-              count, " devices are visible (see OPENREG_DEVICE_COUNT, OPENREG_VISIBLE_DEVICES)");
+  TORCH_CHECK(index < count, "openreg: invalid device index ", static_cast<int>(index), "; ", count,
+              " devices are visible (see OPENREG_DEVICE_COUNT, OPENREG_VISIBLE_DEVICES)");
   return static_cast<DeviceIndex>(index);
 }
 
@@ -54,7 +54,8 @@ orStream_t native_stream(const Stream& stream) {
 }
 
 Stream create_stream(DeviceIndex device) {
-  const c10::DeviceGuard guard(Device(kDeviceType, device));  // orStreamCreate uses the current device
+  const c10::DeviceGuard guard(
+      Device(kDeviceType, device));  // orStreamCreate uses the current device
   orStream_t native = nullptr;
   OR_CHECK(orStreamCreate(&native));
   int64_t id = 0;
@@ -151,8 +152,8 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
          {ScalarType::QInt8, ScalarType::QUInt8, ScalarType::QInt32, ScalarType::QUInt4x2,
           ScalarType::QUInt2x4, ScalarType::UInt1, ScalarType::UInt2, ScalarType::UInt3,
           ScalarType::UInt4, ScalarType::UInt5, ScalarType::UInt6, ScalarType::UInt7,
-          ScalarType::Int1, ScalarType::Int2, ScalarType::Int3, ScalarType::Int4,
-          ScalarType::Int5, ScalarType::Int6, ScalarType::Int7}) {
+          ScalarType::Int1, ScalarType::Int2, ScalarType::Int3, ScalarType::Int4, ScalarType::Int5,
+          ScalarType::Int6, ScalarType::Int7}) {
       capability.capability_data.capability_bits &= ~(uint64_t{1} << static_cast<int>(dtype));
     }
     return capability;
@@ -175,10 +176,10 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   // EventFlag::BACKEND_DEFAULT is what torch.Event(enable_timing=True) asks for.
   void record(void** event, const Stream& stream, const DeviceIndex device_index,
               const c10::EventFlag flag) const override {
-    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(),
-                "openreg: an event of openreg:", static_cast<int>(device_index),
-                " cannot be recorded on a stream of openreg:",
-                static_cast<int>(stream.device_index()));
+    TORCH_CHECK(
+        device_index == -1 || device_index == stream.device_index(),
+        "openreg: an event of openreg:", static_cast<int>(device_index),
+        " cannot be recorded on a stream of openreg:", static_cast<int>(stream.device_index()));
     auto native = static_cast<orEvent_t>(*event);
     if (native == nullptr) {
       const c10::DeviceGuard guard(stream.device());

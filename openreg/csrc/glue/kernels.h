@@ -34,12 +34,12 @@ void hold_until_done(orStream_t stream, std::vector<c10::Storage> storages);
 // ---- storage.cpp --------------------------------------------------------------------------------
 const at::Tensor& resize_(const at::Tensor& self, at::IntArrayRef size,
                           std::optional<at::MemoryFormat> memory_format);
-at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset,
-                        at::IntArrayRef size, at::IntArrayRef stride);
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset, at::IntArrayRef size,
+                        at::IntArrayRef stride);
 at::Tensor& set_empty(at::Tensor& self);
 
 // ---- cpu_alias.cpp ------------------------------------------------------------------------------
-// While alive, the CPU allocations of this thread are openreg blocks of `device` seen as CPU memory.
+// While alive, this thread's CPU allocations are openreg blocks of `device` seen as CPU memory.
 class CpuKernelAllocations {
  public:
   explicit CpuKernelAllocations(c10::DeviceIndex device);
@@ -54,7 +54,7 @@ class CpuKernelAllocations {
 // A CPU storage over the bytes of an openreg storage, keeping it alive.
 c10::Storage cpu_storage_over(const c10::Storage& storage);
 
-// A CPU tensor with t's dtype, geometry and bits over `cpu_storage` (cpu_storage_over(t.storage())).
+// A CPU tensor with t's dtype, geometry and bits over `cpu_storage` (from cpu_storage_over).
 at::Tensor cpu_alias(const at::Tensor& t, const c10::Storage& cpu_storage);
 
 // Whether a CPU storage's bytes are an openreg block (allocated under CpuKernelAllocations).

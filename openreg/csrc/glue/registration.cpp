@@ -60,8 +60,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
         !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
       continue;
-    const std::string full = name.overload_name.empty() ? name.name
-                                                        : name.name + "." + name.overload_name;
+    const std::string full =
+        name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
     m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
   }
 }

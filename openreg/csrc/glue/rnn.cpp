@@ -42,9 +42,11 @@ std::tuple<Tensor, Tensor, Tensor> fused_lstm_cell(const Tensor& input_gates,
 }
 
 // Returns (grad_gates, grad_cx, grad_bias).
-std::tuple<Tensor, Tensor, Tensor> fused_lstm_cell_backward(
-    const std::optional<Tensor>& grad_hy, const std::optional<Tensor>& grad_cy, const Tensor& cx,
-    const Tensor& cy, const Tensor& workspace, bool has_bias) {
+std::tuple<Tensor, Tensor, Tensor> fused_lstm_cell_backward(const std::optional<Tensor>& grad_hy,
+                                                            const std::optional<Tensor>& grad_cy,
+                                                            const Tensor& cx, const Tensor& cy,
+                                                            const Tensor& workspace,
+                                                            bool has_bias) {
   const auto gates = workspace.chunk(4, 1);
   const Tensor &i = gates[0], &f = gates[1], &g = gates[2], &o = gates[3];
   const Tensor tanh_cy = cy.tanh();
@@ -63,8 +65,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_lstm_cell_backward(
 
 // Returns (hy, workspace): the workspace holds r, z, n, hx and the hidden part of n's gate.
 std::tuple<Tensor, Tensor> fused_gru_cell(const Tensor& input_gates, const Tensor& hidden_gates,
-                                          const Tensor& hx,
-                                          const std::optional<Tensor>& input_bias,
+                                          const Tensor& hx, const std::optional<Tensor>& input_bias,
                                           const std::optional<Tensor>& hidden_bias) {
   const auto in = with_biases(input_gates, input_bias).chunk(3, 1);
   const auto hidden = with_biases(hidden_gates, hidden_bias).chunk(3, 1);
@@ -76,8 +77,9 @@ std::tuple<Tensor, Tensor> fused_gru_cell(const Tensor& input_gates, const Tenso
 }
 
 // Returns (grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_gru_cell_backward(
-    const Tensor& grad_hy, const Tensor& workspace, bool has_bias) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_gru_cell_backward(const Tensor& grad_hy,
+                                                                           const Tensor& workspace,
+                                                                           bool has_bias) {
   const auto parts = workspace.chunk(5, 1);
   const Tensor &r = parts[0], &z = parts[1], &n = parts[2], &hx = parts[3], &hn = parts[4];
   const Tensor grad_n = grad_hy * (1 - z) * (1 - n * n);

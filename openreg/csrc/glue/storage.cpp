@@ -22,9 +22,8 @@ void grow_storage_for(const c10::Storage& storage, at::IntArrayRef size,
   for (const int64_t s : size) {
     if (s <= 0) return;  // empty, or invalid: the callers raise
   }
-  const size_t nbytes =
-      stride ? at::detail::computeStorageNbytes(size, *stride, itemsize, offset)
-             : at::detail::computeStorageNbytesContiguous(size, itemsize, offset);
+  const size_t nbytes = stride ? at::detail::computeStorageNbytes(size, *stride, itemsize, offset)
+                               : at::detail::computeStorageNbytesContiguous(size, itemsize, offset);
   if (nbytes > storage.nbytes()) resize_storage_bytes(storage, nbytes);
 }
 
@@ -55,8 +54,8 @@ const Tensor& resize_(const Tensor& self, at::IntArrayRef size,
   at::native::resize_impl_cpu_(self.unsafeGetTensorImpl(), size, std::nullopt,
                                /*resize_storage=*/false);  // the CPU resize would allocate on CPU
   if (memory_format) {
-    TORCH_CHECK(*memory_format != at::MemoryFormat::Preserve,
-                "openreg: unsupported memory format ", *memory_format);
+    TORCH_CHECK(*memory_format != at::MemoryFormat::Preserve, "openreg: unsupported memory format ",
+                *memory_format);
     self.unsafeGetTensorImpl()->empty_tensor_restride(*memory_format);
   }
   return self;

@@ -59,7 +59,9 @@ struct DeviceAllocator {
   std::vector<Segment*> segments;
   orMemStats stats{};
 
-  std::set<Block*, BySize>& pool(bool small) { return small ? freeSmall : freeLarge; }
+  std::set<Block*, BySize>& pool(bool small) {
+    return small ? freeSmall : freeLarge;
+  }
 
   orError_t allocate(size_t request, void** out) {
     // Rounding a size this close to SIZE_MAX would wrap to a tiny (even 0-byte) block.
@@ -77,7 +79,8 @@ struct DeviceAllocator {
       block = *it;
       free.erase(it);
     } else {
-      size_t segmentSize = small ? kSegmentAlign : (size + kSegmentAlign - 1) / kSegmentAlign * kSegmentAlign;
+      size_t segmentSize =
+          small ? kSegmentAlign : (size + kSegmentAlign - 1) / kSegmentAlign * kSegmentAlign;
       if (orError_t err = newSegment(segmentSize, small, &block)) return err;
     }
     // Keep the remainder if it can serve a request of the same pool.
@@ -105,13 +108,15 @@ struct DeviceAllocator {
     if (orError_t err = openreg::createSharedFile("orMalloc", tag, size, &segment->file)) {
       delete segment;
       std::string cause = orGetLastErrorMessage();
-      return fail(err, "orMalloc: device %d cannot reserve %zu more bytes (%llu reserved, %llu in "
+      return fail(err,
+                  "orMalloc: device %d cannot reserve %zu more bytes (%llu reserved, %llu in "
                   "use; orEmptyCache releases cached segments). Cause: %s",
                   device, size, (unsigned long long)stats.reserved,
                   (unsigned long long)stats.allocated, cause.c_str());
     }
     segment->small = small;
-    segment->first = new Block{(uintptr_t)segment->file.base, size, segment, nullptr, nullptr, false};
+    segment->first =
+        new Block{(uintptr_t)segment->file.base, size, segment, nullptr, nullptr, false};
     segments.push_back(segment);
     openreg::Region region;
     region.base = (uintptr_t)segment->file.base;
@@ -260,7 +265,8 @@ orError_t orFree(void* ptr) {
     return orSuccess;
   return fail(orErrorInvalidValue,
               "orFree(%p): not a live pointer returned by orMalloc (already freed, an interior "
-              "pointer, or IPC-mapped memory, which orIpcCloseMemHandle releases)", ptr);
+              "pointer, or IPC-mapped memory, which orIpcCloseMemHandle releases)",
+              ptr);
 }
 
 orError_t orEmptyCache(int device) {
@@ -340,4 +346,3 @@ orError_t orMemResetAccumulatedStats(int device) {
 }
 
 }  // extern "C"
-

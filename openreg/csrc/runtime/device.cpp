@@ -56,9 +56,10 @@ struct DeviceTable {
         for (int p : physical) seen = seen || p == value;
         if (!ok || seen) {
           char expected[160];
-          snprintf(expected, sizeof(expected), "distinct device indices from 0 to %d, separated "
-                   "by commas (entry '%.16s' %s)", count - 1, entry.c_str(),
-                   ok ? "repeats an earlier one" : "is not one of them");
+          snprintf(expected, sizeof(expected),
+                   "distinct device indices from 0 to %d, separated "
+                   "by commas (entry '%.16s' %s)",
+                   count - 1, entry.c_str(), ok ? "repeats an earlier one" : "is not one of them");
           physical.clear();
           refuse("OPENREG_VISIBLE_DEVICES", visible, expected);
           return;
@@ -122,9 +123,15 @@ void formatUuid(int physical, char out[37]) {
 
 namespace openreg {
 
-int deviceCount() { return (int)table().physical.size(); }
-bool validDevice(int device) { return device >= 0 && device < deviceCount(); }
-int physicalIndex(int device) { return table().physical[device]; }
+int deviceCount() {
+  return (int)table().physical.size();
+}
+bool validDevice(int device) {
+  return device >= 0 && device < deviceCount();
+}
+int physicalIndex(int device) {
+  return table().physical[device];
+}
 
 int localIndex(int physical) {
   const auto& p = table().physical;
@@ -133,7 +140,9 @@ int localIndex(int physical) {
   return -1;
 }
 
-int currentDevice() { return current; }
+int currentDevice() {
+  return current;
+}
 
 // Like CUDA, the runtime cannot be used in a child forked after its first use. Counting devices is
 // no use (CUDA's NVML-based count is not either), so a parent that only counted forks good

@@ -29,21 +29,34 @@ extern "C" {
 
 const char* orGetErrorString(orError_t error) {
   switch (error) {
-    case orSuccess: return "no error";
-    case orErrorInvalidValue: return "invalid argument";
-    case orErrorMemoryAllocation: return "out of memory";
-    case orErrorInvalidDevice: return "invalid device ordinal";
-    case orErrorInvalidResourceHandle: return "invalid resource handle";
-    case orErrorNotReady: return "device not ready";
-    case orErrorInvalidHandle: return "invalid IPC handle";
-    case orErrorPeerGone: return "exporting process has exited";
-    case orErrorOsCall: return "operating system call failed";
-    case orErrorInitialization: return "initialization error";
-    case orErrorInvalidEnvironment: return "invalid environment";
+    case orSuccess:
+      return "no error";
+    case orErrorInvalidValue:
+      return "invalid argument";
+    case orErrorMemoryAllocation:
+      return "out of memory";
+    case orErrorInvalidDevice:
+      return "invalid device ordinal";
+    case orErrorInvalidResourceHandle:
+      return "invalid resource handle";
+    case orErrorNotReady:
+      return "device not ready";
+    case orErrorInvalidHandle:
+      return "invalid IPC handle";
+    case orErrorPeerGone:
+      return "exporting process has exited";
+    case orErrorOsCall:
+      return "operating system call failed";
+    case orErrorInitialization:
+      return "initialization error";
+    case orErrorInvalidEnvironment:
+      return "invalid environment";
   }
   return "unknown error";
 }
 
-const char* orGetLastErrorMessage(void) { return lastMessage; }
+const char* orGetLastErrorMessage(void) {
+  return lastMessage;
+}
 
 }  // extern "C"

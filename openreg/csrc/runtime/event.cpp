@@ -64,7 +64,9 @@ using namespace openreg;
 
 extern "C" {
 
-orError_t orEventCreate(orEvent_t* event) { return orEventCreateWithFlags(event, orEventDefault); }
+orError_t orEventCreate(orEvent_t* event) {
+  return orEventCreateWithFlags(event, orEventDefault);
+}
 
 orError_t orEventCreateWithFlags(orEvent_t* event, unsigned int flags) {
   if (!event) return fail(orErrorInvalidValue, "orEventCreateWithFlags: event is NULL");
@@ -140,8 +142,9 @@ orError_t orEventElapsedTime(float* ms, orEvent_t start, orEvent_t end) {
   if (orError_t err = checkEvent(start, "orEventElapsedTime")) return err;
   if (orError_t err = checkEvent(end, "orEventElapsedTime")) return err;
   if ((start->flags | end->flags) & orEventDisableTiming)
-    return fail(orErrorInvalidValue,
-                "orEventElapsedTime: both events need timing (created without orEventDisableTiming)");
+    return fail(
+        orErrorInvalidValue,
+        "orEventElapsedTime: both events need timing (created without orEventDisableTiming)");
   Snapshot a = snapshot(start), b = snapshot(end);
   if (!a.record || !b.record)
     return fail(orErrorInvalidValue, "orEventElapsedTime: both events must have been recorded");

@@ -36,8 +36,8 @@ const char* osError(int e);
 // ---- devices (device.cpp) -----------------------------------------------------------------------
 int deviceCount();
 bool validDevice(int device);
-int physicalIndex(int device);           // local -> physical
-int localIndex(int physical);            // physical -> local, -1 if not visible
+int physicalIndex(int device);  // local -> physical
+int localIndex(int physical);   // physical -> local, -1 if not visible
 int currentDevice();
 orError_t checkDevice(int device, const char* call);  // orErrorInvalidDevice with a message
 orError_t checkNotForked(const char* call);  // orErrorInitialization in a child forked after use
@@ -52,8 +52,8 @@ struct Region {
   int device = -1;    // local index
   int physical = -1;  // physical index, what a handle carries
   bool imported = false;
-  pid_t pid = 0;      // process that owns the memfd
-  int fd = -1;        // memfd number in that process
+  pid_t pid = 0;  // process that owns the memfd
+  int fd = -1;    // memfd number in that process
   unsigned char token[kTokenSize] = {};
 };
 void registerRegion(const Region& region);
@@ -92,7 +92,7 @@ struct IpcWait {
 IpcWait ipcWaitTarget(const std::shared_ptr<IpcEvent>& event);
 enum class IpcState { kDone, kPending, kRecorderGone };
 IpcState ipcQuery(const IpcWait& wait);
-IpcState ipcBlock(const IpcWait& wait);  // kDone or kRecorderGone
+IpcState ipcBlock(const IpcWait& wait);                         // kDone or kRecorderGone
 orError_t ipcGoneError(const IpcWait& wait, const char* call);  // orErrorPeerGone, with a message
 
 // True while `pid` runs (zombies count as gone: their fds are already closed).
@@ -108,7 +108,7 @@ struct orStream {
   std::condition_variable workReady;
   std::condition_variable workDone;
   std::deque<std::pair<std::function<void()>, std::function<void()>>> queue;  // (task, after)
-  uint64_t enqueued = 0;   // tasks ever enqueued
+  uint64_t enqueued = 0;                                                      // tasks ever enqueued
   uint64_t completed = 0;  // tasks ever finished; the stream is idle when equal
   bool stopping = false;
   std::thread worker;
@@ -126,7 +126,7 @@ struct EventRecord {
 struct orEvent {
   unsigned int flags = 0;
   std::mutex mutex;
-  std::shared_ptr<EventRecord> last;        // latest record, null if never recorded
+  std::shared_ptr<EventRecord> last;       // latest record, null if never recorded
   std::shared_ptr<openreg::IpcEvent> ipc;  // interprocess events: records live there instead
 };
 
@@ -135,8 +135,7 @@ namespace openreg {
 orError_t resolveStream(orStream_t stream, const char* call, orStream_t* out);
 // `after` runs on the worker once the stream counts `task` as completed: an event record uses it,
 // so that a completed event implies that orStreamQuery sees the work before it as done.
-void enqueue(orStream_t stream, std::function<void()> task,
-             std::function<void()> after = nullptr);
+void enqueue(orStream_t stream, std::function<void()> task, std::function<void()> after = nullptr);
 orError_t synchronizeStream(orStream_t stream, const char* call);
 // Waits for the work queued on every stream of `device`, except the stream whose worker is the
 // calling thread (memory released from a host function must not wait for itself).

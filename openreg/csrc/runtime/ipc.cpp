@@ -64,7 +64,8 @@ bool processAlive(pid_t pid) {
   return !(paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X'));
 }
 
-HandleData newHandle(HandleKind kind, pid_t pid, int fd, uint64_t size, const unsigned char* token) {
+HandleData newHandle(HandleKind kind, pid_t pid, int fd, uint64_t size,
+                     const unsigned char* token) {
   HandleData h;
   memset(&h, 0, sizeof(h));
   h.magic = kMagic;
@@ -231,11 +232,11 @@ orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHan
     registerRegion(r);
     it = imports().byToken.emplace(token, Import{p, h.size, local, 0}).first;
     imports().tokenOf[r.base] = token;
-  }
-  else if (it->second.size != h.size || it->second.device != local)
+  } else if (it->second.size != h.size || it->second.device != local)
     return fail(orErrorInvalidHandle,
                 "%s: the handle's size or device does not match the segment its token names: the "
-                "handle is forged", call);
+                "handle is forged",
+                call);
   it->second.refs++;
   *base = it->second.base;
   *size = it->second.size;

@@ -61,10 +61,16 @@ LocalPage& localPage() {
 }
 
 // Wrap-safe: a counter that has passed `seq` by less than 2^31 counts as reached.
-bool reached(uint32_t value, uint32_t seq) { return (int32_t)(value - seq) >= 0; }
+bool reached(uint32_t value, uint32_t seq) {
+  return (int32_t)(value - seq) >= 0;
+}
 
-uint32_t seqOf(uint64_t latest) { return (uint32_t)latest; }
-pid_t pidOf(uint64_t latest) { return (pid_t)(latest >> 32); }
+uint32_t seqOf(uint64_t latest) {
+  return (uint32_t)latest;
+}
+pid_t pidOf(uint64_t latest) {
+  return (pid_t)(latest >> 32);
+}
 
 }  // namespace
 
@@ -72,7 +78,9 @@ pid_t pidOf(uint64_t latest) { return (pid_t)(latest >> 32); }
 struct ImportedPage {
   HandleData handle;  // of the page: pid, fd, size, token
   void* base = nullptr;
-  ~ImportedPage() { munmap(base, handle.size); }
+  ~ImportedPage() {
+    munmap(base, handle.size);
+  }
 };
 
 struct IpcEvent {
@@ -104,7 +112,9 @@ PageCache& pageCache() {
   return *c;
 }
 
-Slot* slotAt(void* base, int index) { return (Slot*)base + index; }
+Slot* slotAt(void* base, int index) {
+  return (Slot*)base + index;
+}
 
 // False once the event's creator destroyed it (the slot's epoch moved on).
 bool live(const IpcEvent& e) {
@@ -210,8 +220,8 @@ IpcState ipcBlock(const IpcWait& wait) {
 
 orError_t ipcGoneError(const IpcWait& wait, const char* call) {
   return fail(orErrorPeerGone,
-              "%s: process %d exited before its record of the interprocess event completed",
-              call, (int)wait.recorder);
+              "%s: process %d exited before its record of the interprocess event completed", call,
+              (int)wait.recorder);
 }
 
 }  // namespace openreg

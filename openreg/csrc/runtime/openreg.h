@@ -13,20 +13,20 @@ extern "C" {
 
 typedef enum orError_t {
   orSuccess = 0,
-  orErrorInvalidValue = 1,          // bad argument (null out-pointer, unknown pointer to orFree, ...)
-  orErrorMemoryAllocation = 2,      // the OS refused memory
-  orErrorInvalidDevice = 3,         // index out of range, or a device not visible here
-  orErrorInvalidResourceHandle = 4, // bad stream or event
-  orErrorNotReady = 5,              // query: work still pending (not a failure)
-  orErrorInvalidHandle = 6,         // IPC handle forged, truncated or naming something else
-  orErrorPeerGone = 7,              // the process that exported an IPC handle has exited
-  orErrorOsCall = 8,                // an OS call failed; see orGetLastErrorMessage
-  orErrorInitialization = 9,        // used in a child forked after the parent used the runtime
-  orErrorInvalidEnvironment = 10,   // OPENREG_DEVICE_COUNT or OPENREG_VISIBLE_DEVICES makes no sense
+  orErrorInvalidValue = 1,      // bad argument (null out-pointer, unknown pointer to orFree, ...)
+  orErrorMemoryAllocation = 2,  // the OS refused memory
+  orErrorInvalidDevice = 3,     // index out of range, or a device not visible here
+  orErrorInvalidResourceHandle = 4,  // bad stream or event
+  orErrorNotReady = 5,               // query: work still pending (not a failure)
+  orErrorInvalidHandle = 6,          // IPC handle forged, truncated or naming something else
+  orErrorPeerGone = 7,               // the process that exported an IPC handle has exited
+  orErrorOsCall = 8,                 // an OS call failed; see orGetLastErrorMessage
+  orErrorInitialization = 9,         // used in a child forked after the parent used the runtime
+  orErrorInvalidEnvironment = 10,  // OPENREG_DEVICE_COUNT or OPENREG_VISIBLE_DEVICES makes no sense
 } orError_t;
 
 const char* orGetErrorString(orError_t error);
-// Thread-local detail of the last failure on this thread ("" if none): names the call and the cause.
+// Detail of this thread's last failure ("" if none): it names the call and the cause.
 const char* orGetLastErrorMessage(void);
 
 // ---- Devices ------------------------------------------------------------------------------------
@@ -41,14 +41,14 @@ orError_t orSetDevice(int device);
 // Stable identity, independent of renumbering: 36 chars + NUL, so len >= 37.
 orError_t orDeviceGetUuid(int device, char* uuid, size_t len);
 orError_t orDeviceGetByUuid(const char* uuid, int* device);  // orErrorInvalidDevice if not visible
-orError_t orDeviceSynchronize(void);                          // all streams of the current device
+orError_t orDeviceSynchronize(void);                         // all streams of the current device
 
 // Like CUDA, a child forked after its parent used the runtime (a device, memory, a stream, an
 // event) cannot use it: those calls fail with orErrorInitialization. Counting devices is no use.
 typedef enum orRuntimeState {
-  orRuntimeUnused = 0,           // nothing in this process has used the runtime yet
-  orRuntimeInitialized = 1,      // this process uses it
-  orRuntimeForkedAfterUse = 2,   // forked after its parent used it: refused
+  orRuntimeUnused = 0,          // nothing in this process has used the runtime yet
+  orRuntimeInitialized = 1,     // this process uses it
+  orRuntimeForkedAfterUse = 2,  // forked after its parent used it: refused
 } orRuntimeState;
 orError_t orGetRuntimeState(orRuntimeState* state);
 
@@ -68,13 +68,13 @@ orError_t orHostAlloc(void** ptr, size_t size);  // size 0 gives NULL
 orError_t orFreeHost(void* ptr);                 // NULL is a no-op
 
 typedef struct orMemStats {
-  uint64_t allocated;       // bytes in live blocks
+  uint64_t allocated;  // bytes in live blocks
   uint64_t peak_allocated;
-  uint64_t reserved;        // bytes in mapped segments
+  uint64_t reserved;  // bytes in mapped segments
   uint64_t peak_reserved;
-  uint64_t num_allocs;      // accumulated
-  uint64_t num_frees;       // accumulated
-  uint64_t num_segments;    // current
+  uint64_t num_allocs;    // accumulated
+  uint64_t num_frees;     // accumulated
+  uint64_t num_segments;  // current
 } orMemStats;
 orError_t orMemGetStats(int device, orMemStats* stats);
 orError_t orMemResetPeakStats(int device);         // peaks := current
@@ -111,7 +111,7 @@ typedef struct orStream* orStream_t;
 orError_t orStreamCreate(orStream_t* stream);  // on the current device
 orError_t orStreamDestroy(orStream_t stream);  // waits for its work; the default stream is kept
 orError_t orStreamSynchronize(orStream_t stream);
-orError_t orStreamQuery(orStream_t stream);     // orSuccess if idle, orErrorNotReady otherwise
+orError_t orStreamQuery(orStream_t stream);  // orSuccess if idle, orErrorNotReady otherwise
 orError_t orStreamGetDevice(orStream_t stream, int* device);
 orError_t orStreamGetId(orStream_t stream, int64_t* id);
 orError_t orStreamFromId(int device, int64_t id, orStream_t* stream);  // id 0: default stream
@@ -135,7 +135,7 @@ orError_t orEventCreate(orEvent_t* event);
 orError_t orEventCreateWithFlags(orEvent_t* event, unsigned int flags);
 orError_t orEventDestroy(orEvent_t event);  // safe while its record is pending
 orError_t orEventRecord(orEvent_t event, orStream_t stream);
-orError_t orEventQuery(orEvent_t event);        // orSuccess if done or never recorded
+orError_t orEventQuery(orEvent_t event);  // orSuccess if done or never recorded
 orError_t orEventSynchronize(orEvent_t event);
 orError_t orEventElapsedTime(float* ms, orEvent_t start, orEvent_t end);  // both done, timed
 orError_t orStreamWaitEvent(orStream_t stream, orEvent_t event, unsigned int flags);
@@ -159,8 +159,8 @@ typedef struct orIpcEventHandle_t {
 // gives ptr's byte offset in it.
 orError_t orIpcGetMemHandle(orIpcMemHandle_t* handle, size_t* offset, const void* ptr);
 // Maps the whole segment. *device is the local index of the segment's device (matched by UUID, so
-// it survives different OPENREG_VISIBLE_DEVICES); orErrorInvalidDevice if that device is not visible.
-// Opening the same segment again in one process returns the same base and counts one more open.
+// it survives different OPENREG_VISIBLE_DEVICES); orErrorInvalidDevice if that device is not
+// visible. Opening the same segment again in one process returns the same base, one more open.
 orError_t orIpcOpenMemHandle(void** base, size_t* size, int* device, orIpcMemHandle_t handle);
 orError_t orIpcCloseMemHandle(void* base);  // unmaps at the last close
 

@@ -31,7 +31,8 @@ orError_t randomToken(const char* call, unsigned char* token) {
   while (got < openreg::kTokenSize) {
     ssize_t n = getrandom(token + got, openreg::kTokenSize - got, 0);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail(orErrorOsCall, "%s: getrandom failed: %s", call, openreg::osError(errno));
+    if (n < 0)
+      return fail(orErrorOsCall, "%s: getrandom failed: %s", call, openreg::osError(errno));
     got += (size_t)n;
   }
   return orSuccess;

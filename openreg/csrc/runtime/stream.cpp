@@ -23,7 +23,7 @@ struct StreamTable {
   std::mutex mutex;
   std::map<orStream*, std::shared_ptr<orStream>> live;
   std::map<std::pair<int, int64_t>, orStream*> byId;  // (device, id)
-  std::vector<int64_t> nextId;                         // per device; 0 is the default stream
+  std::vector<int64_t> nextId;                        // per device; 0 is the default stream
 };
 
 StreamTable& table() {
@@ -233,8 +233,8 @@ orError_t orStreamFromId(int device, int64_t id, orStream_t* stream) {
   std::lock_guard<std::mutex> lock(table().mutex);
   auto it = table().byId.find({device, id});
   if (it == table().byId.end())
-    return fail(orErrorInvalidResourceHandle, "orStreamFromId: device %d has no stream with id %lld",
-                device, (long long)id);
+    return fail(orErrorInvalidResourceHandle,
+                "orStreamFromId: device %d has no stream with id %lld", device, (long long)id);
   *stream = it->second;
   return orSuccess;
 }
@@ -294,17 +294,24 @@ orError_t orMemcpyBatchAsync(void* const* dsts, const void* const* srcs, const s
   copies.reserve(count);
   for (size_t i = 0; i < count; i++) {
     if (!sizes[i]) continue;
-    if (!dsts[i] || !srcs[i]) return fail(orErrorInvalidValue, "%s: copy %zu: NULL pointer", call, i);
+    if (!dsts[i] || !srcs[i])
+      return fail(orErrorInvalidValue, "%s: copy %zu: NULL pointer", call, i);
     bool dstDevice, srcDevice;
     if (!fitsIfDevice(dsts[i], sizes[i], &dstDevice))
-      return fail(orErrorInvalidValue, "%s: copy %zu: destination %p + %zu bytes runs past its "
-                  "openreg segment", call, i, dsts[i], sizes[i]);
+      return fail(orErrorInvalidValue,
+                  "%s: copy %zu: destination %p + %zu bytes runs past its "
+                  "openreg segment",
+                  call, i, dsts[i], sizes[i]);
     if (!fitsIfDevice(srcs[i], sizes[i], &srcDevice))
-      return fail(orErrorInvalidValue, "%s: copy %zu: source %p + %zu bytes runs past its openreg "
-                  "segment", call, i, srcs[i], sizes[i]);
+      return fail(orErrorInvalidValue,
+                  "%s: copy %zu: source %p + %zu bytes runs past its openreg "
+                  "segment",
+                  call, i, srcs[i], sizes[i]);
     if (!dstDevice && !srcDevice)
-      return fail(orErrorInvalidValue, "%s: copy %zu: neither destination %p nor source %p is "
-                  "inside openreg memory", call, i, dsts[i], srcs[i]);
+      return fail(orErrorInvalidValue,
+                  "%s: copy %zu: neither destination %p nor source %p is "
+                  "inside openreg memory",
+                  call, i, dsts[i], srcs[i]);
     copies.push_back({dsts[i], srcs[i], sizes[i]});
   }
   orStream_t s;

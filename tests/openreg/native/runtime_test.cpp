@@ -167,8 +167,10 @@ int consume(const std::string& handles) {
   orIpcMemHandle_t memory{};
   orIpcEventHandle_t event_handle{};
   CHECK(handles.size() == size_t{4} * OR_IPC_HANDLE_SIZE);
-  CHECK(unhex(handles.substr(0, size_t{2} * OR_IPC_HANDLE_SIZE), memory.reserved, OR_IPC_HANDLE_SIZE));
-  CHECK(unhex(handles.substr(size_t{2} * OR_IPC_HANDLE_SIZE), event_handle.reserved, OR_IPC_HANDLE_SIZE));
+  CHECK(unhex(handles.substr(0, size_t{2} * OR_IPC_HANDLE_SIZE), memory.reserved,
+              OR_IPC_HANDLE_SIZE));
+  CHECK(unhex(handles.substr(size_t{2} * OR_IPC_HANDLE_SIZE), event_handle.reserved,
+              OR_IPC_HANDLE_SIZE));
   orEvent_t event = nullptr;
   OK(orIpcOpenEventHandle(&event, event_handle));
   OK(orStreamWaitEvent(nullptr, event, 0));  // the producer's copy is done before ours reads
