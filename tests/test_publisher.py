@@ -278,12 +278,10 @@ def test_weights_that_left_the_packed_allocation_are_not_published_stale(transpo
 def _forged(token, rows):
     """`token`'s attachment with another table: a token damaged where only the buffer's size
     can tell."""
-    from devipc import _table, _wire
+    from devipc._publisher_local import LocalToken
+    from devipc._table import Table
 
-    attachment = _wire.Reader(token, (_wire.WEIGHTS,)).bytes("weights attachment")
-    writer = _wire.Writer(_wire.WEIGHTS).bytes(attachment)
-    _table.Table(*zip(*rows)).write(writer)
-    return writer.done()
+    return LocalToken.from_bytes(token)._replace(table=Table(*zip(*rows))).to_bytes()
 
 
 def test_a_refused_damaged_token_leaves_the_genuine_one_openable():
@@ -377,3 +375,26 @@ def test_close_from_another_thread_ends_waits_clearly():
         other.wait(timeout=1)
     subscriber.close()
     _drain()
+
+
+def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record():
+    from devipc import _wire
+    from devipc._publisher_local import LocalToken
+    from devipc._weights import token_reader
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model) as publisher:
+        token = publisher.token()
+        assert token_reader(token)[0] == "ipc"
+        record = LocalToken.from_bytes(token)
+        assert record.to_bytes() == token
+        assert len(record.table) == len(publisher._backend)
+        with pytest.raises(devipc.InvalidHandleError, match="transport 'ipc', not 'nixl'"):
+            token_reader(token, "nixl")
+        with pytest.raises(devipc.InvalidHandleError, match="token transport"):
+            devipc.WeightSubscriber(_wire.Writer(_wire.WEIGHTS).int(7).done())  # no such one
+        with devipc.WeightSubscriber(token) as subscriber:  # the genuine one still opens
+            publisher.publish(wait=False)
+            assert subscriber.wait(timeout=TIMEOUT) == 0
+            subscriber.ack()

@@ -288,25 +288,14 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
 def _rewritten(token: bytes, nbytes: int | None = None, data=None) -> bytes:
     """The token with its buffer size replaced (`nbytes`) or each weights descriptor passed
     through `data`: the bytes a damaged (or forged) token carries."""
-    from devipc import _wire
-    from devipc._table import Table
+    from devipc._publisher_remote import RemoteToken
 
-    limit = 1 << 20
-    reader = _wire.Reader(token, (_wire.WEIGHTS,))
-    writer = _wire.Writer(_wire.WEIGHTS).bytes(reader.bytes("metadata", limit), limit)
-    writer.device(reader.device())
-    size = reader.int("buffer size")
-    writer.int(size if nbytes is None else nbytes).int(reader.int("serial"))
-    for _ in range(5):
-        writer.bytes(reader.bytes("control", limit), limit)
-    buffers = reader.int("buffers")
-    writer.int(buffers)
-    for _ in range(buffers):
-        desc = reader.bytes("weights", limit)
-        writer.bytes(desc if data is None else data(desc), limit)
-    Table.read(reader, size).write(writer)
-    reader.end()
-    return writer.done()
+    record = RemoteToken.from_bytes(token)
+    if nbytes is not None:
+        record = record._replace(nbytes=nbytes)
+    if data is not None:
+        record = record._replace(data=tuple(map(data, record.data)))
+    return record.to_bytes()
 
 
 def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
@@ -443,3 +432,20 @@ def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loo
     assert got["latency"] < got["pull"] / 4, got  # not once the pull ended
     assert got["refused"], "tensors() handed out memory an interrupted pull may still write"
     assert got["generation"] == 1 and got["whole"], got
+
+
+def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record(loopback):
+    from devipc._publisher_remote import RemoteToken
+    from devipc._weights import token_reader
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        token = publisher.token()
+        assert token_reader(token)[0] == "nixl"
+        record = RemoteToken.from_bytes(token)
+        assert record.to_bytes() == token
+        assert (record.device, len(record.control), len(record.data)) == (publisher.device, 5, 1)
+        assert len(record.table) == len(publisher._backend)
+        with pytest.raises(devipc.InvalidHandleError, match="transport 'nixl', not 'ipc'"):
+            token_reader(token, "ipc")

@@ -36,21 +36,28 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 import torch
 
 from . import _futex, _handles, _locks, _sharing, _wire
-from ._errors import AckTimeoutError, ConsumerDiedError, InvalidHandleError, PeerGoneError
+from ._errors import ConsumerDiedError, InvalidHandleError, PeerGoneError
 from ._hooks import hooks_for
 from ._memfd import MappedFile, SharedFile, WordTable, handle_pid, open_shared_file, pid_alive
+from ._readers import (
+    ATTACHED,
+    CLOSED,
+    FREE,
+    GONE,
+    MAX_READERS,
+    PENDING,
+    acks_timeout,
+    attach_timeout,
+    label,
+)
 from ._table import ALIGNMENT, Table
 
 __all__ = ["Arena", "ArenaReader", "Attachment", "Chunk", "open_arena"]
 
 _MAGIC = b"ACKS"
-MAX_CONSUMERS = 64
 MAX_BUFFERS = 16
 _FIELDS = 4  # a record's words: state, acknowledged generation, pid, attachment serial
-_CONTROL_BYTES = WordTable.size(MAX_CONSUMERS, _FIELDS)
-FREE, PENDING, ATTACHED, CLOSED, GONE = 0, 1, 2, 3, 4
-_STATE_NAMES = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached", CLOSED: "closed",
-                GONE: "died"}
+_CONTROL_BYTES = WordTable.size(MAX_READERS, _FIELDS)
 _FILLING, _PUBLISHED, _ACKS, _CLOSED = 0, 1, 2, 3  # header words
 _DEATH_CHECK = 0.02  # seconds between looks for dead peers while a wait sleeps
 
@@ -260,17 +267,15 @@ class Arena:
                                table=Table([], [], [], [], []))
         self._sends[index] = send
         self._records.set_state(index, PENDING)
-        writer = _wire.Writer(_wire.ARENA).bytes(self._token).bytes(bytes(send))
-        writer.bytes(self._control.handle).int(index).int(self.nbytes).int(self.buffers)
-        writer.int(serial)
-        return writer.done()
+        return Attachment(self._token, send, self._control.handle, index, self.nbytes,
+                          self.buffers, serial).to_bytes()
 
     def _take_record(self) -> int:
         """A record nobody uses: free, or of a consumer that closed or died, or of an
         attachment nobody opened whose send ended (revoked, or its deadline passed). Taken
         under the record's lock, so no consumer is opening it meanwhile."""
         records = self._records
-        for index in range(MAX_CONSUMERS):
+        for index in range(MAX_READERS):
             state = records.state(index)
             if state == ATTACHED:
                 self._died(index)  # a dead consumer's record is free once marked
@@ -291,7 +296,7 @@ class Arena:
                     return index
             finally:
                 _locks.unlock(self._control.fd, start, length)
-        raise ValueError(f"an arena has at most {MAX_CONSUMERS} consumers attached at a time: "
+        raise ValueError(f"an arena has at most {MAX_READERS} consumers attached at a time: "
                          f"close a reader (or revoke an attachment nobody will open) first")
 
     def put(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -358,7 +363,7 @@ class Arena:
         while True:
             self._calls.check()
             seen = self._records.acks()  # before the records: an ack after it changes it
-            waiting = [i for i in range(MAX_CONSUMERS)
+            waiting = [i for i in range(MAX_READERS)
                        if self._records.state(i) == ATTACHED
                        and self._records.ack(i) < generation]
             dead = [(i, self._records.pid(i)) for i in waiting if self._died(i)]
@@ -368,11 +373,9 @@ class Arena:
                 return
             left = _DEATH_CHECK if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                raise AckTimeoutError(
-                    f"after {timeout} s, consumers " + ", ".join(
-                        f"{i} (pid {self._records.pid(i)}, {_STATE_NAMES[self._records.state(i)]},"
-                        f" acknowledged {self._records.ack(i)})" for i in waiting)
-                    + f" have not acknowledged generation {generation}")
+                raise acks_timeout(timeout, generation, "consumers", (
+                    f"{i} (pid {self._records.pid(i)}, {label(self._records.state(i))},"
+                    f" acknowledged {self._records.ack(i)})" for i in waiting))
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
     @counted
@@ -384,12 +387,12 @@ class Arena:
             self._calls.check()
             seen = self._records.acks()  # an attach changes it too
             attached = sum(self._records.state(i) == ATTACHED and not self._died(i)
-                           for i in range(MAX_CONSUMERS))
+                           for i in range(MAX_READERS))
             if attached >= count:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{attached} of {count} consumers attached within {timeout} s")
+                raise attach_timeout(attached, count, timeout, "consumers")
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
     def _died(self, index: int) -> bool:
@@ -409,9 +412,9 @@ class Arena:
     @counted
     def consumers(self) -> dict[int, dict]:
         """Each consumer record in use: state, last acknowledged generation, pid."""
-        return {i: {"state": _STATE_NAMES[s], "acknowledged": self._records.ack(i),
+        return {i: {"state": label(s), "acknowledged": self._records.ack(i),
                     "pid": self._records.pid(i)}
-                for i in range(MAX_CONSUMERS) if (s := self._records.state(i)) != FREE}
+                for i in range(MAX_READERS) if (s := self._records.state(i)) != FREE}
 
     def close(self) -> None:
         """Take back unopened sends and drop the producer's references: the memory is freed once
@@ -471,13 +474,18 @@ class Attachment(NamedTuple):
     buffers: int
     serial: int
 
+    def to_bytes(self) -> bytes:
+        return (_wire.Writer(_wire.ARENA).bytes(self.token).bytes(bytes(self.send))
+                .bytes(self.control).int(self.record).int(self.nbytes).int(self.buffers)
+                .int(self.serial).done())
+
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Attachment":
         reader = _wire.Reader(data, (_wire.ARENA,))
         token = reader.bytes("arena token", 64)
         send = _handles.Handle.from_bytes(reader.bytes("arena handle"))
         control = reader.bytes("control file handle", 1024)
-        record = reader.int("consumer index", 0, MAX_CONSUMERS - 1)
+        record = reader.int("consumer index", 0, MAX_READERS - 1)
         nbytes = reader.int("buffer size", 1)
         buffers = reader.int("buffer count", 1, MAX_BUFFERS)
         serial = reader.int("attachment serial")

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from ._publisher_local import LocalPublisher, LocalSubscriber
-from ._weights import copy_into, is_remote_token
+from ._weights import copy_into, token_reader
 
 __all__ = ["WeightPublisher", "WeightSubscriber"]
 
@@ -110,7 +110,8 @@ class WeightSubscriber:
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
-        if is_remote_token(token):
+        transport, _ = token_reader(token)
+        if transport == "nixl":
             from ._publisher_remote import NixlSubscriber
 
             self._backend: LocalSubscriber | NixlSubscriber = NixlSubscriber(token, device)

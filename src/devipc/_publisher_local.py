@@ -16,15 +16,39 @@ subscriber that joins gets the newest generation at once.
 """
 import threading
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
-from . import _handles, _wire
+from . import _handles
 from ._arena import Arena, ArenaReader, Attachment
 from ._table import Table
-from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights
+from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
 
-__all__ = ["LocalPublisher", "LocalSubscriber"]
+__all__ = ["LocalPublisher", "LocalSubscriber", "LocalToken"]
+
+_ATTACHMENT_BYTES = 1 << 16
+
+
+class LocalToken(NamedTuple):
+    """A same-host subscriber's way in: its arena attachment, and where each tensor lies in a
+    buffer of it. Read whole and checked before the attachment's one open is spent."""
+
+    attachment: Attachment
+    table: Table
+
+    def to_bytes(self) -> bytes:
+        writer = token_writer("ipc").bytes(self.attachment.to_bytes(), _ATTACHMENT_BYTES)
+        self.table.write(writer)
+        return writer.done()
+
+    @classmethod
+    def from_bytes(cls, token: bytes | bytearray | memoryview) -> "LocalToken":
+        _, reader = token_reader(token, "ipc")
+        attachment = Attachment.from_bytes(reader.bytes("weights attachment", _ATTACHMENT_BYTES))
+        table = Table.read(reader, attachment.nbytes)  # rows inside a buffer
+        reader.end()
+        return cls(attachment, table)
 
 
 class LocalPublisher:
@@ -59,10 +83,8 @@ class LocalPublisher:
     def token(self) -> bytes:
         """One subscriber's way in (open it once, with `WeightSubscriber`); subscribers may join
         at any time."""
-        attachment = self._arena.attach(from_newest=self.copy)
-        writer = _wire.Writer(_wire.WEIGHTS).bytes(attachment)
-        self._table.write(writer)
-        return writer.done()
+        attachment = Attachment.from_bytes(self._arena.attach(from_newest=self.copy))
+        return LocalToken(attachment, self._table).to_bytes()
 
     def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
         """Make the current weights a new generation for every subscriber, once the device work
@@ -108,10 +130,7 @@ class LocalSubscriber:
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
         # everything checked before the token's one open is spent
-        reader = _wire.Reader(token, (_wire.WEIGHTS,))
-        attachment = Attachment.from_bytes(reader.bytes("weights attachment", 1 << 16))
-        self._table = Table.read(reader, attachment.nbytes)  # rows inside a buffer
-        reader.end()
+        attachment, self._table = LocalToken.from_bytes(token)
         self._reader = ArenaReader(attachment, device, what="WeightSubscriber")
         self._turns = threading.Lock()
         self.device = self._reader.device

@@ -32,15 +32,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
-from . import _handles, _wire, p2p
+from . import _handles, p2p
 from ._arena import Calls, counted
 from ._backoff import Backoff
 from ._errors import (
-    AckTimeoutError,
     ConsumerDiedError,
     DevIpcError,
     InvalidHandleError,
@@ -48,36 +47,83 @@ from ._errors import (
     PeerGoneError,
     RemoteTensorFreedError,
 )
+from ._readers import (
+    ATTACHED,
+    CLOSED,
+    FREE,
+    GONE,
+    MAX_READERS,
+    PENDING,
+    acks_timeout,
+    attach_timeout,
+    label,
+)
 from ._table import ALIGNMENT, Table
-from ._weights import ACK_TIMEOUT, WAY_IN_BYTES, InPlace, fill, named_weights
+from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
 from .p2p._descriptor import Descriptor, Metadata
 from .p2p._nixl import Remote, agent_metadata_from_bytes
 
-__all__ = ["NixlPublisher", "NixlSubscriber"]
+__all__ = ["NixlPublisher", "NixlSubscriber", "RemoteToken"]
 
 _T = TypeVar("_T")
 
-MAX_SUBSCRIBERS = 64
 HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
 LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts as dead
 _JOIN = 5.0  # seconds a closing subscriber waits for its heartbeat thread
 _DESCRIPTOR_BYTES = 1 << 20
+_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata
 _SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
 _PUBLISHED, _FILLING = 0, 1
 _HEADER = 2  # words
 _STATE, _PID, _SERIAL, _ACK, _BEAT = range(5)
 _FIELDS = 5
-_WORDS = _HEADER + MAX_SUBSCRIBERS * _FIELDS
-FREE, PENDING, ATTACHED, CLOSED, GONE = 0, 1, 2, 3, 4
+_WORDS = _HEADER + MAX_READERS * _FIELDS
 # a subscriber's words: where the header and its record land, what it writes
 _HEAD, _RECORD = slice(0, _HEADER), slice(_HEADER, _HEADER + _FIELDS)
 _CLAIM, _ACKED, _BEATS = slice(8, 10), slice(10, 11), slice(11, 12)  # state and pid; ack; beat
-_STATE_NAMES = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached", CLOSED: "closed",
-                GONE: "died"}
 
 
 def _word(index: int, field: int) -> int:
     return _HEADER + index * _FIELDS + field
+
+
+class RemoteToken(NamedTuple):
+    """A subscriber's way in across hosts: the publisher's endpoint, its device, a buffer's
+    size, the token's serial, descriptors of the control words (the header; the record whole,
+    its claim, its ack, its heartbeat) and of each buffer, and the tensors' table."""
+
+    metadata: bytes
+    device: torch.device
+    nbytes: int
+    serial: int
+    control: tuple[bytes, ...]
+    data: tuple[bytes, ...]
+    table: Table
+
+    def to_bytes(self) -> bytes:
+        writer = token_writer("nixl").bytes(self.metadata, _METADATA_BYTES)
+        writer.device(self.device).int(self.nbytes).int(self.serial)
+        for desc in self.control:
+            writer.bytes(desc, _DESCRIPTOR_BYTES)
+        writer.int(len(self.data))
+        for desc in self.data:
+            writer.bytes(desc, _DESCRIPTOR_BYTES)
+        self.table.write(writer)
+        return writer.done()
+
+    @classmethod
+    def from_bytes(cls, token: bytes | bytearray | memoryview) -> "RemoteToken":
+        _, reader = token_reader(token, "nixl")
+        metadata = reader.bytes("publisher endpoint metadata", _METADATA_BYTES)
+        device = reader.device()
+        nbytes = reader.int("buffer size", 1)
+        serial = reader.int("token serial", 1)
+        control = tuple(reader.bytes("control descriptor", _DESCRIPTOR_BYTES) for _ in range(5))
+        data = tuple(reader.bytes("weights descriptor", _DESCRIPTOR_BYTES)
+                     for _ in range(reader.int("buffer count", 1, 2)))
+        table = Table.read(reader, nbytes)
+        reader.end()
+        return cls(metadata, device, nbytes, serial, control, data, table)
 
 
 class NixlPublisher:
@@ -148,27 +194,21 @@ class NixlPublisher:
     def _token(self) -> bytes:
         words = self._words.tolist()
         # a record of a dead subscriber last: one that was only frozen may still write into it
-        free = sorted((i for i in range(MAX_SUBSCRIBERS)
+        free = sorted((i for i in range(MAX_READERS)
                        if words[_word(i, _STATE)] in (FREE, CLOSED, GONE)),
                       key=lambda i: words[_word(i, _STATE)] == GONE)
         if not free:
-            raise ValueError(f"a publisher across hosts has at most {MAX_SUBSCRIBERS} tokens "
+            raise ValueError(f"a publisher across hosts has at most {MAX_READERS} tokens "
                              f"open or unopened: close subscribers, or make a new publisher")
         index, serial = free[0], next(self._serials)
         for field, value in ((_PID, 0), (_SERIAL, serial), (_ACK, -1), (_BEAT, 0),
                              (_STATE, PENDING)):
             self._words[_word(index, field)] = value
-        writer = _wire.Writer(_wire.WEIGHTS).bytes(self._endpoint.metadata(), WAY_IN_BYTES)
-        writer.device(self.device).int(self._nbytes).int(serial)
-        for desc in (self._header, self._control(_word(index, _STATE), _FIELDS),
-                     self._control(_word(index, _STATE), 2), self._control(_word(index, _ACK), 1),
-                     self._control(_word(index, _BEAT), 1)):
-            writer.bytes(desc, _DESCRIPTOR_BYTES)
-        writer.int(self._buffers)
-        for desc in self._data:
-            writer.bytes(desc, _DESCRIPTOR_BYTES)
-        self._table.write(writer)
-        return writer.done()
+        control = (self._header, self._control(_word(index, _STATE), _FIELDS),
+                   self._control(_word(index, _STATE), 2), self._control(_word(index, _ACK), 1),
+                   self._control(_word(index, _BEAT), 1))
+        return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial,
+                           control, tuple(self._data), self._table).to_bytes()
 
     @counted
     def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
@@ -205,7 +245,7 @@ class NixlPublisher:
         while True:
             self._calls.check()
             words, now = self._adopt(), time.monotonic()
-            waiting = [i for i in range(MAX_SUBSCRIBERS)
+            waiting = [i for i in range(MAX_READERS)
                        if words[_word(i, _STATE)] == ATTACHED
                        and words[_word(i, _ACK)] < generation]
             dead = [(i, words[_word(i, _PID)]) for i in waiting if self._silent(i, words, now)]
@@ -216,10 +256,9 @@ class NixlPublisher:
             if not waiting:
                 return
             if backoff.expired():
-                raise AckTimeoutError(
-                    f"after {timeout} s, subscribers " + ", ".join(
-                        f"{i} (pid {words[_word(i, _PID)]}, acknowledged {words[_word(i, _ACK)]})"
-                        for i in waiting) + f" have not acknowledged generation {generation}")
+                raise acks_timeout(timeout, generation, "subscribers", (
+                    f"{i} (pid {words[_word(i, _PID)]}, acknowledged {words[_word(i, _ACK)]})"
+                    for i in waiting))
             backoff.pause()
 
     def _adopt(self) -> list[int]:
@@ -228,7 +267,7 @@ class NixlPublisher:
         the trainer may write it. (It acknowledges nothing newer before that is published.)"""
         words = self._words.tolist()
         published, filling = words[_PUBLISHED], words[_FILLING]
-        for i in range(MAX_SUBSCRIBERS):
+        for i in range(MAX_READERS):
             serial = words[_word(i, _SERIAL)]
             if words[_word(i, _STATE)] != ATTACHED or self._adopted.get(i) == serial:
                 continue
@@ -254,19 +293,18 @@ class NixlPublisher:
             self._calls.check()
             words, now = self._words.tolist(), time.monotonic()
             attached = sum(words[_word(i, _STATE)] == ATTACHED and not self._silent(i, words, now)
-                           for i in range(MAX_SUBSCRIBERS))
+                           for i in range(MAX_READERS))
             if attached >= count:
                 return
             if backoff.expired():
-                raise TimeoutError(f"{attached} of {count} subscribers attached within "
-                                   f"{timeout} s")
+                raise attach_timeout(attached, count, timeout, "subscribers")
             backoff.pause()
 
     def subscribers(self) -> dict[int, dict]:
         words = self._words.tolist()
-        return {i: {"state": _STATE_NAMES.get(state, str(state)),
+        return {i: {"state": label(state),
                     "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
-                for i in range(MAX_SUBSCRIBERS) if (state := words[_word(i, _STATE)]) != FREE}
+                for i in range(MAX_READERS) if (state := words[_word(i, _STATE)]) != FREE}
 
     def close(self) -> None:
         """The registrations and the endpoint go (once calls under way in other threads left):
@@ -290,18 +328,10 @@ class NixlSubscriber:
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
-        reader = _wire.Reader(token, (_wire.WEIGHTS,))
-        metadata = reader.bytes("publisher endpoint metadata", WAY_IN_BYTES)
-        publisher_device = reader.device()
-        nbytes = reader.int("buffer size", 1)
-        serial = reader.int("token serial", 1)
-        header, record, claim, ack, beat = (reader.bytes("control descriptor", _DESCRIPTOR_BYTES)
-                                            for _ in range(5))
-        self._buffers = reader.int("buffer count", 1, 2)
-        self._data = [reader.bytes("weights descriptor", _DESCRIPTOR_BYTES)
-                      for _ in range(self._buffers)]
-        self._table = Table.read(reader, nbytes)
-        reader.end()
+        metadata, publisher_device, nbytes, serial, control, data, self._table = \
+            RemoteToken.from_bytes(token)
+        header, record, claim, ack, beat = control
+        self._buffers, self._data = len(data), list(data)
         _check_descriptors(metadata, zip((header, record, claim, ack, beat, *self._data), (
             8 * _HEADER, 8 * _FIELDS, 16, 8, 8, *[nbytes] * self._buffers)))
         self.device = torch.device(publisher_device if device is None else device)

@@ -11,11 +11,10 @@ from ._copies import copy_pairs, copy_rows
 from ._errors import InvalidHandleError
 from ._table import Table
 
-__all__ = ["ACK_TIMEOUT", "WAY_IN_BYTES", "InPlace", "copy_into", "fill",
-           "is_remote_token", "named_weights", "pack_module"]
+__all__ = ["ACK_TIMEOUT", "TRANSPORTS", "InPlace", "copy_into", "fill", "named_weights",
+           "pack_module", "token_reader", "token_writer"]
 
 ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
-WAY_IN_BYTES = 1 << 20  # a token's first field: an arena attachment, or a NIXL endpoint's metadata
 
 
 def pack_module(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -104,15 +103,24 @@ def fill(storage: torch.UntypedStorage, base: int, table: Table,
     copy_pairs([(views[name], tensor) for name, tensor in items])
 
 
-def is_remote_token(token: bytes | bytearray | memoryview) -> bool:
-    """Whether a token's way in is a NIXL endpoint's metadata (else: an arena attachment, or bad
-    bytes that the same-host path names)."""
-    try:
-        reader = _wire.Reader(token, (_wire.WEIGHTS,))
-        way_in = reader.bytes("way in", WAY_IN_BYTES)
-        return _wire.Reader(way_in, (_wire.P2P_METADATA,)).kind == _wire.P2P_METADATA
-    except InvalidHandleError:
-        return False
+TRANSPORTS = ("ipc", "nixl")  # a WeightPublisher token's first field: the index of its transport
+
+
+def token_writer(transport: str) -> _wire.Writer:
+    """A token of `transport` begins: its kind, then its transport."""
+    return _wire.Writer(_wire.WEIGHTS).int(TRANSPORTS.index(transport))
+
+
+def token_reader(token: bytes | bytearray | memoryview,
+                 transport: str | None = None) -> tuple[str, _wire.Reader]:
+    """The token's transport, and a reader at its next field; InvalidHandleError if it is no
+    WeightPublisher token, or (`transport` given) one of another transport."""
+    reader = _wire.Reader(token, (_wire.WEIGHTS,))
+    found = TRANSPORTS[reader.int("token transport", 0, len(TRANSPORTS) - 1)]
+    if transport is not None and found != transport:
+        raise InvalidHandleError(f"a WeightPublisher token of transport {found!r}, "
+                                 f"not {transport!r}")
+    return found, reader
 
 
 def copy_into(source: dict[str, torch.Tensor],

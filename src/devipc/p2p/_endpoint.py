@@ -21,7 +21,6 @@ from .._errors import InvalidHandleError, TransferSizeError
 from .._handles import identity_of
 from . import _transport
 from ._descriptor import NONE, Descriptor, Metadata, check_name, host_identity
-from ._ipc import IpcTransport
 from ._registry import Registration, registry
 from ._transfer import Transfer
 from ._transport import READ, WRITE, Link, Transport, operation
@@ -34,10 +33,14 @@ _VECTOR_MIN = 16  # descriptors from which a vector is remembered whole
 
 
 def _make_transport(transport: str | Transport, agent_name: str) -> Transport:
+    # Each transport is imported once asked for: NIXL is an optional extra, and neither is
+    # needed by a process that only registers.
     if transport in ("auto", "ipc"):
+        from ._ipc import IpcTransport
+
         return IpcTransport()
     if transport == "nixl":
-        from ._nixl import NixlTransport  # the optional extra: only imported when asked
+        from ._nixl import NixlTransport
 
         return NixlTransport(agent_name)
     if isinstance(transport, str) or not isinstance(transport, Transport):
