@@ -124,7 +124,7 @@ def after_large_posts(nbytes: int, then):
     bytes, with the state the post returned: a transfer large enough to be in flight then."""
     from devipc.p2p import _nixl
 
-    request, post, big = _nixl.NixlTransport._request, _nixl.NixlTransport._post, set()
+    request, post, big = _nixl.NixlTransport._request, _nixl.NixlTransport.post_handle, set()
 
     def spied_request(self, op, agent, local, *rest):
         handle = request(self, op, agent, local, *rest)
@@ -138,11 +138,11 @@ def after_large_posts(nbytes: int, then):
             then(state)
         return state
 
-    _nixl.NixlTransport._request, _nixl.NixlTransport._post = spied_request, spied_post
+    _nixl.NixlTransport._request, _nixl.NixlTransport.post_handle = spied_request, spied_post
     try:
         yield
     finally:
-        _nixl.NixlTransport._request, _nixl.NixlTransport._post = request, post
+        _nixl.NixlTransport._request, _nixl.NixlTransport.post_handle = request, post
 
 
 def until_the_test_ends() -> None:

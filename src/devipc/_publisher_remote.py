@@ -61,7 +61,7 @@ from ._readers import (
 from ._table import ALIGNMENT, Table
 from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
 from .p2p._descriptor import Descriptor, Metadata
-from .p2p._nixl import Remote, agent_metadata_from_bytes
+from .p2p._nixl_wire import Remote, agent_metadata_from_bytes
 
 __all__ = ["NixlPublisher", "NixlSubscriber", "RemoteToken"]
 

@@ -37,8 +37,8 @@ def _settled(peer: p2p.Endpoint, ranges: int) -> bool:
     transport = peer._transport
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
-        with transport._lock:
-            if not getattr(transport, "_in_flight", ()) and len(transport._ranges) == ranges:
+        with transport.lock:
+            if not getattr(transport, "in_flight", ()) and len(transport._ranges) == ranges:
                 return True
         time.sleep(0.01)
     return False

@@ -14,7 +14,7 @@ import devipc.p2p as p2p
 def nixl_registered(transport, addr: int, nbytes: int) -> bool:
     """Whether NIXL's agent itself has [addr, addr + nbytes) registered: preparing a local
     descriptor list succeeds only for memory some backend registered."""
-    agent = transport._agent
+    agent = transport.agent
     try:
         agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(addr, nbytes, 0)], "DRAM").release()
     except Exception as error:  # NIXL's own exception type

@@ -291,7 +291,7 @@ def test_closed_endpoints_leave_no_descriptors_or_registrations(loopback):
                 peer.connect(owner.metadata()).read(local, owner.advertise(tensor))
                 assert (local == 2).all()
                 transport = owner._transport
-            assert transport._ranges == [] and transport._agent is None
+            assert transport._ranges == [] and transport.agent is None
         assert open_fds() == before
     finally:
         p2p.deregister(tensor_id)

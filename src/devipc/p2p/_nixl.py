@@ -29,16 +29,13 @@ NIXL is imported on first use: `import devipc.p2p` works without it.
 import bisect
 import collections
 import ctypes
-import hashlib
-import hmac
 import importlib
 import logging
-import struct
 import sys
 import threading
 import types
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,7 +53,8 @@ from .._errors import (
 )
 from .._hooks import get_ipc_hooks
 from ._descriptor import Descriptor, Metadata
-from ._registry import PAGE_BYTES, PAGE_SLOTS, Registration, registry, word_offset
+from ._nixl_wire import KINDS, Remote, agent_metadata_from_bytes, agent_metadata_to_bytes
+from ._registry import PAGE_BYTES, Registration, registry, word_offset
 from ._transfer import Transfer
 from ._transport import OPERATIONS, READ, WRITE
 
@@ -64,7 +62,6 @@ __all__ = ["NixlLink", "NixlPrepared", "NixlTransport", "load_nixl", "memory_kin
            "new_agent"]
 
 INSTALL = "pip install 'devipc[nixl]'"
-KINDS = ("DRAM", "VRAM")
 LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
 _SCRATCH_WORDS = 4096  # liveness words read per NIXL request
 _DECODED_MAX = 1 << 16
@@ -144,87 +141,6 @@ def _dev_id(device: torch.device, kind: str) -> int:
     return 0 if kind == "DRAM" else device.index or 0
 
 
-@dataclass(frozen=True)
-class Remote:
-    """A decoded transport part of a peer's descriptor."""
-
-    agent: str
-    kind: str
-    dev_id: int
-    addr: int
-    nbytes: int
-    reg_id: int
-    slot: int
-    page: int  # the address of the peer's registry page
-    partial: bytes  # the registration's partial agent metadata
-
-    def to_bytes(self) -> bytes:
-        writer = _wire.Writer(_wire.P2P_NIXL).text(self.agent).text(self.kind)
-        writer.int(self.dev_id).int(self.addr).int(self.nbytes).int(self.reg_id).int(self.slot)
-        return sealed(writer.int(self.page).bytes(self.partial))
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Remote":
-        reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL,))
-        agent = reader.text("NIXL agent name", 256)
-        kind = reader.text("memory kind", 8)
-        if kind not in KINDS:
-            raise InvalidHandleError(f"memory kind {kind!r} is not one of {KINDS}")
-        dev_id = reader.int("NIXL device id", 0, 1 << 20)
-        addr = reader.int("address", 1)
-        nbytes = reader.int("range size")
-        reg_id = reader.int("registration id", 1)
-        slot = reader.int("registry slot", 0, PAGE_SLOTS - 1)
-        page = reader.int("registry page address", 1)
-        partial = reader.bytes("NIXL partial metadata")
-        reader.end()
-        if not agent or not partial:
-            raise InvalidHandleError("a NIXL descriptor needs an agent name and metadata")
-        return cls(agent, kind, dev_id, addr, nbytes, reg_id, slot, page, partial)
-
-
-_DIGEST = 16
-_SEAL = 4 + _DIGEST  # the digest field: its length and itself
-
-
-def _seal_of(body: bytes) -> bytes:
-    """A last wire field (u32 length | payload) holding the digest of everything before it."""
-    return struct.pack("<I", _DIGEST) + hashlib.blake2b(body, digest_size=_DIGEST).digest()
-
-
-def sealed(writer: "_wire.Writer") -> bytes:
-    """The message with a digest as its last field. NIXL parses its metadata blobs itself, and a
-    damaged one can crash it (fuzzing found segfaults): damaged bytes must never reach it."""
-    body = writer.done()
-    return body + _seal_of(body)
-
-
-def unsealed(data: bytes | bytearray | memoryview) -> bytes:
-    """The message `sealed` made, its digest checked and removed; InvalidHandleError if damaged."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidHandleError(f"a NIXL part is bytes, got {type(data).__name__}")
-    data = bytes(data)
-    body = data[:-_SEAL]
-    if len(data) <= _SEAL or not hmac.compare_digest(data[-_SEAL:], _seal_of(body)):
-        raise InvalidHandleError("a NIXL part of a descriptor or of metadata is damaged (its "
-                                 "digest does not match)")
-    return body
-
-
-def agent_metadata_to_bytes(agent: str, blob: bytes) -> bytes:
-    return sealed(_wire.Writer(_wire.P2P_NIXL_AGENT).text(agent).bytes(blob))
-
-
-def agent_metadata_from_bytes(data: bytes | bytearray | memoryview) -> tuple[str, bytes]:
-    reader = _wire.Reader(unsealed(data), (_wire.P2P_NIXL_AGENT,))
-    agent = reader.text("NIXL agent name", 256)
-    blob = reader.bytes("NIXL agent metadata")
-    reader.end()
-    if not agent or not blob:
-        raise InvalidHandleError("NIXL agent metadata needs an agent name and its metadata")
-    return agent, blob
-
-
 class _Local:
     """One of this process's NIXL registrations (a devipc registration or the registry page)."""
 
@@ -255,7 +171,7 @@ class _Pending:
         said otherwise it may be in flight (Ctrl-C may cut the call short after it posted)."""
         self.handles.append(handle)
         self.states.append("PROC")
-        self.states[-1] = transport._post(handle, agent)
+        self.states[-1] = transport.post_handle(handle, agent)
 
     def poll(self, nixl: Any) -> bool:
         """Whether every request ended (done or failed)."""
@@ -269,7 +185,7 @@ class _Pending:
 
     def release(self, transport: "NixlTransport") -> Exception | None:
         """Let go of everything, NIXL being done: the first error releasing a handle, if any."""
-        nixl, error = transport._agent, None
+        nixl, error = transport.agent, None
         if nixl is not None:  # else the transport closed: NIXL let go of it all
             for handle in self.owned:
                 try:
@@ -279,7 +195,7 @@ class _Pending:
             for dlist in self.dlists:
                 nixl.release_dlist_handle(dlist)
             for temp in self.temps:
-                transport._deregister(temp)
+                transport.deregister_range(temp)
         self.owned, self.dlists, self.temps, self.keep = [], [], [], None
         return error
 
@@ -321,15 +237,17 @@ def _abandon(transport: "NixlTransport", pending: _Pending) -> None:
 
 class NixlTransport:
     """One NIXL agent (UCX backend) of an endpoint; thread-safe (one lock around the agent).
-    A `_transport.Transport`, and a registry listener."""
+    A `_transport.Transport`, and a registry listener. Its public members beyond the protocol
+    (`agent`, `lock`, `in_flight`, the range and request methods) serve the link, prepared
+    transfers and transfers below; the underscored ones are its own."""
 
     name = "nixl"
 
     def __init__(self, agent_name: str):
         self.agent_name = agent_name
-        self._lock = threading.RLock()
-        self._agent = new_agent(agent_name)
-        if "UCX" not in self._agent.backends:
+        self.lock = threading.RLock()
+        self.agent = new_agent(agent_name)
+        if "UCX" not in self.agent.backends:
             raise DevIpcError("NIXL's UCX backend could not be created on this machine")
         self._regs: dict[int, _Local | None] = {}  # registration id -> NIXL side (None: no kind)
         self._bases: list[int] = []  # sorted bases of self._ranges
@@ -337,26 +255,27 @@ class NixlTransport:
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
         self._links: dict[str, int] = {}  # agent -> connections to it
         self._decoded = _wire.Decoded(Remote.from_bytes, _DECODED_MAX)
-        self._in_flight: set[_Pending] = set()  # posted, not let go of yet
-        self._page = self._register(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
+        self.in_flight: set[_Pending] = set()  # posted, not let go of yet
+        self._page = self.register_range(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
         self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
-        self._scratch_reg = self._register(self._scratch.data_ptr(), 8 * _SCRATCH_WORDS, "DRAM", 0)
+        self.scratch_registration = self.register_range(self._scratch.data_ptr(),
+                                                        8 * _SCRATCH_WORDS, "DRAM", 0)
         self._closed = False  # the endpoint adds this transport as a registry listener
 
     # -- this process's memory --
-    def _register(self, addr: int, nbytes: int, kind: str, dev_id: int) -> _Local:
-        dlist = self._agent.register_memory([(addr, nbytes, dev_id, "")], kind)
-        partial = self._agent.get_partial_agent_metadata(dlist, inc_conn_info=False)
+    def register_range(self, addr: int, nbytes: int, kind: str, dev_id: int) -> _Local:
+        dlist = self.agent.register_memory([(addr, nbytes, dev_id, "")], kind)
+        partial = self.agent.get_partial_agent_metadata(dlist, inc_conn_info=False)
         local = _Local(addr, nbytes, kind, dev_id, dlist, partial)
         at = bisect.bisect(self._bases, addr)
         self._bases.insert(at, addr)
         self._ranges.insert(at, local)
         return local
 
-    def _deregister(self, local: _Local) -> None:
+    def deregister_range(self, local: _Local) -> None:
         at = self._ranges.index(local)
         del self._bases[at], self._ranges[at]
-        self._agent.deregister_memory(local.dlist)
+        self.agent.deregister_memory(local.dlist)
 
     def on_register(self, reg: Registration) -> None:
         """Registry listener: register the storage's memory with the agent too."""
@@ -364,24 +283,24 @@ class NixlTransport:
             kind = memory_kind(reg.device)
         except UnsupportedDeviceError:
             kind = None  # refused when a descriptor of it is asked for
-        with self._lock:
+        with self.lock:
             if self._closed or reg.id in self._regs:
                 return
             self._regs[reg.id] = None if kind is None else \
-                self._register(reg.base, reg.nbytes, kind, _dev_id(reg.device, kind))
+                self.register_range(reg.base, reg.nbytes, kind, _dev_id(reg.device, kind))
 
     def on_deregister(self, reg: Registration) -> None:
-        with self._lock:
+        with self.lock:
             local = self._regs.pop(reg.id, None)
             if local is not None and not self._closed:
-                self._deregister(local)
+                self.deregister_range(local)
 
     def registered(self, reg_id: int) -> bool:
         """Whether the registration's memory is registered with this agent now."""
-        with self._lock:
+        with self.lock:
             return self._regs.get(reg_id) is not None
 
-    def _find(self, addr: int, nbytes: int) -> _Local | None:
+    def find_range(self, addr: int, nbytes: int) -> _Local | None:
         at = bisect.bisect(self._bases, addr) - 1
         if at >= 0 and addr + nbytes <= self._ranges[at].end:
             return self._ranges[at]
@@ -389,8 +308,8 @@ class NixlTransport:
 
     # -- what peers need --
     def metadata(self) -> bytes:
-        with self._lock:
-            return agent_metadata_to_bytes(self.agent_name, self._agent.get_agent_metadata())
+        with self.lock:
+            return agent_metadata_to_bytes(self.agent_name, self.agent.get_agent_metadata())
 
     def describe(self, reg: Registration, offset: int, nbytes: int) -> dict:
         extra = self.descriptor_extra(reg, offset, nbytes)
@@ -414,17 +333,17 @@ class NixlTransport:
     def add_peer(self, peer_metadata: bytes) -> str:
         """Load a peer agent's metadata (once per connection to it); the agent's name."""
         name, blob = agent_metadata_from_bytes(peer_metadata)
-        with self._lock:
+        with self.lock:
             if self._closed:
                 raise ValueError("this NIXL transport is closed")
             try:
-                agent = self._agent.add_remote_agent(blob)
+                agent = self.agent.add_remote_agent(blob)
             except Exception as error:  # NIXL's own exception types
                 raise InvalidHandleError(f"NIXL could not load the peer's agent metadata: "
                                          f"{type(error).__name__}: {error}") from None
             agent = agent.decode() if isinstance(agent, bytes) else str(agent)
             if agent != name:
-                self._agent.remove_remote_agent(agent)
+                self.agent.remove_remote_agent(agent)
                 raise InvalidHandleError(f"NIXL metadata of agent {agent!r} claims to be of "
                                          f"{name!r}")
             self._peers.setdefault(agent, set())
@@ -433,19 +352,19 @@ class NixlTransport:
 
     def disconnect(self, agent: str) -> None:
         """One connection to `agent` closed: the agent is unloaded with the last one."""
-        with self._lock:
+        with self.lock:
             links = self._links.pop(agent, 0) - 1
             if links > 0:
                 self._links[agent] = links
             elif self._peers.pop(agent, None) is not None and not self._closed:
-                self._agent.remove_remote_agent(agent)
+                self.agent.remove_remote_agent(agent)
 
     # -- transfers --
     def agent_or_raise(self) -> Any:
         """The agent; ValueError once closed. Call with the lock."""
-        if self._closed or self._agent is None:
+        if self._closed or self.agent is None:
             raise ValueError("this NIXL transport is closed")
-        return self._agent
+        return self.agent
 
     def _decode(self, extra: bytes) -> Remote:
         return self._decoded.decode(bytes(extra))
@@ -480,22 +399,22 @@ class NixlTransport:
         if op not in OPERATIONS:
             raise ValueError(f"op is {READ!r} or {WRITE!r}, not {op!r}")
         remotes = self.remotes(remote_agent, local, remote_extras, shifts)
-        with self._lock:
+        with self.lock:
             if self._closed:
                 raise ValueError("this NIXL transport is closed")
             if remote_agent not in self._peers:
                 raise ValueError(f"not connected to NIXL agent {remote_agent!r}")
-            self._load(remote_agent, remotes)
+            self.load_remotes(remote_agent, remotes)
             self._check_alive(remote_agent, remotes)
             return self._start(op, remote_agent, local, remotes, keep)
 
-    def _load(self, agent: str, remotes: Iterable[Remote]) -> None:
+    def load_remotes(self, agent: str, remotes: Iterable[Remote]) -> None:
         """Load each registration's partial metadata the first time it is used."""
         loaded = self._peers[agent]
         for remote in remotes:
             if remote.reg_id not in loaded:
                 try:
-                    name = self._agent.add_remote_agent(remote.partial)
+                    name = self.agent.add_remote_agent(remote.partial)
                 except Exception as error:
                     raise InvalidHandleError(f"NIXL could not load a descriptor's metadata: "
                                              f"{type(error).__name__}: {error}") from None
@@ -509,25 +428,25 @@ class NixlTransport:
         items = list(words.items())
         for start in range(0, len(items), _SCRATCH_WORDS):
             chunk = items[start:start + _SCRATCH_WORDS]
-            scratch = self._scratch_reg.base
+            scratch = self.scratch_registration.base
             local = [(scratch + 8 * i, 8, 0) for i in range(len(chunk))]
             remote = [(page + word_offset(slot), 8, 0) for (page, slot), _ in chunk]
             handle = self._request(READ, agent, local, "DRAM", remote, "DRAM")
-            self._finish_now(_Pending(owned=[handle]), handle, agent)
+            self.finish_now(_Pending(owned=[handle]), handle, agent)
             for i, (_, reg_id) in enumerate(chunk):
                 if int(self._scratch[i]) != reg_id:
                     raise RemoteTensorFreedError(
                         f"remote tensor {reg_id} of NIXL agent {agent!r} was freed or "
                         f"deregistered by its owner. Ask the owner for a new descriptor.")
 
-    def _finish_now(self, pending: _Pending, handle: object, agent: str) -> None:
+    def finish_now(self, pending: _Pending, handle: object, agent: str) -> None:
         """Post `handle` as `pending`'s one request (a liveness read, a few µs as a rule) and
         wait for it here; a wait cut short (no answer, Ctrl-C) leaves it to the reaper."""
-        self._in_flight.add(pending)
+        self.in_flight.add(pending)
         try:
             pending.post(self, handle, agent)
             backoff = Backoff(LIVENESS_TIMEOUT, first=0.0002, longest=0.0002, spins=1000)
-            while not pending.poll(self._agent):
+            while not pending.poll(self.agent):
                 backoff.pause()
                 if backoff.expired():
                     raise PeerGoneError(f"NIXL agent {agent!r} did not answer within "
@@ -535,23 +454,23 @@ class NixlTransport:
         except BaseException:
             self.let_go(pending)
             raise
-        self._settle(pending)
+        self.settle(pending)
         if pending.states != ["DONE"]:
             raise PeerGoneError(f"NIXL could not read NIXL agent {agent!r}'s registry: the "
                                 f"peer closed its endpoint or exited")
 
-    def _post(self, handle: object, agent: str) -> str:
+    def post_handle(self, handle: object, agent: str) -> str:
         try:
-            return self._agent.transfer(handle)
+            return self.agent.transfer(handle)
         except Exception as error:
             raise _nixl_error(error, agent) from None
 
     def _request(self, op: str, agent: str, local: list[tuple[int, int, int]], local_kind: str,
                  remote: list[tuple[int, int, int]], remote_kind: str) -> object:
         try:
-            return self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(local, local_kind),
-                self._agent.get_xfer_descs(remote, remote_kind), agent)
+            return self.agent.initialize_xfer(
+                op, self.agent.get_xfer_descs(local, local_kind),
+                self.agent.get_xfer_descs(remote, remote_kind), agent)
         except Exception as error:
             raise _nixl_error(error, agent) from None
 
@@ -559,15 +478,15 @@ class NixlTransport:
                remotes: Iterable[Remote], keep: object) -> "NixlTransfer":
         groups: dict[tuple[str, str], tuple[list, list]] = {}
         pending = _Pending(keep=keep)
-        self._in_flight.add(pending)
+        self.in_flight.add(pending)
         try:
             for (addr, nbytes, device), remote in zip(local, remotes):
                 if nbytes == 0:
                     continue
-                found = self._find(addr, nbytes)
+                found = self.find_range(addr, nbytes)
                 if found is None:  # memory devipc does not hold registered: for this transfer
                     kind = memory_kind(device)
-                    found = self._register(addr, nbytes, kind, _dev_id(device, kind))
+                    found = self.register_range(addr, nbytes, kind, _dev_id(device, kind))
                     pending.temps.append(found)
                 pair = groups.setdefault((found.kind, remote.kind), ([], []))
                 pair[0].append((addr, nbytes, found.dev_id))
@@ -586,12 +505,12 @@ class NixlTransport:
     # -- requests in flight (under the lock) --
     def done_with(self, pending: _Pending) -> bool:
         """Whether NIXL is done with `pending`'s requests; if so, what they used is let go of."""
-        with self._lock:
-            if pending not in self._in_flight:
+        with self.lock:
+            if pending not in self.in_flight:
                 return True  # let go of already
-            if not pending.poll(self._agent):
+            if not pending.poll(self.agent):
                 return False
-            self._settle(pending)
+            self.settle(pending)
             return True
 
     def let_go(self, pending: _Pending) -> None:
@@ -599,8 +518,8 @@ class NixlTransport:
         if not self.done_with(pending):
             _abandon(self, pending)
 
-    def _settle(self, pending: _Pending) -> Exception | None:
-        self._in_flight.discard(pending)
+    def settle(self, pending: _Pending) -> Exception | None:
+        self.in_flight.discard(pending)
         return pending.release(self)
 
     def _drain(self) -> None:
@@ -608,35 +527,35 @@ class NixlTransport:
         go of them. One that outlives LIVENESS_TIMEOUT keeps its memory for the process's life
         rather than having it written into once reused."""
         backoff = Backoff(LIVENESS_TIMEOUT, first=0.0002, longest=0.01)
-        while self._in_flight:
-            for pending in [p for p in self._in_flight if p.poll(self._agent)]:
-                self._settle(pending)
-            if self._in_flight and backoff.expired():
+        while self.in_flight:
+            for pending in [p for p in self.in_flight if p.poll(self.agent)]:
+                self.settle(pending)
+            if self.in_flight and backoff.expired():
                 _log.warning("devipc.p2p: %d NIXL transfers did not end within %s s of their "
-                             "endpoint's close: their memory is kept", len(self._in_flight),
+                             "endpoint's close: their memory is kept", len(self.in_flight),
                              LIVENESS_TIMEOUT)
-                _stranded.extend(self._in_flight)
-                self._in_flight.clear()
-            elif self._in_flight:
+                _stranded.extend(self.in_flight)
+                self.in_flight.clear()
+            elif self.in_flight:
                 backoff.pause()
 
     def close(self) -> None:
         """Wait for the transfers in flight, deregister everything from the agent and let the
         agent go. Idempotent."""
         registry.remove_listener(self)
-        with self._lock:
+        with self.lock:
             if self._closed:
                 return
             self._closed = True
             self._drain()
             for agent in list(self._peers):
-                self._agent.remove_remote_agent(agent)
+                self.agent.remove_remote_agent(agent)
             for local in list(self._ranges):
-                self._deregister(local)
+                self.deregister_range(local)
             self._peers.clear()
             self._links.clear()
             self._regs.clear()
-            self._agent = None
+            self.agent = None
 
 
 class NixlLink:
@@ -706,18 +625,18 @@ class NixlPrepared:
         self._live: object | None = None  # the prepared read of the registrations' words
         self._ids: list[int] = []
         self._read: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
-        with transport._lock:
+        with transport.lock:
             nixl = transport.agent_or_raise()
             try:
-                transport._load(agent, remotes)
+                transport.load_remotes(agent, remotes)
                 groups: dict[tuple[str, str], tuple[list, list]] = {}
                 for (addr, nbytes, device), remote in zip(local, remotes):
                     if nbytes == 0:
                         continue
-                    found = transport._find(addr, nbytes)
+                    found = transport.find_range(addr, nbytes)
                     if found is None:  # memory devipc does not hold registered: while prepared
                         kind = memory_kind(device)
-                        found = transport._register(addr, nbytes, kind, _dev_id(device, kind))
+                        found = transport.register_range(addr, nbytes, kind, _dev_id(device, kind))
                         self._temps.append(found)
                     pair = groups.setdefault((found.kind, remote.kind), ([], []))
                     pair[0].append((addr, nbytes, found.dev_id))
@@ -729,7 +648,7 @@ class NixlPrepared:
                     raise ValueError(f"a prepared NIXL transfer reaches at most "
                                      f"{_SCRATCH_WORDS} registrations, not {len(words)}: "
                                      f"prepare it in parts")
-                scratch = transport._scratch_reg.base
+                scratch = transport.scratch_registration.base
                 self._ids = [reg_id for _, reg_id in words]
                 self._read = (ctypes.c_int64 * len(words)).from_address(scratch)  # lands there
                 self._live = self._prepped(
@@ -741,7 +660,7 @@ class NixlPrepared:
 
     def _prepped(self, op: str, mine: list, local_kind: str, theirs: list,
                  remote_kind: str) -> object:
-        nixl = self._transport._agent
+        nixl = self._transport.agent
         try:
             ours = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", mine, local_kind)
             self._dlists.append(ours)
@@ -755,7 +674,7 @@ class NixlPrepared:
     def post(self) -> Transfer:
         transport, agent = self._transport, self._agent
         _synchronize(self._devices)
-        with transport._lock:
+        with transport.lock:
             transport.agent_or_raise()
             if self._keep is None:
                 raise ValueError("this prepared transfer is closed: prepare it again")
@@ -764,7 +683,7 @@ class NixlPrepared:
                                  "flight: wait for it before posting again")
             if self._live is not None:
                 self._in_flight = live = _Pending()
-                transport._finish_now(live, self._live, agent)
+                transport.finish_now(live, self._live, agent)
                 words = self._read[:]
                 if words != self._ids:
                     ended = next(i for w, i in zip(words, self._ids) if w != i)
@@ -772,7 +691,7 @@ class NixlPrepared:
                         f"remote tensor {ended} of NIXL agent {agent!r} was freed or "
                         f"deregistered by its owner. Ask the owner for a new descriptor.")
             self._in_flight = posted = _Pending(keep=self._keep)  # kept, should it be closed
-            transport._in_flight.add(posted)
+            transport.in_flight.add(posted)
             try:
                 for handle in self.handles:
                     posted.post(transport, handle, agent)
@@ -784,8 +703,8 @@ class NixlPrepared:
         return Transfer(handle=transfer, keep=(self._keep,))
 
     def close(self) -> None:
-        with self._transport._lock:
-            self._release(self._transport._agent)
+        with self._transport.lock:
+            self._release(self._transport.agent)
 
     def _release(self, nixl: Any) -> None:
         """Let go of the prepared requests and lists, the registrations made for them and the
@@ -798,7 +717,7 @@ class NixlPrepared:
             gone.dlists += self._dlists
             gone.temps += self._temps
             gone.keep = self._keep
-            transport._in_flight.add(gone)
+            transport.in_flight.add(gone)
             transport.let_go(gone)
         self.handles, self._live, self._dlists, self._temps, self._keep = [], None, [], [], None
         self._in_flight = None
@@ -819,17 +738,17 @@ class NixlTransfer:
         """Under the transport's lock: whether all ended (what they used let go of then)."""
         if not self._finished:
             transport, pending, error = self._transport, self._pending, None
-            if pending in transport._in_flight:
-                if not pending.poll(transport._agent):
+            if pending in transport.in_flight:
+                if not pending.poll(transport.agent):
                     return False
-                error = transport._settle(pending)
+                error = transport.settle(pending)
             self._finished, self._error = True, pending.outcome(self._agent, error)
         if self._error is not None:
             raise self._error
         return True
 
     def done(self) -> bool:
-        with self._transport._lock:
+        with self._transport.lock:
             return self.check()
 
     def wait(self, timeout: float | None = None) -> None:
