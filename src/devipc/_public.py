@@ -12,6 +12,6 @@ def name_as_public(module: str, namespace: dict[str, object], names: Iterable[st
         defined_in = getattr(obj, "__module__", None)
         if isinstance(obj, ModuleType) or not isinstance(defined_in, str):
             continue
-        if defined_in.split(".")[0] == "devipc" and any(
-                part.startswith("_") for part in defined_in.split(".")[1:]):
+        package, *modules = defined_in.split(".")
+        if package == "devipc" and any(part.startswith("_") for part in modules):
             obj.__module__ = module
