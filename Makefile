@@ -20,6 +20,10 @@ SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard ope
 SOURCES += $(if $(DEFAULT_VENV),,$(wildcard openreg/src/*.py openreg/src/*/*.py))  # not editable there
 # `make test PYTEST_ARGS='-m "not slow"'`: what CI runs on the newest torch.
 PYTEST_ARGS ?=
+# The suite runs in TEST_JOBS pytest-xdist workers (`auto`: one per core, at most 4); most of a
+# test's time is spawned children importing torch, which two workers overlap on two cores.
+# TEST_JOBS=0 runs it in this process alone.
+TEST_JOBS ?= auto
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.devipc-installed
@@ -30,7 +34,7 @@ demo: $(STAMP)
 	$(PY) examples/ipc_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --maxprocesses 4 $(PYTEST_ARGS)
 
 # openreg's C++: the runtime, the glue and the runtime's native test.
 CXX_SOURCES := $(wildcard openreg/csrc/*/*.cpp openreg/csrc/*/*.h openreg/csrc/*/*/*.cpp tests/openreg/native/*.cpp)

@@ -170,14 +170,14 @@ def test_the_short_path_copies_into_whichever_local_tensor_it_is_given(owner, pe
     first, second = (torch.zeros(64, device=device) for _ in range(2))
     for _ in range(2):  # the first path (which waits once for the owner's event, if any)
         peer.read(first, whole)
-    (plan,) = peer._link._again_plans.values()  # then the short one is planned
+    (plan,) = peer._link._plans.values()  # then the short one is planned
     for value in (1.0, 2.0):  # the same tensor again, the remote changed in between
         peer.write(torch.full((64,), value, device=device), whole)
         peer.read(first, whole)
         assert first.cpu().tolist() == [value] * 64
-        assert plan[5][0] == first.data_ptr()  # its bytes were kept, then reused
+        assert plan.last[0] == first.data_ptr()  # its bytes were kept, then reused
     peer.read(second, whole)
-    assert second.cpu().tolist() == [2.0] * 64 and plan[5][0] == second.data_ptr()
+    assert second.cpu().tolist() == [2.0] * 64 and plan.last[0] == second.data_ptr()
     peer.write(torch.arange(64, dtype=torch.float32, device=device), whole)
     peer.read(first, whole)
     assert first.cpu().tolist() == list(range(64))

@@ -3,10 +3,10 @@ hooks and devipc's core. The owner's side (`_export`) hands out the export of a 
 storage; a peer (`_remote`) maps it once per registration and copies with the device's own copy
 path (one `copy_batch` call where the hooks have it), host memory by memmove.
 
-What does not change between calls is kept: a descriptor copied synchronously before keeps its
-registration and remote address (`again`), a vector batched before its remote rows (`_Vector`),
-a prepared transfer all of it (`IpcPrepared`); a call then checks the registrations' words and
-the local tensors only. One small copy of memory the CPU may address ("DRAM" hooks), when the
+What does not change between calls is kept: the link keeps the plan (`_Plan`) of a copy it made
+before, one small descriptor copied by the calling thread or a vector batched on the device, and
+a prepared transfer holds all of it (`IpcPrepared`); a call then checks the registrations' words
+and the local tensors only. One small copy of memory the CPU may address ("DRAM" hooks), when the
 current stream is idle, is made by the calling thread: handing it to the stream and waiting for
 it would cost more than the copy, and the order is the same.
 """
@@ -16,7 +16,8 @@ import functools
 import operator
 import threading
 from collections.abc import Callable, Iterable
-from typing import cast
+from dataclasses import dataclass
+from typing import NamedTuple, cast
 
 import torch
 
@@ -36,10 +37,10 @@ _BATCH_MIN = 2  # pairs from which a post hands the device one batch (hooks' cop
 _INLINE_PAIRS = 1  # pairs the calling thread may copy itself (vectors: one batch of the device)
 _INLINE_BYTES = 1 << 20  # ... and, for a prepared post (asynchronous), at most this many bytes
 _SWEEP_EVERY = 64  # such copies between two sweeps of the registrations the owner ended
-_PLANS_KEPT = 4096  # descriptors whose synchronous copies a link remembers
-_VECTORS_KEPT = 64  # vectors whose batches a link remembers
+_PAIRS_KEPT = 1 << 16  # pairs of the plans a link keeps (singles and vectors together)
 _SLICE = 256  # pairs: a vector posted again goes to the device in slices of this many
 _CPU = torch.device("cpu")
+_NO_BYTES = memoryview(b"")
 _contiguous, _address = torch.Tensor.is_contiguous, torch.Tensor.data_ptr
 _device_of = operator.attrgetter("device")
 
@@ -85,11 +86,10 @@ class IpcLink:
     def __init__(self, peer: Peer):
         self._peer = peer
         self._posts = 0  # copies made in the calling thread, which sweep only now and then
-        # id(descriptor) -> [descriptor, entry, remote bytes, device or None, stream index or
-        # None, (local address, bytes)]: `_remember` keeps them for `again`
-        self._again_plans: dict[int, list] = {}
-        self._vectors: dict[tuple[int, ...], _Vector] = {}  # by the descriptors' ids
-        self._last_vector: _Vector | None = None  # the last one posted: found by its list
+        # the plans of copies made before: one descriptor's by its id, a vector's by its ids
+        self._plans: dict[int | tuple[int, ...], _Plan] = {}
+        self._planned = 0  # pairs the plans hold, for _PAIRS_KEPT
+        self._last: _Plan | None = None  # the last vector's: found by its list
 
     def mapped(self) -> int:
         return self._peer.mapped()
@@ -101,96 +101,34 @@ class IpcLink:
         return IpcPrepared(self._peer, op, locals_, descs)
 
     def post(self, op: str, locals_: list, descs: list, wait: bool) -> Transfer:
-        peer = self._peer
-        peer.check_alive()
+        """The copies by the plan of an earlier post of these descriptors, where one is kept and
+        still holds; else by the full path, which keeps a plan for the next post."""
+        self._peer.check_alive()
         if len(descs) == 1:
             if wait and self.again(op, locals_[0], descs[0]):
                 return DONE
         elif descs:
-            vector = self._last_vector  # the connection hands a known vector's list again
-            if vector is None or vector.descs is not descs:
-                vector = self._vectors.get(tuple(map(id, descs)))
-                self._last_vector = vector
-            again = None if vector is None else vector.post(op, locals_, peer)
-            if again is not None:
+            plan = self._last  # a connection hands a known vector's list again
+            if plan is None or plan.descs is not descs:
+                plan = self._last = self._plans.get(tuple(map(id, descs)))
+            transfer = None if plan is None else plan.batch_again(op, locals_, self._peer)
+            if transfer is not None:
                 if wait:
-                    again.wait()
-                return again
-        peer.sweep()  # the registrations the owner ended: their mappings go
-        entries = peer.open_all(descs)  # pinned: no other thread unmaps them under the copies
-        try:
-            rows = _host_rows(op, locals_, entries, descs) \
-                if wait and len(descs) <= _INLINE_PAIRS else None
-            inline = rows is not None and _idle(rows[1])
-            if rows is not None and inline:
-                _move(rows[0])
-            else:
-                distinct = list({id(entry): entry for entry in entries}.values())  # few, many
-                devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
-                devices.update(local.device for local in locals_ if not local.is_cpu)
-                batch = _batch(op, locals_, entries, descs, devices)
-                pairs: list | tuple = batch if batch is not None else [
-                    _pair(op, local, entry, desc) for local, entry, desc in
-                    zip(locals_, entries, descs)]
-        except BaseException:
-            peer.unpin(entries)
-            raise
-        if inline:
-            peer.unpin(entries)
-            if len(descs) == 1:
-                self._remember(entries[0], descs[0])
-            return DONE
-        if not devices and not wait:
-            return self._on_host(pairs, entries, locals_)
-        try:
-            if devices:
-                _wait_for_owner(entries, descs, devices)
-            if batch is None:
-                _copy(pairs)
-            else:
-                copy_batch, index, table = batch
-                copy_batch(index, table)
-                if len(self._vectors) >= _VECTORS_KEPT:
-                    self._vectors.clear()
-                vector = self._last_vector = _Vector(op, descs, distinct, devices, table)
-                self._vectors[tuple(map(id, descs))] = vector
-            remote = [entry.data for entry in distinct]  # kept: their memory outlives the copies
-            transfer = Transfer(record_events(devices), keep=(pairs, remote, locals_))
-            if any(entry.device.type == "cpu" for entry in distinct):
-                transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
-        except BaseException:
-            if devices:  # copies queued before the error end before their pins go
-                Transfer(record_events(devices)).wait()
-            raise
-        finally:
-            peer.unpin(entries)
-        return transfer
-
-    def _remember(self, entry: RemoteEntry, desc: Descriptor) -> None:
-        """Keep what a synchronous copy of `desc` by the calling thread needs (`again`)."""
-        if desc.nbytes <= _INLINE_BYTES:
-            if len(self._again_plans) >= _PLANS_KEPT:
-                self._again_plans.clear()
-            device = None if entry.device.type == "cpu" else entry.device
-            index = None if device is None else _stream_index(device)
-            assert entry.address is not None  # `_host_rows` took it
-            remote = host_bytes(entry.address + desc.offset, desc.nbytes)
-            # the last item: (address, its bytes) of the last local tensor, swapped whole
-            self._again_plans[id(desc)] = [desc, entry, remote, device, index, (0, None)]
-        self._posts += 1
-        if not self._posts % _SWEEP_EVERY:  # now and then: `again` never sweeps
-            self._peer.sweep()
+                    transfer.wait()
+                return transfer
+        return self._post(op, locals_, descs, wait)
 
     def again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
-        """A synchronous copy of a descriptor (whole) copied before by the calling thread, made
-        again the same way, with what `_remember` kept: whether it was, else the caller's path
-        (`post`) says why not. The connection's shortcut for its `read` and `write`."""
-        plan = self._again_plans.get(id(desc))
-        if plan is None or plan[0] is not desc or not local.is_contiguous():
+        """A synchronous copy of one whole descriptor by the calling thread, by the plan of an
+        earlier one: whether it was made (not without a plan, if `local` is strided, on a device
+        the CPU may not address, a stream is busy or the registration ended), else the caller's
+        path (`post`) says why not. The connection's shortcut for its `read` and `write`."""
+        plan = self._plans.get(id(desc))  # (a descriptor's plan, not a vector's: `remote`)
+        if plan is None or not local.is_contiguous():
             return False
-        _, entry, remote, device, index, last = plan
+        device, index = plan.device, plan.stream
         if local.is_cpu:
-            if index is not None and not _current_stream(index).query():
+            if index >= 0 and not _current_stream(index).query():
                 return False
         else:
             here = local.device
@@ -201,15 +139,95 @@ class IpcLink:
                                                          else (here, device)):
                 return False
         address = local.data_ptr()
-        if address == last[0]:
-            mine = last[1]
-        else:
+        last_address, mine = plan.last
+        if address != last_address or mine is None:
             mine = host_bytes(address, desc.nbytes)
-            plan[5] = (address, mine)
+            plan.last = (address, mine)
         # False once the registration ended: the caller's path says why
         if op == READ:
-            return self._peer.copy_live(entry, mine, remote)
-        return self._peer.copy_live(entry, remote, mine)
+            return self._peer.copy_live(plan.entries[0], mine, plan.remote)
+        return self._peer.copy_live(plan.entries[0], plan.remote, mine)
+
+    def _post(self, op: str, locals_: list, descs: list, wait: bool) -> Transfer:
+        """The full path: every registration opened (or found) and pinned, every pair checked."""
+        peer = self._peer
+        peer.sweep()  # the registrations the owner ended: their mappings go
+        entries = peer.open_all(descs)  # pinned: no other thread unmaps them under the copies
+        try:
+            if wait and len(descs) <= _INLINE_PAIRS and self._copied_here(op, locals_, entries,
+                                                                          descs):
+                return DONE
+            distinct = list({id(entry): entry for entry in entries}.values())  # few, many
+            devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
+            devices.update(local.device for local in locals_ if not local.is_cpu)
+            batch = _batch(op, locals_, entries, descs, devices)
+            pairs: list = [] if batch is not None else [
+                _pair(op, local, entry, desc) for local, entry, desc in
+                zip(locals_, entries, descs)]
+            if not devices and not wait:  # the job off this thread unpins them
+                pinned, entries = entries, []
+                return self._on_host(pairs, pinned, locals_)
+            if devices:
+                _wait_for_owner(entries, descs, devices)
+            return self._queue(op, descs, distinct, devices, batch, pairs, locals_)
+        finally:
+            peer.unpin(entries)
+
+    def _copied_here(self, op: str, locals_: list, entries: list[RemoteEntry],
+                     descs: list) -> bool:
+        """Whether the calling thread copied these few pairs itself (host-addressable memory,
+        idle streams); it then keeps one descriptor's plan."""
+        rows = _host_rows(op, locals_, entries, descs)
+        if rows is None or not _idle(rows[1]):
+            return False
+        _move(rows[0])
+        if len(descs) == 1 and descs[0].nbytes <= _INLINE_BYTES:
+            entry, desc = entries[0], descs[0]
+            device = None if entry.device.type == "cpu" else entry.device
+            assert entry.address is not None  # `_host_rows` took it
+            stream = None if device is None else _stream_index(device)
+            self._keep(id(desc), _Plan(
+                descs=[desc], entries=[entry], device=device,
+                stream=-1 if stream is None else stream,
+                remote=host_bytes(entry.address + desc.offset, desc.nbytes)))
+        self._posts += 1
+        if not self._posts % _SWEEP_EVERY:  # now and then: plans never sweep
+            self._peer.sweep()
+        return True
+
+    def _queue(self, op: str, descs: list, distinct: list[RemoteEntry], devices: set,
+               batch: "_Batch | None", pairs: list, locals_: list) -> Transfer:
+        """The copies queued on the devices' current streams (or made here, host memory)."""
+        try:
+            if batch is None:
+                _copy(pairs)
+            else:
+                batch.copy_batch(batch.device_index, batch.table)
+                (device,) = devices
+                remote = 1 if op == READ else 0  # the table's column of the peer's addresses
+                self._last = self._keep(tuple(map(id, descs)), _Plan(
+                    descs=descs, entries=distinct, device=device,
+                    table=batch.table[:, [remote, 2]].t().contiguous(),
+                    cpu_remote=any(entry.device.type == "cpu" for entry in distinct)))
+            remote_data = [entry.data for entry in distinct]  # kept: they outlive the copies
+            transfer = Transfer(record_events(devices), keep=(pairs, batch, remote_data,
+                                                              locals_))
+            if any(entry.device.type == "cpu" for entry in distinct):
+                transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
+        except BaseException:
+            if devices:  # copies queued before the error end before their pins go
+                Transfer(record_events(devices)).wait()
+            raise
+        return transfer
+
+    def _keep(self, key: int | tuple[int, ...], plan: "_Plan") -> "_Plan":
+        """Keep `plan` for the next post of its descriptors (all dropped past _PAIRS_KEPT)."""
+        self._planned += len(plan.descs)
+        if self._planned > _PAIRS_KEPT:
+            self._plans.clear()
+            self._planned, self._last = len(plan.descs), None
+        self._plans[key] = plan
+        return plan
 
     def _on_host(self, pairs: Iterable[tuple], entries: list[RemoteEntry],
                  locals_: list[torch.Tensor]) -> Transfer:
@@ -231,34 +249,39 @@ class IpcLink:
             raise
 
 
-class _Vector:
-    """A vector of descriptors that went to the device as one batch, for the next post of the
-    same descriptors: their registrations and the remote side of the rows; only the local
-    tensors' addresses are read again. It holds the descriptors: their ids stay theirs."""
+@dataclass(slots=True, eq=False)
+class _Plan:
+    """A same-host copy of these descriptors as the full path first made it, kept by the link
+    for the next copy of the same descriptors: only the local tensors and the registrations'
+    words are read again. One of two kinds:
+    - one descriptor of at most _INLINE_BYTES that the calling thread copied itself (`remote`,
+      its bytes in the peer's memory), made again while the streams that order it are idle;
+    - a vector the device copied as one batch (`table`: each pair's remote address and bytes),
+      handed to the device again in slices."""
 
-    __slots__ = ("descs", "distinct", "device", "remote", "sizes", "cpu_remote")
+    descs: list[Descriptor]  # held: their ids, the plan's key, stay theirs
+    entries: list[RemoteEntry]  # the distinct registrations the copies reach
+    device: torch.device | None  # the device whose current stream orders the copies (or None)
+    stream: int = -1  # one descriptor: its index for the accelerator's current stream, or -1
+    remote: memoryview = _NO_BYTES  # one descriptor: the remote range's bytes
+    table: torch.Tensor | None = None  # a batch: the pairs' remote addresses, then their bytes
+    cpu_remote: bool = False  # a batch reaching the peer's CPU memory: finished before return
+    last: tuple[int, memoryview | None] = (0, None)  # the last local address, and its bytes
 
-    def __init__(self, op: str, descs: list, distinct: list[RemoteEntry], devices: set,
-                 table: torch.Tensor):
-        self.descs, self.distinct = descs, distinct
-        (self.device,) = devices
-        self.remote = table[:, 1 if op == READ else 0].clone()
-        self.sizes = table[:, 2].clone()
-        self.cpu_remote = any(entry.device.type == "cpu" for entry in distinct)
-
-    def post(self, op: str, locals_: list, peer: Peer) -> Transfer | None:
-        """The batch again with these local tensors; None where the first path must run (a
-        local tensor elsewhere or strided, a registration that ended, no `copy_batch`).
+    def batch_again(self, op: str, locals_: list, peer: Peer) -> Transfer | None:
+        """The batch again with these local tensors; None where the full path must run (a local
+        tensor elsewhere or strided, a registration that ended, no `copy_batch`).
 
         The device gets it in slices of _SLICE pairs: the first slices' copies run on its stream
         while this thread reads the next local tensors' addresses (two cores, not one after the
         other). Every local tensor is checked before any slice goes."""
-        device = self.device
+        device, kept = self.device, self.table
+        assert device is not None and kept is not None  # a batch's plan
         copy_batch = getattr(hooks_for(device), "copy_batch", None)
         if copy_batch is None or not all(map(_contiguous, locals_)) \
                 or not set(map(_device_of, locals_)) <= {device, _CPU}:
             return None  # (the checks are C loops: map, no Python per pair)
-        distinct = self.distinct
+        distinct = self.entries
         if not peer.pin_live(distinct):
             return None
         tables: list[torch.Tensor] = []  # the slices handed to the device
@@ -267,7 +290,7 @@ class _Vector:
                 end = start + _SLICE
                 mine = torch.frombuffer(array.array("q", map(_address, locals_[start:end])),
                                         dtype=torch.int64)
-                remote, sizes = self.remote[start:end], self.sizes[start:end]
+                remote, sizes = kept[0, start:end], kept[1, start:end]
                 table = torch.stack((mine, remote, sizes) if op == READ else (remote, mine, sizes),
                                     dim=1)
                 copy_batch(device.index, table)
@@ -347,8 +370,8 @@ class IpcPrepared:
         if self._batch is None:
             _copy(self._pairs)
         else:
-            copy_batch, index, table = self._batch
-            copy_batch(index, table)
+            batch = self._batch
+            batch.copy_batch(batch.device_index, batch.table)
         transfer = Transfer(record_events(devices), keep=self._keep)
         if self._cpu_remote:
             transfer.wait()  # `close` may unmap a CPU mapping: never under a device copy
@@ -429,8 +452,16 @@ def _wait_for_owner(entries: list[RemoteEntry], descs: list[Descriptor],
             entry.waited.add(desc.event)
 
 
-def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> tuple | None:
-    """(copy_batch, device index, table) doing all the copies as one operation of the device's
+class _Batch(NamedTuple):
+    """All the copies of a transfer as one operation of a device's current stream."""
+
+    copy_batch: Callable[[int, torch.Tensor], None]  # the device's hook
+    device_index: int  # the device's index
+    table: torch.Tensor  # (destination, source, bytes) per pair, int64
+
+
+def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> _Batch | None:
+    """The batch doing all the copies as one operation of the device's
     current stream, when its hooks have `copy_batch` and every pair is a contiguous range of one
     device's remote memory and a contiguous local tensor on that device or the CPU; else None
     (the per-pair path). Addresses come straight from the tensors: no views are made."""
@@ -455,7 +486,7 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
             add((local.data_ptr(), base + desc.offset, desc.nbytes))
         else:
             add((base + desc.offset, local.data_ptr(), desc.nbytes))
-    return copy_batch, device.index, torch.frombuffer(rows, dtype=torch.int64).view(-1, 3)
+    return _Batch(copy_batch, device.index, torch.frombuffer(rows, dtype=torch.int64).view(-1, 3))
 
 
 def _copy(pairs: Iterable[tuple]) -> None:

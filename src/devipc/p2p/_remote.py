@@ -43,8 +43,8 @@ class RemoteEntry:
     """One registration of the peer, opened here: `data` is all of its bytes (uint8); `host`
     their address when they are host memory this process mapped itself (CPU), else None."""
 
-    __slots__ = ("reg_id", "slot", "data", "device", "host", "address", "waited", "_mapping",
-                 "_pins", "_dropped")
+    __slots__ = ("reg_id", "slot", "data", "device", "host", "address", "waited", "dropped",
+                 "_mapping", "_pins")
 
     def __init__(self, desc: Descriptor, data: torch.Tensor, mapping: MappedFile | None = None):
         self.reg_id, self.slot, self.device = desc.reg_id, desc.slot, data.device
@@ -57,9 +57,10 @@ class RemoteEntry:
         self.waited: set[bytes] = set()  # events of advertisements already waited for
         self._mapping = mapping  # CPU: our mapping of the owner's shared file
         self._pins = 0  # transfers using the memory now: `pin`, `unpin`
-        self._dropped = False  # out of the peer's cache: unmapped once no transfer pins it
+        self.dropped = False  # out of the peer's cache (`drop`): unmapped once no transfer pins it
 
-    # Both run under the peer's lock, which also guards `_dropped`: a pin takes no lock of its own.
+    # All but `unmap` run under the peer's lock, which guards `_pins` and `dropped`: an entry
+    # takes no lock of its own.
     def pin(self) -> None:
         """One more transfer uses this entry's memory: it stays mapped until `unpin`."""
         self._pins += 1
@@ -72,7 +73,20 @@ class RemoteEntry:
             raise RuntimeError(f"devipc.p2p: registration {self.reg_id}'s entry was unpinned "
                                f"more often than pinned")
         self._pins -= 1
-        return self._dropped and not self._pins
+        return self.dropped and not self._pins
+
+    def drop(self) -> bool:
+        """Out of the peer's cache: no new transfer may pin it; whether it is to be unmapped now
+        (no transfer pins it), else the last `unpin` says so."""
+        self.dropped = True
+        return not self._pins
+
+    def unmap(self) -> None:
+        """Let go of the memory, once dropped and unpinned: a device storage's slot and mapping
+        devipc's core releases after the work queued on them; a CPU mapping at once."""
+        self.data = None
+        if self._mapping is not None:
+            self._mapping.close()
 
     @property
     def pins(self) -> int:
@@ -376,7 +390,7 @@ class Peer:
         False, nothing pinned, once one ended (the caller's full path then says why)."""
         with self._lock:
             words = self._words
-            if words is None or any(words[entry.slot] != entry.reg_id or entry._dropped
+            if words is None or any(words[entry.slot] != entry.reg_id or entry.dropped
                                     for entry in entries):
                 return False
             for entry in entries:
@@ -402,7 +416,7 @@ class Peer:
         unmaps it meanwhile. False, nothing copied, else."""
         with self._lock:
             words = self._words
-            if words is None or words[entry.slot] != entry.reg_id or entry._dropped \
+            if words is None or words[entry.slot] != entry.reg_id or entry.dropped \
                     or not self._owner_lives():
                 return False
             dst[:] = src
@@ -413,20 +427,13 @@ class Peer:
         with self._lock:
             closing = [entry for entry in entries if entry.unpin()]
         for entry in closing:
-            self._unmap(entry)
+            entry.unmap()
 
     def _drop(self, entry: RemoteEntry) -> None:
         with self._lock:
-            entry._dropped = True
-            busy = entry.pins > 0
-        if not busy:
-            self._unmap(entry)
-
-    @staticmethod
-    def _unmap(entry: RemoteEntry) -> None:
-        entry.data = None  # a device storage: devipc releases slot and mapping after queued work
-        if entry._mapping is not None:
-            entry._mapping.close()
+            idle = entry.drop()
+        if idle:
+            entry.unmap()
 
     def mapped(self) -> int:
         with self._lock:
