@@ -216,6 +216,57 @@ def test_copy_into_names_what_does_not_match():
     _drain()
 
 
+def test_an_asyncio_loop_awaits_generations_for_two_subscribers():
+    """An engine's own event loop serves two subscribers: each awaits every generation
+    (`wait_async`), reads it and acknowledges, while the trainer publishes from its thread."""
+    import asyncio
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    steps = 4
+    with devipc.WeightPublisher(model) as publisher:
+        subscribers = [devipc.WeightSubscriber(publisher.token()) for _ in range(2)]
+        sent: list = []
+
+        def trainer():
+            for step in range(steps):
+                _workers.train_step(model, float(step))
+                sent.append(_workers.snapshot(model))
+                publisher.publish(timeout=TIMEOUT)  # returns once both engines acknowledged
+
+        async def engine(subscriber):
+            seen = []
+            for _ in range(steps):
+                generation = await subscriber.wait_async(timeout=TIMEOUT)
+                seen.append((generation, {name: tensor.cpu().tolist()
+                                          for name, tensor in subscriber.tensors().items()}))
+                subscriber.ack()
+            return seen
+
+        async def engines():
+            return await asyncio.gather(*(engine(subscriber) for subscriber in subscribers))
+
+        thread = threading.Thread(target=trainer, daemon=True)
+        thread.start()
+        got = asyncio.run(engines())
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()
+        for seen in got:
+            assert [generation for generation, _ in seen] == list(range(steps))
+            for (_, tensors), want in zip(seen, sent):
+                assert tensors == want
+        with pytest.raises(TimeoutError, match="no new generation within 0.05 s"):
+            asyncio.run(subscribers[0].wait_async(timeout=0.05))
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            asyncio.run(subscribers[0].wait_async(timeout=0))
+        publisher.close()
+        with pytest.raises(devipc.PeerGoneError, match="closed"):
+            asyncio.run(subscribers[1].wait_async(timeout=TIMEOUT))
+        for subscriber in subscribers:
+            subscriber.close()
+    _drain()
+
+
 def test_an_old_token_opened_after_the_trainer_wrote_waits_for_the_next_generation(children):
     """copy=False: once publish() returned the trainer writes its weights; a token made before
     and opened after must not be handed the generation being overwritten."""

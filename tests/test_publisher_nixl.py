@@ -449,3 +449,23 @@ def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record(loopb
         assert len(record.table) == len(publisher._backend)
         with pytest.raises(devipc.InvalidHandleError, match="transport 'nixl', not 'ipc'"):
             token_reader(token, "ipc")
+
+
+def test_an_asyncio_loop_awaits_a_generation_across_hosts(loopback):
+    """`wait_async` over NIXL: each look is one read of the publisher's words, the pull runs
+    once the generation is there."""
+    import asyncio
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        with devipc.WeightSubscriber(publisher.token()) as subscriber:
+            with pytest.raises(TimeoutError, match="no new generation within 0.05 s"):
+                asyncio.run(subscriber.wait_async(timeout=0.05))
+            _workers.train_step(model, 3.0)
+            publisher.publish(wait=False)
+            assert asyncio.run(subscriber.wait_async(timeout=TIMEOUT)) == 0
+            assert {name: tensor.cpu().tolist() for name, tensor in
+                    subscriber.tensors().items()} == _workers.snapshot(model)
+            subscriber.ack()
+            publisher.wait_acks(0, timeout=TIMEOUT)

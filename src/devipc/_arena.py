@@ -563,6 +563,13 @@ class ArenaReader:
                                    f"{published})")
             _futex.wait(records.address(_PUBLISHED), published, min(left, _DEATH_CHECK * 5))
 
+    def ready(self) -> bool:
+        """Whether `wait()` would return (or raise) at once: a newer generation is published,
+        the arena was closed or its producer exited. Never blocks."""
+        records = self._records
+        return records.published() > self._read or records.closed() \
+            or not pid_alive(self._producer)
+
     @counted
     def views(self, generation: int, table: Table) -> dict[str, torch.Tensor]:
         """`table`'s tensors in the buffer of `generation`, read and not yet acknowledged."""

@@ -8,21 +8,25 @@ subscribe, each acknowledges what it used.
 
     sub = WeightSubscriber(token)              # in the engine
     sub.wait(); sub.copy_into(engine_model); sub.ack()
+    model.load_weights(sub.weights())          # or the engine's own loader (vLLM, SGLang)
 
 Both objects hold a backend: on one host an arena (`_publisher_local`), across hosts NIXL's
 one-sided transfers (`_publisher_remote`, `transport="nixl"`, imported only then); a subscriber
 takes the one its token names. What the two share lives below both, in `_weights`.
 """
-from collections.abc import Mapping
+import asyncio
+import time
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from ._publisher_local import LocalPublisher, LocalSubscriber
-from ._weights import copy_into, token_reader
+from ._weights import Names, copy_into, token_reader
 
 __all__ = ["WeightPublisher", "WeightSubscriber"]
 
 TRANSPORTS = ("ipc", "nixl")
+_FIRST_LOOK, _LONGEST_LOOK = 0.0001, 0.002  # seconds between a `wait_async`'s looks
 
 
 class WeightPublisher:
@@ -133,11 +137,37 @@ class WeightSubscriber:
         next `wait()`."""
         return self._backend.tensors()
 
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each tensor of the held generation, for an engine's own loader
+        (`model.load_weights(subscriber.weights())`, which may rename, fuse and shard as it
+        copies); the tensors are `tensors()`'s, valid as long."""
+        return iter(self._backend.tensors().items())
+
     def copy_into(self, module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
-                  ) -> None:
-        """Copy the held generation into the engine's own tensors of the same names (one device
-        operation where the hooks batch copies). Every name must match in dtype and shape."""
-        copy_into(self._backend.tensors(), module_or_state_dict)
+                  names: Names = None) -> None:
+        """Copy the held generation into the engine's own tensors, as `copy_` would: shapes
+        must match, a floating dtype converts to the engine's (fp32 to bf16, say), integer and
+        bool dtypes must match. `names` maps a published name to the engine's: a dict of renames
+        (names it leaves out keep theirs) or a callable; None for a tensor to leave out. Byte
+        copies go as one device operation where the hooks batch copies, and each pair of dtypes
+        converts in one."""
+        copy_into(self._backend.tensors(), module_or_state_dict, names)
+
+    async def wait_async(self, timeout: float | None = None) -> int:
+        """`wait()` for an asyncio loop (an engine's own): awaits the next generation without a
+        thread, looking every 0.1 ms growing to 2 ms. Across hosts the pull itself (one NIXL
+        read) runs in the loop's thread once the generation is there."""
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _FIRST_LOOK
+        while not self._backend.ready():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no new generation within {timeout} s (the newest held is "
+                                   f"{self.generation})")
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, _LONGEST_LOOK)
+        return self._backend.wait(timeout)
 
     def ack(self) -> None:
         """Done with the held generation (its device work included): the publisher may go on."""

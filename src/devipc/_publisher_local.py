@@ -147,6 +147,10 @@ class LocalSubscriber:
             self.generation = self._reader.wait(timeout)
             return self.generation
 
+    def ready(self) -> bool:
+        """Whether `wait()` would return or raise at once."""
+        return self._reader.ready()
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held generation's tensors by name: zero-copy views, valid until `ack()` (clone
         what must outlive it)."""

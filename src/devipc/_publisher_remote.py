@@ -446,6 +446,15 @@ class NixlSubscriber:
             backoff.pause()
 
     @counted
+    def ready(self) -> bool:
+        """Whether `wait()` would pull a generation (or raise) at once: one read of the
+        publisher's words."""
+        with self._turns:
+            published, filling, state = self._poll()
+        return state != ATTACHED or (published > self.generation
+                                     and filling < published + self._buffers)
+
+    @counted
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held generation's tensors by name, in this process's memory: valid until the next
         `wait()` overwrites them."""

@@ -2,7 +2,7 @@
 `_publisher_remote`): the weights as named tensors, packing a module, the copy=False check that
 they still lie where they were published, the token's first field that says which kind it is,
 and copying a generation into an engine's tensors."""
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -11,7 +11,7 @@ from ._copies import copy_pairs, copy_rows
 from ._errors import InvalidHandleError
 from ._table import Table
 
-__all__ = ["ACK_TIMEOUT", "TRANSPORTS", "InPlace", "copy_into", "fill", "named_weights",
+__all__ = ["ACK_TIMEOUT", "TRANSPORTS", "InPlace", "Names", "copy_into", "fill", "named_weights",
            "pack_module", "token_reader", "token_writer"]
 
 ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
@@ -123,23 +123,79 @@ def token_reader(token: bytes | bytearray | memoryview,
     return found, reader
 
 
+# How `copy_into` names a published tensor in the engine: a dict of renames (names it leaves
+# out keep theirs), or a callable; either gives None for a tensor the engine does not take.
+Names = Mapping[str, "str | None"] | Callable[[str], "str | None"] | None
+
+
+def _renamed(source: Mapping[str, torch.Tensor], names: Names) -> list[tuple[str, torch.Tensor]]:
+    """(the engine's name, published tensor) for each published tensor `names` keeps."""
+    if names is None:
+        return list(source.items())
+    if isinstance(names, Mapping):
+        rename: Callable[[str], str | None] = lambda name: names.get(name, name)  # noqa: E731
+    elif callable(names):
+        rename = names
+    else:
+        raise TypeError(f"names is a dict or a callable from a published name to the "
+                        f"engine's (None: skip it), not {type(names).__name__}")
+    kept = []
+    for name, tensor in source.items():
+        engine = rename(name)
+        if engine is not None:
+            if not isinstance(engine, str):
+                raise TypeError(f"names gave {engine!r} for {name!r}: an engine's name is a "
+                                f"str (or None to skip it)")
+            kept.append((engine, tensor))
+    return kept
+
+
 def copy_into(source: dict[str, torch.Tensor],
-              module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-    """Copy a held generation (`source`) into an engine's own tensors of the same names (one
-    device operation where the hooks batch copies). Every name must match in dtype and shape."""
-    targets = named_weights(module_or_state_dict)
-    missing = sorted(set(source) - {name for name, _ in targets})
+              module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+              names: Names = None) -> None:
+    """Copy a held generation (`source`) into an engine's own tensors, by name (`names` maps
+    them), as torch's `copy_` would: shapes must match; a floating dtype converts to another
+    (an fp32 trainer, a bf16 engine), integer and bool dtypes must match. Byte copies of one
+    device go as one batch where the hooks batch copies, and each pair of dtypes converts in
+    one device operation (`torch.cat` into a scratch buffer of the engine's dtype)."""
+    targets = dict(named_weights(module_or_state_dict))
+    published = _renamed(source, names)
+    missing = sorted({engine for engine, _ in published} - targets.keys())
     if missing:
         raise KeyError(f"the engine has no tensors named {missing[:5]}"
-                       f"{' ...' if len(missing) > 5 else ''}")
-    pairs = []
-    for name, target in targets:
-        if name not in source:
-            continue
-        weights = source[name]
-        if target.dtype != weights.dtype or target.shape != weights.shape:
-            raise ValueError(f"{name!r}: the engine's tensor is {target.dtype} "
+                       f"{' ...' if len(missing) > 5 else ''} (copy_into(..., names=...) maps "
+                       f"a published name to the engine's, or to None to leave it out)")
+    same: list[tuple[torch.Tensor, torch.Tensor]] = []
+    converting: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for engine, weights in published:
+        target = targets[engine]
+        if target.shape != weights.shape or (target.dtype != weights.dtype and not (
+                target.dtype.is_floating_point and weights.dtype.is_floating_point)):
+            raise ValueError(f"{engine!r}: the engine's tensor is {target.dtype} "
                              f"{tuple(target.shape)}, the published one {weights.dtype} "
-                             f"{tuple(weights.shape)}")
-        pairs.append((target, weights))
-    copy_pairs(pairs)
+                             f"{tuple(weights.shape)} (shapes must match; only floating "
+                             f"dtypes convert)")
+        (same if target.dtype == weights.dtype else converting).append((target, weights))
+    copy_pairs(same + _converted(converting))
+
+
+def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(target, source in the target's dtype) for each pair: the sources of one device and one
+    pair of dtypes gathered and converted by one `torch.cat` into a scratch buffer."""
+    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for target, source in pairs:
+        groups.setdefault((source.device, source.dtype, target.dtype), []).append(
+            (target, source))
+    out = []
+    for (device, _, dtype), group in groups.items():
+        scratch = torch.empty(sum(source.numel() for _, source in group), dtype=dtype,
+                              device=device)
+        with torch.no_grad():
+            torch.cat([source.reshape(-1) for _, source in group], out=scratch)
+        start = 0
+        for target, source in group:
+            end = start + source.numel()
+            out.append((target, scratch[start:end].view(source.shape)))
+            start = end
+    return out
