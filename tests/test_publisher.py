@@ -3,6 +3,7 @@ generations, copy and in-place modes, late and dead subscribers, a killed publis
 and nothing left behind; in both openreg IPC modes."""
 import contextlib
 import os
+import re
 import signal
 import threading
 
@@ -14,6 +15,17 @@ from _support import TIMEOUT, open_fds, recv, use_ucx_loopback, wait_until
 import devipc
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
+
+
+# What a weight-sync user never meets in an error: the machinery beneath the publisher.
+_MACHINERY = re.compile(r"arena|attachment|slot|ACKS|consumer|chunk|record|devipc handle",
+                        re.IGNORECASE)
+
+
+def _in_user_words(error):
+    message = str(error)
+    assert not _MACHINERY.search(message), f"{type(error).__name__}: {message}"
+    return message
 
 
 def _drain():
@@ -142,8 +154,9 @@ def test_a_dead_subscriber_is_named_once_and_never_waited_for_again(children):
         assert recv(live)[0] == 0
         os.kill(hanging.pid, signal.SIGKILL)
         hanging.join(TIMEOUT)
-        with pytest.raises(devipc.ConsumerDiedError, match=f"pid {hanging.pid}"):
+        with pytest.raises(devipc.ConsumerDiedError, match=f"pid {hanging.pid}") as died:
             publisher.wait_acks(0, timeout=TIMEOUT)
+        assert "subscriber" in _in_user_words(died.value)
         assert publisher.publish(timeout=TIMEOUT) == 1  # without it, no hang
         assert recv(live)[0] == 1
         assert recv(live) == "closed"
@@ -160,8 +173,9 @@ def test_a_killed_publisher_ends_the_subscribers_wait(children):
     subscriber.ack()
     os.kill(publisher.pid, signal.SIGKILL)
     publisher.join(TIMEOUT)
-    with pytest.raises(devipc.PeerGoneError, match=f"pid {publisher.pid}"):
+    with pytest.raises(devipc.PeerGoneError, match=f"pid {publisher.pid}") as gone:
         subscriber.wait(timeout=TIMEOUT)
+    assert "WeightPublisher" in _in_user_words(gone.value)
     subscriber.close()
 
 
@@ -213,6 +227,62 @@ def test_copy_into_names_what_does_not_match():
         assert torch.equal(engine.block.weight.cpu(), model.block.weight.cpu())
         subscriber.ack()
         subscriber.close()
+    _drain()
+
+
+def test_every_error_a_weight_sync_user_meets_speaks_of_publishers_and_subscribers():
+    """Issue 31: tokens, subscribers, publishers and generations, never the arena beneath."""
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    publisher = devipc.WeightPublisher(model)
+    token = publisher.token()
+    errors = []  # their messages: an exception kept would keep its frames' objects alive
+
+    def caught(kind, call, *args, **kwargs):
+        with pytest.raises(kind) as raised:
+            call(*args, **kwargs)
+        errors.append(_in_user_words(raised.value))
+
+    for bad in (token[:10], token[:40], token[:-3], b"xx" + token[2:], token + b"x", "text"):
+        caught(devipc.InvalidHandleError, devipc.WeightSubscriber, bad)
+    opened = []
+    for at in range(20, len(token), 37):  # damaged fields, wherever they fall
+        damaged = token[:at] + bytes([token[at] ^ 0xFF]) + token[at + 1:]
+        try:
+            devipc.WeightSubscriber(damaged).close()  # a byte free to differ
+            opened.append(at)
+        except devipc.DevIpcError as error:  # InvalidHandleError, or PeerGoneError: its pid
+            errors.append(_in_user_words(error))
+    torch.accelerator.synchronize()
+    devipc.ipc_collect()
+    assert devipc.stats()["sent"] == (0 if opened else 1), (opened, devipc.stats())
+    token = publisher.token()  # (a damaged one that opened spent the first)
+    subscriber = devipc.WeightSubscriber(token)
+    caught(devipc.InvalidHandleError, devipc.WeightSubscriber, token)
+    caught(ValueError, subscriber.tensors)
+    caught(ValueError, subscriber.ack)
+    caught(TimeoutError, subscriber.wait, timeout=0.05)
+    caught(TimeoutError, publisher.wait_subscribers, 2, timeout=0.05)
+    publisher.publish(wait=False)
+    caught(devipc.AckTimeoutError, publisher.wait_acks, 0, timeout=0.05)
+    subscriber.wait(timeout=TIMEOUT)
+    engine = _workers.TinyGPT().state_dict()
+    caught(ValueError, subscriber.copy_into, {**engine, "mask": torch.zeros(3, device="openreg")})
+    caught(KeyError, subscriber.copy_into, engine, names={"mask": "causal_mask"})
+    subscriber.ack()
+    tokens = []
+    with pytest.raises(ValueError) as full:
+        for _ in range(70):
+            tokens.append(publisher.token())
+    errors.append(_in_user_words(full.value))
+    publisher.close()
+    caught(devipc.PeerGoneError, subscriber.wait, timeout=TIMEOUT)
+    caught(ValueError, publisher.publish)
+    subscriber.close()
+    caught(ValueError, subscriber.wait, timeout=TIMEOUT)
+    caught(devipc.InvalidHandleError, devipc.WeightSubscriber, tokens[0])  # revoked
+    assert len(errors) >= 18, errors
+    del full
     _drain()
 
 

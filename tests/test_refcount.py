@@ -3,7 +3,7 @@ import _workers
 import pytest
 from _support import TIMEOUT
 
-from devipc import InvalidHandleError
+from devipc import InvalidHandleError, SpentHandleError
 from devipc._refcount import (
     HELD,
     RELEASED,
@@ -14,7 +14,6 @@ from devipc._refcount import (
     ConsumerCounters,
     CounterFile,
     ProducerCounters,
-    SlotError,
     check_index,
     check_slot,
 )
@@ -53,13 +52,13 @@ def test_each_send_opens_once():
     pool, counters = ProducerCounters(), ConsumerCounters()
     file, index = pool.allocate(export=1)
     counters.hold(file.handle, index, lambda: None)  # the producer's own file, its own open
-    with pytest.raises(SlotError, match="already opened"):
+    with pytest.raises(SpentHandleError, match="already opened"):
         counters.hold(file.handle, index, lambda: None)
     counters.release_unopened(file.handle, index)  # the very send held here: nothing to give
     assert file.counter.state(index) == HELD
     counters.release(file.handle, index)
     assert file.counter.state(index) == RELEASED
-    with pytest.raises(SlotError, match="already opened and released"):
+    with pytest.raises(SpentHandleError, match="already opened and released"):
         counters.hold(file.handle, index, lambda: None)
 
 
@@ -84,7 +83,7 @@ def test_revoked_sends_cannot_be_opened():
     pool, counters = ProducerCounters(), ConsumerCounters()
     file, index = pool.allocate(export=1)
     assert file.counter.revoke(index) and file.counter.state(index) == REVOKED
-    with pytest.raises(SlotError, match="revoked"):
+    with pytest.raises(SpentHandleError, match="revoked"):
         counters.hold(file.handle, index, lambda: None)
 
 

@@ -26,6 +26,7 @@ from ._errors import (
     InvalidHandleError,
     PeerGoneError,
     ReshareError,
+    SpentHandleError,
     UnsupportedDeviceError,
     UnsupportedTensorError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "InvalidHandleError",
     "PeerGoneError",
     "ReshareError",
+    "SpentHandleError",
     "UnsupportedDeviceError",
     "UnsupportedTensorError",
     "WeightPublisher",

@@ -40,12 +40,14 @@ from ._errors import ConsumerDiedError, InvalidHandleError, PeerGoneError
 from ._hooks import hooks_for
 from ._memfd import MappedFile, SharedFile, WordTable, handle_pid, open_shared_file, pid_alive
 from ._readers import (
+    ARENA_WORDS,
     ATTACHED,
     CLOSED,
     FREE,
     GONE,
     MAX_READERS,
     PENDING,
+    Words,
     acks_timeout,
     attach_timeout,
     label,
@@ -216,11 +218,12 @@ class Arena:
     take their turns; `close()` from another thread ends their waits with ValueError."""
 
     def __init__(self, nbytes: int, device: torch.device | str | int, buffers: int = 2, *,
-                 storage: torch.UntypedStorage | None = None, what: str = "arena"):
+                 storage: torch.UntypedStorage | None = None, words: Words = ARENA_WORDS):
         """With `storage`, the arena is that memory as it is (one buffer of exactly its bytes):
-        what its consumers see is what its owner writes, e.g. packed weights. `what` names the
-        object in errors (a WeightPublisher's arena is its publisher)."""
-        self._calls = Calls(what)
+        what its consumers see is what its owner writes, e.g. packed weights. `words` are what
+        errors call it and its parts (a WeightPublisher's arena speaks of its publisher)."""
+        self._words = words
+        self._calls = Calls(words.producer)
         self._turns = threading.Lock()  # one put, publish or attach at a time
         self.buffers = _positive(buffers, "buffers")
         if buffers > MAX_BUFFERS:
@@ -296,8 +299,10 @@ class Arena:
                     return index
             finally:
                 _locks.unlock(self._control.fd, start, length)
-        raise ValueError(f"an arena has at most {MAX_READERS} consumers attached at a time: "
-                         f"close a reader (or revoke an attachment nobody will open) first")
+        words = self._words
+        raise ValueError(f"at most {MAX_READERS} {words.readers} attached at a time to one "
+                         f"{words.producer}: close one first (every {words.token} handed out "
+                         f"and never opened holds its place until it expires)")
 
     def put(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
             timeout: float = 60.0) -> bytes:
@@ -368,12 +373,13 @@ class Arena:
                        and self._records.ack(i) < generation]
             dead = [(i, self._records.pid(i)) for i in waiting if self._died(i)]
             if dead:
-                raise ConsumerDiedError(dead, generation)
+                raise ConsumerDiedError(dead, generation, self._words.consumer,
+                                        self._words.producer)
             if not waiting:
                 return
             left = _DEATH_CHECK if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                raise acks_timeout(timeout, generation, "consumers", (
+                raise acks_timeout(timeout, generation, self._words.readers, (
                     f"{i} (pid {self._records.pid(i)}, {label(self._records.state(i))},"
                     f" acknowledged {self._records.ack(i)})" for i in waiting))
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
@@ -392,7 +398,7 @@ class Arena:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise attach_timeout(attached, count, timeout, "consumers")
+                raise attach_timeout(attached, count, timeout, self._words.readers)
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
     def _died(self, index: int) -> bool:
@@ -480,19 +486,21 @@ class Attachment(NamedTuple):
                 .int(self.serial).done())
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Attachment":
-        reader = _wire.Reader(data, (_wire.ARENA,))
-        token = reader.bytes("arena token", 64)
-        send = _handles.Handle.from_bytes(reader.bytes("arena handle"))
+    def from_bytes(cls, data: bytes | bytearray | memoryview,
+                   name: str = "arena attachment") -> "Attachment":
+        """`name`: what errors call it (the token of a weight publisher it is part of)."""
+        reader = _wire.Reader(data, (_wire.ARENA,), name)
+        token = reader.bytes("identity", 64)
+        send = _handles.Handle.from_bytes(reader.bytes("memory handle"), name)
         control = reader.bytes("control file handle", 1024)
-        record = reader.int("consumer index", 0, MAX_READERS - 1)
+        record = reader.int("reader index", 0, MAX_READERS - 1)
         nbytes = reader.int("buffer size", 1)
         buffers = reader.int("buffer count", 1, MAX_BUFFERS)
-        serial = reader.int("attachment serial")
+        serial = reader.int("serial")
         reader.end()
         if send.kind != "bucket" or send.nbytes != nbytes * buffers:
-            raise InvalidHandleError(f"the arena's allocation has {send.nbytes} bytes, not "
-                                     f"{buffers} x {nbytes}")
+            raise InvalidHandleError(f"this {name} is damaged: its memory has {send.nbytes} "
+                                     f"bytes, not {buffers} x {nbytes}")
         return cls(token, send, control, record, nbytes, buffers, serial)
 
 
@@ -501,25 +509,28 @@ class ArenaReader:
     another thread ends a `wait` under way there with ValueError."""
 
     def __init__(self, data: bytes | bytearray | memoryview | Attachment,
-                 device: torch.device | str | int | None = None, *, what: str = "arena reader"):
-        """`data`: `Arena.attach()`'s bytes, or their `Attachment`. `what` names the object in
-        errors."""
+                 device: torch.device | str | int | None = None, *,
+                 words: Words = ARENA_WORDS):
+        """`data`: `Arena.attach()`'s bytes, or their `Attachment`. `words` are what errors
+        call it and its parts."""
         attachment = data if isinstance(data, Attachment) else Attachment.from_bytes(data)
-        self._calls = Calls(what)
+        self._words = words
+        self._calls = Calls(words.reader)
         self._token, self._index = attachment.token, attachment.record
         self.nbytes, self.buffers = attachment.nbytes, attachment.buffers
-        self._mapping = open_shared_file(attachment.control, _MAGIC)
+        self._mapping = open_shared_file(attachment.control, _MAGIC, words.token)
         self._producer = handle_pid(attachment.control)  # a valid handle: it opened
         try:
             if self._mapping.size != _CONTROL_BYTES:
-                raise InvalidHandleError(f"an arena control file has {_CONTROL_BYTES} bytes, "
-                                         f"this one {self._mapping.size}")
+                raise InvalidHandleError(f"this {words.token} is damaged: its control file has "
+                                         f"{self._mapping.size} bytes, not {_CONTROL_BYTES}")
             self._records = _Records(self._mapping)
             if not _locks.try_lock(self._mapping.fd, *self._records.lock_range(self._index)) \
                     or self._records.state(self._index) != PENDING \
                     or self._records.serial(self._index) != attachment.serial:
-                raise InvalidHandleError("this arena attachment was already opened (attach once "
-                                         "per consumer), revoked, or the arena is closed")
+                raise InvalidHandleError(f"this {words.token} was already opened "
+                                         f"({words.one_each}), revoked, or the "
+                                         f"{words.producer} is closed")
             self._storage: torch.UntypedStorage | None = _handles.open_storage(attachment.send,
                                                                                device)
         except BaseException:
@@ -553,10 +564,11 @@ class ArenaReader:
                 self._read = published
                 return published
             if records.closed():
-                raise PeerGoneError("the arena's producer closed it: nothing more will be "
-                                    "published")
+                raise PeerGoneError(f"the {self._words.producer} was closed: nothing more "
+                                    f"will be published")
             if not pid_alive(self._producer):
-                raise PeerGoneError(f"the arena's producer (pid {self._producer}) exited")
+                raise PeerGoneError(f"the {self._words.producer}'s process (pid "
+                                    f"{self._producer}) exited")
             left = _DEATH_CHECK * 5 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no new generation within {timeout} s (the newest is "

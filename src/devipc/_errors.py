@@ -24,6 +24,11 @@ class PeerGoneError(DevIpcError):
     publisher closed or exited, a p2p owner exited (the connection is then closed)."""
 
 
+class SpentHandleError(InvalidHandleError):
+    """A handle whose one open is spent: it was opened already (each send opens in one process,
+    once), opened and released, or revoked by its sender. Send it again for another process."""
+
+
 class ReshareError(DevIpcError):
     """Memory received from another process cannot be sent on this way: a view inside a
     received storage that is not the received tensor itself, or a received storage advertised
@@ -31,14 +36,18 @@ class ReshareError(DevIpcError):
 
 
 class ConsumerDiedError(PeerGoneError):
-    """A consumer of an arena died without acknowledging: the producer's wait ended, and that
-    consumer no longer counts. `consumers` lists (index, pid) of the dead ones."""
+    """A consumer (an arena's, a weight publisher's subscriber) died without acknowledging: the
+    producer's wait ended, and that consumer no longer counts. `consumers` lists (index, pid) of
+    the dead ones."""
 
-    def __init__(self, consumers: list[tuple[int, int]], generation: int):
+    def __init__(self, consumers: list[tuple[int, int]], generation: int,
+                 consumer: str = "arena consumer", producer: str = "arena"):
+        """`consumer` and `producer`: what the message calls them (a weight publisher's
+        subscriber)."""
         self.consumers, self.generation = consumers, generation
         names = ", ".join(f"{index} (pid {pid})" for index, pid in consumers)
-        super().__init__(f"arena consumer {names} died before acknowledging generation "
-                         f"{generation}; the arena no longer waits for it")
+        super().__init__(f"{consumer} {names} died before acknowledging generation "
+                         f"{generation}; the {producer} no longer waits for it")
 
 
 class AckTimeoutError(DevIpcError, TimeoutError):

@@ -63,13 +63,16 @@ class Handle:
         return writer.done()
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Handle":
-        """Any handle's bytes, validated; anything else raises InvalidHandleError."""
-        return _wire.decode(cls._decode, data, "devipc handle")
+    def from_bytes(cls, data: bytes | bytearray | memoryview,
+                   name: str = "devipc handle") -> "Handle":
+        """Any handle's bytes, validated; anything else raises InvalidHandleError. `name`: what
+        errors call it (what the user holds: a WeightPublisher token)."""
+        return _wire.decode(lambda data: cls._decode(data, name), data, name)
 
     @classmethod
-    def _decode(cls, data: bytes | bytearray | memoryview) -> "Handle":
-        reader = _wire.Reader(data, (_wire.TENSOR, _wire.BUCKET))
+    def _decode(cls, data: bytes | bytearray | memoryview,
+                name: str = "devipc handle") -> "Handle":
+        reader = _wire.Reader(data, (_wire.TENSOR, _wire.BUCKET), name)
         device = reader.device()
         identity = reader.bytes("device identity", 256)
         mem = reader.bytes("memory handle")

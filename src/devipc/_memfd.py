@@ -101,53 +101,54 @@ class SharedFile:
         return f"<SharedFile {self.size} bytes {state}>"
 
 
-def open_shared_file(handle: bytes, magic: bytes) -> MappedFile:
+def open_shared_file(handle: bytes, magic: bytes, what: str | None = None) -> MappedFile:
     """Map the file a peer's handle names, by the open procedure of docs/ipc-handles.md, and keep
     this open of it (`MappedFile.fd`) for byte-range locks.
 
     InvalidHandleError saying so if the producer is on another host or in another PID namespace;
     PeerGoneError if the producer has exited (a zombie too: its fds are closed already),
     InvalidHandleError for a malformed, forged or stale handle and for a denied open, OSError when
-    this process is out of fds or memory.
+    this process is out of fds or memory. `what` is what errors call the handle (the object a
+    user holds: "WeightPublisher token"), else "devipc <magic> handle".
     """
-    kind = magic.decode()
+    what = what or f"devipc {magic.decode()} handle"
     if not isinstance(handle, bytes) or len(handle) != HANDLE_SIZE:
-        raise InvalidHandleError(f"a devipc {kind} handle has {HANDLE_SIZE} bytes, "
+        raise InvalidHandleError(f"a {what} has {HANDLE_SIZE} bytes, "
                                  f"got {len(handle) if isinstance(handle, bytes) else handle!r}")
     got_magic, version, pid, fd, size, token = struct.unpack(_FORMAT, handle)
     if got_magic != magic or version != VERSION or pid <= 0 or fd < 0 or size <= 0:
-        raise InvalidHandleError(f"not a devipc {kind} handle (magic {got_magic!r}, "
+        raise InvalidHandleError(f"not a {what} (magic {got_magic!r}, "
                                  f"version {version})")
-    check_reach(token[:8], pid, kind)
+    check_reach(token[:8], pid, what)
     if not pid_alive(pid):
-        raise _peer_gone(pid, kind)
+        raise _peer_gone(pid, what)
     path = f"/proc/{pid}/fd/{fd}"
     try:
         peer_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as error:
         if not pid_alive(pid):
-            raise _peer_gone(pid, kind) from None
+            raise _peer_gone(pid, what) from None
         if error.errno in (errno.EACCES, errno.EPERM):
             raise InvalidHandleError(
-                f"permission denied opening {path} for a {kind} handle: the consumer must run as "
+                f"permission denied opening {path} for a {what}: the consumer must run as "
                 f"the same user as process {pid}, in the same PID namespace, and process {pid} "
                 f"must be dumpable (one that dropped privileges or called "
                 f"prctl(PR_SET_DUMPABLE, 0) cannot be opened even by its own user)") from None
         if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
             raise
         if error.errno == errno.ENOENT:
-            raise InvalidHandleError(f"fd {fd} is no longer open in process {pid}: the {kind} "
-                                     f"file was released there or the handle is stale") from None
-        raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened as a {kind} file "
-                                 f"({error.strerror}): the handle is forged or stale") from None
+            raise InvalidHandleError(f"fd {fd} is no longer open in process {pid}: the file of "
+                                     f"this {what} was released there or it is stale") from None
+        raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened as the file of a "
+                                 f"{what} ({error.strerror}): it is forged or stale") from None
     try:
         # What was opened, not the path again: the producer may reuse fd numbers. The exact name:
         # a regular file that merely carries the token in its name is not our memfd.
         name = os.readlink(f"/proc/self/fd/{peer_fd}")
         if name != f"/memfd:{_memfd_name(magic, token)} (deleted)" \
                 or os.fstat(peer_fd).st_size != size:
-            raise InvalidHandleError(f"{path} is not the file this {kind} handle names "
-                                     f"(the handle is stale or forged)")
+            raise InvalidHandleError(f"{path} is not the file this {what} names "
+                                     f"(it is stale or forged)")
         return MappedFile(peer_fd, size, keep_fd=True)
     except BaseException:
         os.close(peer_fd)
@@ -177,7 +178,7 @@ def reach_tag() -> bytes:
         hashlib.blake2b(namespace, digest_size=4).digest()
 
 
-def check_reach(tag: bytes, pid: int, kind: str) -> None:
+def check_reach(tag: bytes, pid: int, what: str) -> None:
     """InvalidHandleError naming the fixes when the handle's maker is on another host or in
     another PID namespace: its /proc/<pid>/fd cannot be reached from here."""
     mine = reach_tag()
@@ -191,7 +192,7 @@ def check_reach(tag: bytes, pid: int, kind: str) -> None:
         fix = ("run both processes in one PID namespace (`docker run --pid=host` or "
                "`--pid=container:<producer>`; Kubernetes: both containers in one pod with "
                "`shareProcessNamespace: true`), or use devipc.p2p's Endpoint(transport='nixl')")
-    raise InvalidHandleError(f"this {kind} handle was made by process {pid} {where}: its memory "
+    raise InvalidHandleError(f"this {what} was made by process {pid} {where}: its memory "
                              f"cannot be opened from here through /proc/{pid}/fd. To share, {fix}")
 
 
@@ -243,9 +244,9 @@ def _memfd_name(magic: bytes, token: bytes) -> str:
     return f"devipc-{magic.decode()}-{token.hex()}"
 
 
-def _peer_gone(pid: int, kind: str) -> PeerGoneError:
-    return PeerGoneError(f"process {pid} that exported this {kind} handle has exited; keep the "
-                         f"producer alive until consumers have opened what it sent")
+def _peer_gone(pid: int, what: str) -> PeerGoneError:
+    return PeerGoneError(f"process {pid} that made this {what} has exited; a process must "
+                         f"stay alive until what it sends is opened")
 
 
 def pid_exists(pid: int) -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from . import _handles
 from ._arena import Arena, ArenaReader, Attachment
+from ._readers import PUBLISHER_WORDS
 from ._table import Table
 from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
 
@@ -45,7 +46,8 @@ class LocalToken(NamedTuple):
     @classmethod
     def from_bytes(cls, token: bytes | bytearray | memoryview) -> "LocalToken":
         _, reader = token_reader(token, "ipc")
-        attachment = Attachment.from_bytes(reader.bytes("weights attachment", _ATTACHMENT_BYTES))
+        attachment = Attachment.from_bytes(reader.bytes("subscriber's part", _ATTACHMENT_BYTES),
+                                           reader.name)
         table = Table.read(reader, attachment.nbytes)  # rows inside a buffer
         reader.end()
         return cls(attachment, table)
@@ -67,12 +69,12 @@ class LocalPublisher:
         if self.copy:
             self._table, end = Table.packed(items)
             self._arena = Arena(max(end, 1), items[0][1].device, buffers=2,
-                                what="WeightPublisher")
+                                words=PUBLISHER_WORDS)
         else:
             storage, self._table = _handles.in_place(items)
             self._in_place = InPlace(model_or_state_dict, items, storage)
             self._arena = Arena(storage.nbytes(), storage.device, buffers=1, storage=storage,
-                                what="WeightPublisher")
+                                words=PUBLISHER_WORDS)
         self.device = self._arena.device
         self.generation = -1
 
@@ -131,7 +133,7 @@ class LocalSubscriber:
                  device: torch.device | str | int | None = None):
         # everything checked before the token's one open is spent
         attachment, self._table = LocalToken.from_bytes(token)
-        self._reader = ArenaReader(attachment, device, what="WeightSubscriber")
+        self._reader = ArenaReader(attachment, device, words=PUBLISHER_WORDS)
         self._turns = threading.Lock()
         self.device = self._reader.device
         self.generation = -1

@@ -54,6 +54,7 @@ from ._readers import (
     GONE,
     MAX_READERS,
     PENDING,
+    PUBLISHER_WORDS,
     acks_timeout,
     attach_timeout,
     label,
@@ -252,7 +253,8 @@ class NixlPublisher:
             if dead:
                 for i, _ in dead:
                     self._words[_word(i, _STATE)] = GONE
-                raise ConsumerDiedError(dead, generation)
+                raise ConsumerDiedError(dead, generation, PUBLISHER_WORDS.consumer,
+                                        PUBLISHER_WORDS.producer)
             if not waiting:
                 return
             if backoff.expired():

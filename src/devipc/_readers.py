@@ -4,11 +4,12 @@ words of a wait that ran out. Both the arena and the NIXL publisher write these 
 words, so a number read there may be anything: `label` names the ones it knows."""
 import enum
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from ._errors import AckTimeoutError
 
-__all__ = ["ATTACHED", "CLOSED", "FREE", "GONE", "MAX_READERS", "PENDING", "ReaderState",
-           "acks_timeout", "attach_timeout", "label"]
+__all__ = ["ARENA_WORDS", "ATTACHED", "CLOSED", "FREE", "GONE", "MAX_READERS", "PENDING",
+           "PUBLISHER_WORDS", "ReaderState", "Words", "acks_timeout", "attach_timeout", "label"]
 
 MAX_READERS = 64
 
@@ -24,6 +25,24 @@ class ReaderState(enum.IntEnum):
 FREE, PENDING, ATTACHED, CLOSED, GONE = ReaderState
 _LABELS: dict[int, str] = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached",
                            CLOSED: "closed", GONE: "died"}
+
+
+class Words(NamedTuple):
+    """What errors call the parts, in the words of the API the user called: an arena's own, or
+    a weight publisher's (whose users never meet arenas, attachments or records)."""
+
+    producer: str  # the object that publishes
+    reader: str  # the object that reads
+    consumer: str  # one who reads, in a sentence
+    readers: str  # those who read, in a sentence
+    token: str  # what a reader opens once
+    one_each: str  # how to give each reader its own
+
+
+ARENA_WORDS = Words("arena", "arena reader", "arena consumer", "consumers", "arena attachment",
+                    "attach once per consumer")
+PUBLISHER_WORDS = Words("WeightPublisher", "WeightSubscriber", "subscriber", "subscribers",
+                        "WeightPublisher token", "one token() per subscriber")
 
 
 def label(state: int) -> str:

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from . import _locks
 from ._backoff import Backoff
-from ._errors import InvalidHandleError
+from ._errors import InvalidHandleError, SpentHandleError
 from ._memfd import (
     MappedFile,
     SharedFile,
@@ -40,10 +40,6 @@ _MAGIC = b"RCNT"
 T = TypeVar("T")
 _BUSY_SECONDS = 1.0  # how long an open waits for a slot another party locks for an instant
 _CURSOR = (0, 8)  # the header word counting the slots handed out, and its lock range
-
-
-class SlotError(InvalidHandleError):
-    """A slot that cannot be opened: already opened, released, or revoked by its producer."""
 
 
 class CounterFile:
@@ -100,7 +96,7 @@ class CounterFile:
         self._words.store(index, 0, SENT)
 
     def _lock_slot(self, index: int) -> tuple[int, int]:
-        """Lock a slot that nobody holds, and return its lock range; SlotError if a consumer
+        """Lock a slot that nobody holds, and return its lock range; SpentHandleError if a consumer
         holds it."""
         start, length = self._words.lock_range(index)
         if _locks.try_lock(self.fd, start, length):
@@ -109,8 +105,9 @@ class CounterFile:
         backoff = Backoff(_BUSY_SECONDS, first=0.0001, longest=0.0001)
         while not _locks.try_lock(self.fd, start, length):
             if self.state(index) == HELD or backoff.expired():
-                raise SlotError("this send was already opened by another process: each send "
-                                "may be opened once. Send the tensor again for every consumer.")
+                raise SpentHandleError("this send was already opened by another process: each "
+                                       "send may be opened once. Send the tensor again for "
+                                       "every consumer.")
             backoff.pause()
         return start, length
 
@@ -122,12 +119,13 @@ class CounterFile:
         state = words.load(index, 0)
         if state != SENT:
             _locks.unlock(self.fd, start, length)
-            raise SlotError({RELEASED: "this send was already opened and released: each send may "
-                                       "be opened once",
-                             HELD: "this send was already opened by another process",
-                             REVOKED: "the producer revoked this send before it was opened "
-                                      "(see devipc.revoke and devipc.set_unopened_deadline)",
-                             }.get(state, f"ref-counter slot in unknown state {state}"))
+            raise SpentHandleError({
+                RELEASED: "this send was already opened and released: each send may be opened "
+                          "once",
+                HELD: "this send was already opened by another process",
+                REVOKED: "the producer revoked this send before it was opened (see devipc.revoke "
+                         "and devipc.set_unopened_deadline)",
+            }.get(state, f"ref-counter slot in unknown state {state}"))
         try:
             opened = opening()
         except BaseException:
@@ -332,8 +330,8 @@ class ConsumerCounters:
         slot = (handle, index)
         with self._lock:  # the common case: one lock for the file and the slot
             if slot in self._mine:
-                raise SlotError("this send is already opened in this process: each send may "
-                                "be opened once")
+                raise SpentHandleError("this send is already opened in this process: each send "
+                                       "may be opened once")
             self._mine.add(slot)
             entry = self._held.get(handle)
             if entry is not None:

@@ -115,7 +115,7 @@ def token_reader(token: bytes | bytearray | memoryview,
                  transport: str | None = None) -> tuple[str, _wire.Reader]:
     """The token's transport, and a reader at its next field; InvalidHandleError if it is no
     WeightPublisher token, or (`transport` given) one of another transport."""
-    reader = _wire.Reader(token, (_wire.WEIGHTS,))
+    reader = _wire.Reader(token, (_wire.WEIGHTS,), "WeightPublisher token")
     found = TRANSPORTS[reader.int("token transport", 0, len(TRANSPORTS) - 1)]
     if transport is not None and found != transport:
         raise InvalidHandleError(f"a WeightPublisher token of transport {found!r}, "

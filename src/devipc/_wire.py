@@ -43,7 +43,7 @@ KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucke
               ARENA: "arena attachment", CHUNK: "arena chunk",
               P2P_METADATA: "p2p endpoint metadata", P2P_DESCRIPTOR: "p2p remote descriptor",
               P2P_NIXL: "p2p NIXL descriptor part", P2P_NIXL_AGENT: "p2p NIXL agent metadata",
-              WEIGHTS: "weight subscription token"}
+              WEIGHTS: "WeightPublisher token"}
 
 MAX_NDIM = 64
 MAX_BYTES = 1 << 16  # a bytes or text field, unless its writer and reader name another limit
@@ -114,18 +114,21 @@ class Reader:
     """Reads one message of an expected kind; every failure is an InvalidHandleError."""
 
     def __init__(self, data: builtins.bytes | bytearray | memoryview,
-                 kinds: tuple[builtins.int, ...]):
+                 kinds: tuple[builtins.int, ...], name: str = "devipc handle"):
+        """`name`: what errors call the message (the object a user holds: "WeightPublisher
+        token")."""
+        self.name = name
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidHandleError(f"a devipc handle is bytes, got {type(data).__name__}")
+            raise InvalidHandleError(f"a {name} is bytes, got {type(data).__name__}")
         self._data = bytes(data)
         if len(self._data) < _HEADER.size:
-            raise InvalidHandleError(f"truncated devipc handle: {len(self._data)} bytes, the "
+            raise InvalidHandleError(f"truncated {name}: {len(self._data)} bytes, the "
                                      f"header alone has {_HEADER.size}")
         magic, version, kind = _HEADER.unpack_from(self._data)
         if magic != MAGIC:
-            raise InvalidHandleError(f"not a devipc handle: magic {magic!r}, expected {MAGIC!r}")
+            raise InvalidHandleError(f"not a {name}: magic {magic!r}, expected {MAGIC!r}")
         if version != VERSION:
-            raise InvalidHandleError(f"devipc handle of wire version {version}; this devipc "
+            raise InvalidHandleError(f"{name} of wire version {version}; this devipc "
                                      f"reads version {VERSION}: use the same devipc on both sides")
         if kind not in kinds:
             wanted = " or ".join(KIND_NAMES[k] for k in kinds)
@@ -136,11 +139,11 @@ class Reader:
 
     def _field(self, what: str) -> builtins.bytes:
         if self._at + _LENGTH.size > len(self._data):
-            raise InvalidHandleError(f"truncated devipc handle: {what} is missing")
+            raise InvalidHandleError(f"truncated {self.name}: {what} is missing")
         (length,) = _LENGTH.unpack_from(self._data, self._at)
         start = self._at + _LENGTH.size
         if length > len(self._data) - start:
-            raise InvalidHandleError(f"truncated devipc handle: {what} claims {length} bytes, "
+            raise InvalidHandleError(f"truncated {self.name}: {what} claims {length} bytes, "
                                      f"{len(self._data) - start} are left")
         self._at = start + length
         return self._data[start:self._at]
@@ -206,7 +209,7 @@ class Reader:
     def end(self) -> None:
         if self._at != len(self._data):
             raise InvalidHandleError(f"{len(self._data) - self._at} unexpected bytes after the "
-                                     f"last field of a devipc handle")
+                                     f"last field of a {self.name}")
 
 
 _D = TypeVar("_D")

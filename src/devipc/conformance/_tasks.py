@@ -32,7 +32,7 @@ def hooks_of(device: str) -> devipc.hooks.IpcHooks:
 
 def outcome(action: Callable[[], object]) -> str:
     """"ok", or what `action()` raised: its class and the devipc errors it is, then its message
-    ("SlotError InvalidHandleError: ..."), so that the kit can tell the kind of a refusal."""
+    ("SpentHandleError InvalidHandleError: ..."), so that the kit can tell the kind of a refusal."""
     try:
         action()
     except Exception as error:
