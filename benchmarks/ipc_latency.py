@@ -1,9 +1,13 @@
 """Per-tensor round trip through torch.multiprocessing.Queue: the producer puts a tensor, the
-consumer reads one element of it and replies. Three ways, measured in one run:
+consumer reads one element of it and replies. Four ways, measured in one run:
 
-  devipc     an openreg tensor, shared zero-copy by devipc
-  cpu-shm    torch's own CPU tensor already in shared memory (fd passing)
-  via-cpu    copy through the host: .cpu(), the queue, .to("openreg") in the consumer
+  devipc      an openreg tensor, shared zero-copy by devipc, the same one re-sent
+  devipc-new  a new openreg tensor before every send (torch.empty), as users mostly send
+  cpu-shm     torch's own CPU tensor already in shared memory (fd passing)
+  via-cpu     copy through the host: .cpu(), the queue, .to("openreg") in the consumer
+
+Then a DataLoader (2 spawned workers) of batches made on openreg in the workers against the
+same loader over small Python objects.
 
 The measuring is devipc's own (`devipc bench ipc`, any device); this script runs it on openreg,
 with the sizes and checks of docs/benchmarks.md, then splits devipc's part of a send into its
@@ -33,6 +37,15 @@ def main():
           f"each over its own small message: "
           f"{large['devipc'] / large['message'] / (small['devipc'] / small['message']):.2f}")
     print(f"64 MiB: via-cpu / devipc = {mid['via-cpu'] / mid['devipc']:.1f}x (target >= 20)")
+    new_small = small["devipc-new"] / small["message-new"]
+    print(f"a new tensor each send, 4 KiB: / its small message = {new_small:.2f} "
+          f"(issue 30: <= 1.5); 256 MiB new / 4 KiB new = "
+          f"{large['devipc-new'] / small['devipc-new']:.2f} (<= 1.1); re-sent 4 KiB / message "
+          f"= {small['devipc'] / small['message']:.2f} (<= 1.2)")
+    rates = ipc.dataloader("openreg", 100 if args.quick else 400)
+    print(f"DataLoader, 2 spawned workers: batches of {ipc.BATCH_SHAPE} float32 made on openreg "
+          f"{rates['device']:.0f}/s, small Python objects {rates['objects']:.0f}/s: "
+          f"{rates['device'] / rates['objects']:.0%} (issue 30: >= 90%)")
     count = 40 if args.quick else 200
     split = ipc.phases("openreg", [4 << 10, 256 << 20], count=count)
     for held in (1000, 10_000):  # an engine holding its weights: an open must not scan them

@@ -245,9 +245,12 @@ def test_bench_ipc_writes_a_table_a_png_and_shows_progress(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for row in ("| 4 KiB |", "| 64 KiB |", "| 1 MiB |"):
         assert row in proc.stdout, proc.stdout
-    assert "| size | small message (us) | devipc openreg (us) | devipc / message | torch CPU " \
-        "shared (us) | copy via CPU (us)" in proc.stdout
-    assert "ipc: 100%" in proc.stderr and "9/9" in proc.stderr  # tqdm's bar
+    assert "| size | small message (us) | devipc openreg, re-sent (us) | re-sent / message | " \
+        "devipc openreg, new each send (us) | new / its message | torch CPU shared (us) | " \
+        "copy via CPU (us)" in proc.stdout
+    assert "ipc: 100%" in proc.stderr and "12/12" in proc.stderr  # tqdm's bar
+    assert re.search(r"DataLoader, 2 spawned workers: batches of \(64, 3, 32, 32\) float32 made "
+                     r"on openreg \d+/s, small Python objects \d+/s \(\d+%\)", proc.stdout)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

@@ -199,6 +199,12 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"\n### IPC round trip through a torch.multiprocessing Queue, median us "
                   f"({device}{quick})\n\n{ipc.table(latencies, device)}", flush=True)
             panels.append(ipc.panel(latencies, device))
+            rates = ipc.dataloader(device, 400 if args.full else 50,
+                                   rounds=3 if args.full else 1)
+            print(f"\nDataLoader, 2 spawned workers: batches of {ipc.BATCH_SHAPE} float32 made "
+                  f"on {device} {rates['device']:.0f}/s, small Python objects "
+                  f"{rates['objects']:.0f}/s ({rates['device'] / rates['objects']:.0%})",
+                  flush=True)
         elif name == "p2p":
             top = (args.max_mib or (256 if args.full else 64)) << 20
             rows, results = p2p.measure(device, top, 0.8 if args.full else 0.2,

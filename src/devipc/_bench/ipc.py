@@ -1,10 +1,17 @@
 """Per-tensor round trip through a torch.multiprocessing Queue: the producer puts a tensor, the
-consumer reads one element of it and replies. Three ways, measured in one run, beside the floor
+consumer reads one element of it and replies. Four ways, measured in one run, beside the floor
 (a small message that is not a tensor, through the same queues):
 
-  devipc     a tensor of a device with IPC hooks, shared zero-copy by devipc
-  cpu-shm    torch's own CPU tensor already in shared memory (fd passing)
-  via-cpu    copy through the host: .cpu(), the queue, .to(device) in the consumer
+  devipc      a tensor of a device with IPC hooks, shared zero-copy by devipc, the same tensor
+              sent again and again (what is cached after its first send is reused)
+  devipc-new  a new tensor of that device made before every send (`torch.empty`, its last
+              element set), as a DataLoader worker or a pipeline stage sends: the allocation
+              and everything a first send of a storage costs are in the round trip
+  cpu-shm     torch's own CPU tensor already in shared memory (fd passing)
+  via-cpu     copy through the host: .cpu(), the queue, .to(device) in the consumer
+
+`dataloader` compares a DataLoader whose spawned workers make each batch on the device with the
+same loader whose workers make a small Python object per batch.
 
 `phases` splits devipc's part of a round trip: the producer's pickling (reduce_tensor: a slot,
 the handle), the consumer's unpickling (the open: slot held, memory mapped, storage made, and the
@@ -23,12 +30,13 @@ import torch.multiprocessing as mp
 from .._tools import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
-__all__ = ["METHODS", "SIZES", "measure", "panel", "phase_table", "phases", "table"]
+__all__ = ["METHODS", "SIZES", "dataloader", "measure", "panel", "phase_table", "phases",
+           "table"]
 
 TIMEOUT = 120
 WARM_UP = 10  # untimed round trips per mode and size
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
-METHODS = ("devipc", "cpu-shm", "via-cpu")
+METHODS = ("devipc", "devipc-new", "cpu-shm", "via-cpu")
 
 
 def consumer(inbox: Any, outbox: Any, device: str, modules: list[str]) -> None:
@@ -78,6 +86,15 @@ def _returns(value: Any) -> Callable[[], Any]:
     return lambda: value
 
 
+def _new(n: int, device: str) -> Callable[[], torch.Tensor]:
+    """A new int32 tensor of `n` elements per call, its last one 7 (what the consumer reads)."""
+    def make() -> torch.Tensor:
+        tensor = torch.empty(n, dtype=torch.int32, device=device)
+        tensor[-1] = 7
+        return tensor
+    return make
+
+
 def _paired_medians_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any],
                        count: int) -> tuple[float, float]:
     """Median microseconds of `mode` and of the small message, their round trips alternating:
@@ -93,8 +110,9 @@ def _paired_medians_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], An
 
 def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
             progress: Progress | None = None) -> list[dict]:
-    """[{"size": bytes, "devipc": us, "cpu-shm": us, "via-cpu": us, "message": us}], medians
-    per size; "message" is the small message's round trip, alternating with devipc's."""
+    """[{"size": bytes, "devipc": us, "devipc-new": us, "cpu-shm": us, "via-cpu": us,
+    "message": us, "message-new": us}], medians per size; "message" and "message-new" are the
+    small message's round trips, alternating with devipc's and devipc-new's."""
     progress = progress or Progress("ipc", lines=True)
     progress.start(len(sizes) * len(METHODS))
     ctx = mp.get_context("spawn")
@@ -113,6 +131,10 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
             row["devipc"], row["message"] = _paired_medians_us(
                 inbox, outbox, "devipc", _returns(on_device), count)
             progress.step(f"{human(nbytes)} devipc {row['devipc']:.0f} us")
+            row["devipc-new"], row["message-new"] = _paired_medians_us(
+                inbox, outbox, "devipc", _new(n, device), count)
+            progress.step(f"{human(nbytes)} devipc, a new tensor each send "
+                          f"{row['devipc-new']:.0f} us")
             for mode, make in (("cpu-shm", lambda t=host: t),
                                ("via-cpu", lambda t=on_device: t.cpu())):
                 row[mode] = _median_us(inbox, outbox, mode, make, count)
@@ -131,12 +153,67 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
 
 def table(rows: list[dict], device: str) -> str:
     return markdown(
-        ["size", "small message (us)", f"devipc {device} (us)", "devipc / message",
-         "torch CPU shared (us)", "copy via CPU (us)", "cpu-shm / devipc", "via-cpu / devipc"],
+        ["size", "small message (us)", f"devipc {device}, re-sent (us)", "re-sent / message",
+         f"devipc {device}, new each send (us)", "new / its message", "torch CPU shared (us)",
+         "copy via CPU (us)", "cpu-shm / devipc", "via-cpu / devipc"],
         [[human(r["size"]), f"{r['message']:.0f}", f"{r['devipc']:.0f}",
-          f"{r['devipc'] / r['message']:.2f}x", f"{r['cpu-shm']:.0f}", f"{r['via-cpu']:.0f}",
-          f"{r['cpu-shm'] / r['devipc']:.2f}x", f"{r['via-cpu'] / r['devipc']:.1f}x"]
+          f"{r['devipc'] / r['message']:.2f}x", f"{r['devipc-new']:.0f}",
+          f"{r['devipc-new'] / r['message-new']:.2f}x", f"{r['cpu-shm']:.0f}",
+          f"{r['via-cpu']:.0f}", f"{r['cpu-shm'] / r['devipc']:.2f}x",
+          f"{r['via-cpu'] / r['devipc']:.1f}x"]
          for r in rows])
+
+
+BATCH_SHAPE = (64, 3, 32, 32)  # float32: 768 KiB per batch
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Each item a whole batch (the loader's batch_size=None), made in the worker: a device
+    tensor of BATCH_SHAPE, or a small Python object (the floor)."""
+
+    def __init__(self, count: int, device: str | None, modules: list[str]):
+        self.count, self.device, self.modules = count, device, modules
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> Any:
+        if self.device is None:
+            return (index, 7)
+        batch = torch.empty(BATCH_SHAPE, device=self.device)
+        batch[0, 0, 0, 0] = index
+        return batch
+
+
+def _load_modules(worker: int) -> None:
+    """A spawned worker's first step: the device package of its dataset."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and isinstance(info.dataset, _Batches)  # (called in a worker)
+    load_modules(info.dataset.modules)
+
+
+def dataloader(device: str, batches: int = 400, workers: int = 2, rounds: int = 3) -> dict:
+    """{"device": batches/s, "objects": batches/s}: best of `rounds` passes of a DataLoader
+    (`workers` spawned workers, `batches` items each pass) over batches made on `device` in the
+    workers, and over small objects; the consumer reads one element of each device batch."""
+    modules = hook_modules([torch.device(device).type])
+    rates: dict[str, float] = {}
+    for name, where in (("objects", None), ("device", device)):
+        loader = torch.utils.data.DataLoader(
+            _Batches(batches, where, modules), batch_size=None, num_workers=workers,
+            multiprocessing_context="spawn", worker_init_fn=_load_modules,
+            persistent_workers=True, prefetch_factor=4)
+        best = 0.0
+        for round_ in range(rounds + 1):  # the first pass starts the workers: not timed
+            start = time.perf_counter()
+            for index, item in enumerate(loader):
+                got = item[0] if where is None else int(item[0, 0, 0, 0].item())
+                assert got == index, f"{name}: batch {index} read {got}"
+            if round_:
+                best = max(best, batches / (time.perf_counter() - start))
+        rates[name] = best
+        del loader
+    return rates
 
 
 PHASES = ("reduce", "open", "read", "release")
@@ -222,7 +299,7 @@ def phase_table(rows: list[dict]) -> str:
 
 
 def panel(rows: list[dict], device: str) -> Panel:
-    names = {"devipc": f"devipc ({device})", "cpu-shm": "torch CPU shared",
-             "via-cpu": "copy through CPU"}
+    names = {"devipc": f"devipc ({device}), re-sent", "devipc-new": f"devipc ({device}), new",
+             "cpu-shm": "torch CPU shared", "via-cpu": "copy through CPU"}
     return Panel("IPC round trip (Queue)", "latency (us)", [r["size"] for r in rows],
                  {names[m]: [r[m] for r in rows] for m in METHODS})
