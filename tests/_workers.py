@@ -340,6 +340,13 @@ def idle_until_killed(*_):
     until_the_test_ends()
 
 
+def devipc_process(conn):
+    """A process with devipc imported (its stats page made, torch's default CPU threads): says
+    its pid and thread count, then waits."""
+    conn.send((os.getpid(), torch.get_num_threads()))
+    until_the_test_ends()
+
+
 def forward_and_hold(inbox, onward, outbox):
     """B of A -> B -> C: sends on what it received, flushed to the pipe, then holds it."""
     tensor = inbox.get(timeout=TIMEOUT)

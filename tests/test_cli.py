@@ -93,6 +93,38 @@ def test_doctor_peer_in_the_same_namespace_passes_and_the_server_sees_it():
     assert "a peer opened this process's memfd" in served
 
 
+def test_doctor_warns_when_the_devipc_processes_here_ask_for_more_threads_than_cores(
+        children, capsys):
+    """Issue 31: three processes with torch's default threads (one per core each) beside this
+    one oversubscribe any machine; the warning names them (others may be counted too)."""
+    import _workers
+    from _support import recv
+
+    from devipc import _doctor
+    from devipc._statspage import find_pages
+
+    started = [children.start_piped(_workers.devipc_process)[1] for _ in range(3)]
+    seen = [recv(conn) for conn in started]
+    assert all(threads == len(os.sched_getaffinity(0)) for _, threads in seen)
+    report = _doctor.Report()
+    _doctor.threads(report, find_pages()[0])
+    out = capsys.readouterr().out
+    assert report.warnings == 1 and out.startswith("WARN  "), out
+    assert all(str(pid) in out for pid, _ in seen), out
+    assert "torch.set_num_threads(" in out and "OMP_NUM_THREADS=" in out
+
+
+def test_doctor_finds_no_oversubscription_when_each_process_has_its_share(monkeypatch, capsys):
+    from devipc import _doctor
+
+    monkeypatch.setattr(_doctor.torch, "get_num_threads", lambda: 1)
+    report = _doctor.Report()
+    _doctor.threads(report, {1: {"stats": {"torch_threads": 1}}, 2: {"stats": {"sent": 0}},
+                             3: {"stats": [1]}, 4: {"stats": {"torch_threads": 10**9}}})
+    assert report.warnings == 0
+    assert capsys.readouterr().out.startswith("ok    torch CPU threads: 2 for ")
+
+
 def test_doctor_rejects_a_malformed_token():
     assert _cli.main(["doctor", "--peer", "devipc-doctor-1:bm90IGpzb24="]) == 2
 

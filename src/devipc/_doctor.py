@@ -33,7 +33,7 @@ from ._errors import DevIpcError
 from ._hooks import device_supports_ipc, get_ipc_hooks
 from ._memfd import HANDLE_SIZE, SharedFile, handle_pid, open_shared_file
 from ._reductions import installed
-from ._statspage import StatsPageError, read_page
+from ._statspage import StatsPageError, find_pages, read_page
 from ._tools import device_types, hook_modules, load_modules
 
 __all__ = ["doctor", "serve"]
@@ -76,6 +76,7 @@ def doctor(peer: str | None = None, timeout: float = 60.0) -> int:
     versions()
     types = devices(report)
     environment(report)
+    threads(report, find_pages()[0])
     live(report, types, timeout)
     if theirs is not None:
         check_peer(report, theirs)
@@ -223,6 +224,32 @@ def environment(report: Report) -> None:
         report("ok", f"stats page: `devipc info --pid {os.getpid()}` reads this process's")
     except StatsPageError as error:
         report("WARN", f"stats page: {error}")
+
+
+def threads(report: Report, pages: dict[int, dict]) -> None:
+    """Whether the devipc processes on this host (their stats pages: `pages`, and this one) ask
+    for more torch CPU threads than the cores they may run on: each takes one per core by
+    default, and engines beside a trainer then fight over the cores."""
+    cores = len(os.sched_getaffinity(0))
+    counts = {}
+    for pid, page in pages.items():  # any process may write such a page: read it warily
+        stats = page.get("stats") if isinstance(page, dict) else None
+        count = stats.get("torch_threads") if isinstance(stats, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool) and 0 < count < 1 << 16:
+            counts[pid] = count
+    counts[os.getpid()] = torch.get_num_threads()
+    total = sum(counts.values())
+    if len(counts) > 1 and total > cores:
+        share = max(1, cores // len(counts))
+        report("WARN", f"{len(counts)} devipc processes here (pids "
+                       f"{', '.join(map(str, sorted(counts)))}, this one included) ask for "
+                       f"{total} torch CPU threads in all, for {cores} cores: they slow each "
+                       f"other down (engines beside a trainer, each with a thread per core)",
+               f"give each its share: torch.set_num_threads({share}) first thing, or "
+               f"OMP_NUM_THREADS={share} in its environment before it starts")
+    else:
+        report("ok", f"torch CPU threads: {total} for {cores} cores "
+                     f"({len(counts)} devipc process(es) here)")
 
 
 def _child(inbox: Any, outbox: Any, modules: list[str]) -> None:

@@ -412,4 +412,10 @@ def stats() -> dict:
             "bucket_tensors_shared": counts["bucket_tensors_shared"]}
 
 
-_statspage.start(stats)
+def _page_numbers() -> dict:
+    """The stats page's JSON: `stats()`, and this process's torch CPU threads (`devipc doctor`
+    adds those of the processes it sees: several engines on one host must share the cores)."""
+    return {**stats(), "torch_threads": torch.get_num_threads()}
+
+
+_statspage.start(_page_numbers)
