@@ -31,6 +31,12 @@ def _slowdown() -> float:
 
 
 SLOWDOWN = _slowdown()
+
+
+def slowdown_now() -> float:
+    """SLOWDOWN, or the load's factor now if the machine got busier since this module was
+    imported (xdist workers import it before the suite loads the machine)."""
+    return max(SLOWDOWN, _slowdown())
 TIMEOUT = round(60 * SLOWDOWN)  # seconds; every join, get and wait is bounded by it
 UCX_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL tests talk to this host only
 FRESH_TIMEOUT = round(120 * SLOWDOWN)  # seconds for a fresh interpreter that imports torch
