@@ -227,9 +227,9 @@ def environment(report: Report) -> None:
 
 
 def threads(report: Report, pages: dict[int, dict]) -> None:
-    """Whether the devipc processes on this host (their stats pages: `pages`, and this one) ask
-    for more torch CPU threads than the cores they may run on: each takes one per core by
-    default, and engines beside a trainer then fight over the cores."""
+    """Whether the other devipc processes on this host (their stats pages: `pages`; not this
+    short-lived one) ask for more torch CPU threads than the cores they may run on: each takes
+    one per core by default, and engines beside a trainer then fight over the cores."""
     cores = len(os.sched_getaffinity(0))
     counts = {}
     for pid, page in pages.items():  # any process may write such a page: read it warily
@@ -237,19 +237,20 @@ def threads(report: Report, pages: dict[int, dict]) -> None:
         count = stats.get("torch_threads") if isinstance(stats, dict) else None
         if isinstance(count, int) and not isinstance(count, bool) and 0 < count < 1 << 16:
             counts[pid] = count
-    counts[os.getpid()] = torch.get_num_threads()
     total = sum(counts.values())
     if len(counts) > 1 and total > cores:
         share = max(1, cores // len(counts))
         report("WARN", f"{len(counts)} devipc processes here (pids "
-                       f"{', '.join(map(str, sorted(counts)))}, this one included) ask for "
-                       f"{total} torch CPU threads in all, for {cores} cores: they slow each "
-                       f"other down (engines beside a trainer, each with a thread per core)",
+                       f"{', '.join(map(str, sorted(counts)))}) ask for {total} torch CPU "
+                       f"threads in all, for {cores} cores: they slow each other down (engines "
+                       f"beside a trainer, each with a thread per core)",
                f"give each its share: torch.set_num_threads({share}) first thing, or "
                f"OMP_NUM_THREADS={share} in its environment before it starts")
-    else:
+    elif counts:
         report("ok", f"torch CPU threads: {total} for {cores} cores "
-                     f"({len(counts)} devipc process(es) here)")
+                     f"({len(counts)} other devipc process(es) here)")
+    else:
+        report("ok", "torch CPU threads: no other devipc process here")
 
 
 def _child(inbox: Any, outbox: Any, modules: list[str]) -> None:
