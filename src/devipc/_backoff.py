@@ -23,8 +23,15 @@ class Backoff:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def pause(self) -> None:
+        seconds = self.next_pause()
+        if seconds:
+            time.sleep(seconds)
+
+    def next_pause(self) -> float:
+        """How long the next pause is (0 while spinning), for a caller that sleeps its own way
+        (an asyncio loop's `await asyncio.sleep`)."""
         if self._spins > 0:
             self._spins -= 1
-            return
-        time.sleep(self._next)
-        self._next = min(self._next * 2, self._longest)
+            return 0.0
+        seconds, self._next = self._next, min(self._next * 2, self._longest)
+        return seconds

@@ -15,18 +15,17 @@ one-sided transfers (`_publisher_remote`, `transport="nixl"`, imported only then
 takes the one its token names. What the two share lives below both, in `_weights`.
 """
 import asyncio
-import time
 from collections.abc import Iterator, Mapping
 
 import torch
 
+from ._backoff import Backoff
 from ._publisher_local import LocalPublisher, LocalSubscriber
 from ._weights import Names, copy_into, token_reader
 
 __all__ = ["WeightPublisher", "WeightSubscriber"]
 
 TRANSPORTS = ("ipc", "nixl")
-_FIRST_LOOK, _LONGEST_LOOK = 0.0001, 0.002  # seconds between a `wait_async`'s looks
 
 
 class WeightPublisher:
@@ -159,14 +158,12 @@ class WeightSubscriber:
         read) runs in the loop's thread once the generation is there."""
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _FIRST_LOOK
+        backoff = Backoff(timeout, first=0.0001, longest=0.002)
         while not self._backend.ready():
-            if deadline is not None and time.monotonic() >= deadline:
+            if backoff.expired():
                 raise TimeoutError(f"no new generation within {timeout} s (the newest held is "
                                    f"{self.generation})")
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, _LONGEST_LOOK)
+            await asyncio.sleep(backoff.next_pause())
         return self._backend.wait(timeout)
 
     def ack(self) -> None:

@@ -193,9 +193,6 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                               device=device)
         with torch.no_grad():
             torch.cat([source.reshape(-1) for _, source in group], out=scratch)
-        start = 0
-        for target, source in group:
-            end = start + source.numel()
-            out.append((target, scratch[start:end].view(source.shape)))
-            start = end
+        parts = scratch.split([source.numel() for _, source in group])
+        out += [(target, part.view(source.shape)) for (target, source), part in zip(group, parts)]
     return out
