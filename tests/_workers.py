@@ -418,14 +418,18 @@ def snapshot(model):
     return {name: t.detach().cpu().tolist() for name, t in model.state_dict().items()}
 
 
-def weight_subscriber(conn, token, generations, into):
-    """Subscribes, then for each generation: waits, reports what it sees (its own model's state
-    after copy_into, or the zero-copy views) and acknowledges."""
-    subscriber = devipc.WeightSubscriber(token)
-    engine = TinyGPT() if into else None
+def weight_subscriber(conn, token, generations, into, device=None, engine_device="openreg",
+                      verify=False):
+    """Subscribes (reading on `device`), then for each generation: waits, checks its checksum
+    (`verify`), reports what it sees (its own model's state on `engine_device` after
+    copy_into, or the zero-copy views) and acknowledges."""
+    subscriber = devipc.WeightSubscriber(token, device)
+    engine = TinyGPT(engine_device) if into else None
     conn.send(("subscribed", str(subscriber.device)))
     for _ in range(generations):
         generation = subscriber.wait(timeout=TIMEOUT)
+        if verify:
+            subscriber.verify()  # ChecksumError ends this child: the test sees it
         if engine is not None:
             subscriber.copy_into(engine)
             seen = engine.state_dict()

@@ -171,7 +171,7 @@ def test_bad_inputs_are_refused_clearly():
     with pytest.raises(ValueError, match="at most 16 buffers"):
         devipc.Arena(64, "openreg", buffers=17)
     with pytest.raises(devipc.UnsupportedDeviceError):
-        devipc.Arena(64, "cpu")
+        devipc.Arena(64, "meta")  # no hooks (a CPU arena is torch's shared memory)
     with devipc.Arena(1024, "openreg") as arena, devipc.Arena(1024, "openreg") as other:
         reader = devipc.open_arena(arena.attach())
         with pytest.raises(devipc.InvalidHandleError):
@@ -182,7 +182,7 @@ def test_bad_inputs_are_refused_clearly():
             arena.put([("a", torch.ones(1, device="openreg"))] * 2)
         with pytest.raises(ValueError, match="arena is on openreg:0"):
             arena.put({"a": torch.ones(1, device="openreg:1")})
-        with pytest.raises(devipc.UnsupportedDeviceError):
+        with pytest.raises(ValueError, match="arena is on openreg:0, the chunk on cpu"):
             arena.put({"a": torch.ones(1)})
         with pytest.raises(ValueError, match="timeout"):
             arena.put({"a": torch.ones(1, device="openreg")}, timeout=0)
@@ -276,4 +276,33 @@ def test_records_of_closed_and_revoked_attachments_are_reused():
         reader = devipc.open_arena(fresh)
         reader.read(arena.put({"a": torch.ones(1, device="openreg")}))
         reader.close()
+    _drain()
+
+
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+def test_a_published_checksum_is_verified_where_it_is_read(device):
+    """A generation's CRC-32 goes with it (`put` or `publish` with checksum=True), per buffer
+    of two; a reader's `verify` computes it again over its own view of the buffer."""
+    with devipc.Arena(4096, device, buffers=2) as arena:
+        reader = devipc.open_arena(arena.attach())
+        assert reader.device.type == device
+        for generation in range(3):
+            chunk = reader.read(arena.put(
+                {"x": torch.full((1000,), generation, dtype=torch.int32, device=device)},
+                checksum=generation != 1))
+            if generation == 1:
+                with pytest.raises(ValueError, match="without a checksum"):
+                    reader.verify(generation)
+            else:
+                reader.verify(generation)
+                chunk.tensors["x"][5] += 1  # forged where it is read
+                with pytest.raises(devipc.ChecksumError, match=f"generation {generation}"):
+                    reader.verify(generation)
+            reader.ack(chunk)
+            with pytest.raises(ValueError, match="not held"):
+                reader.verify(generation)
+        del chunk
+        reader.close()
+    with devipc.Arena(64, device, buffers=3) as arena, pytest.raises(ValueError, match="2 buf"):
+        arena.publish(checksum=True)
     _drain()

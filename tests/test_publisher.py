@@ -519,3 +519,140 @@ def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record():
             publisher.publish(wait=False)
             assert subscriber.wait(timeout=TIMEOUT) == 0
             subscriber.ack()
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_cpu_trainer_feeds_openreg_and_cpu_engines_exactly_every_generation(children, copy):
+    """Issue 31: a trainer on the CPU publishes through torch's own shared memory; an engine
+    reads it zero-copy on the CPU, another copies it into its openreg model."""
+    model = _workers.TinyGPT("cpu")
+    if not copy:
+        devipc.pack_module(model)  # into torch's shared memory
+    with devipc.WeightPublisher(model, copy=copy) as publisher:
+        assert publisher.device == torch.device("cpu")
+        engines = []
+        for into, engine_device in ((False, "cpu"), (True, "openreg")):
+            proc, conn = children.start_piped(_workers.weight_subscriber, publisher.token(), 3,
+                                              into, None, engine_device, True)
+            assert recv(conn) == ("subscribed", "cpu")
+            engines.append(conn)
+        fds = open_fds()
+        publisher.wait_subscribers(2, timeout=TIMEOUT)
+        for step in range(3):
+            _workers.train_step(model, float(step + 1))
+            expected = _workers.snapshot(model)
+            assert publisher.publish(timeout=TIMEOUT, checksum=True) == step
+            for conn in engines:
+                assert recv(conn) == (step, expected), (copy, step)
+        for conn in engines:
+            assert recv(conn) == "closed"
+        children.join_ok()
+    children.reap()
+    assert open_fds() < fds
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_an_openreg_trainer_feeds_a_cpu_engine_without_a_copy(children, copy):
+    """Issue 31: openreg's memory is host memory (its hooks say "DRAM"): a CPU engine maps it
+    and reads CPU tensors over the very bytes the trainer published."""
+    model = _workers.TinyGPT()
+    if not copy:
+        devipc.pack_module(model)
+    with devipc.WeightPublisher(model, copy=copy) as publisher:
+        _, conn = children.start_piped(_workers.weight_subscriber, publisher.token(), 3, True,
+                                       "cpu", "cpu", True)
+        assert recv(conn) == ("subscribed", "cpu")
+        publisher.wait_subscribers(1, timeout=TIMEOUT)
+        for step in range(3):
+            _workers.train_step(model, float(step + 1))
+            expected = _workers.snapshot(model)
+            assert publisher.publish(timeout=TIMEOUT, checksum=True) == step
+            assert recv(conn) == (step, expected), (copy, step)
+        assert recv(conn) == "closed"
+        children.join_ok()
+        # here too, to see the bytes shared: the trainer's next write shows through the views
+        subscriber = devipc.WeightSubscriber(publisher.token(), device="cpu")
+        publisher.publish(wait=False)
+        subscriber.wait(timeout=TIMEOUT)
+        views = subscriber.tensors()
+        assert views["block.weight"].device == torch.device("cpu")
+        if not copy:
+            _workers.train_step(model, 42.0)
+            torch.accelerator.synchronize()
+            assert views["block.weight"][0, 0].item() == 42.0  # the trainer's memory itself
+        subscriber.ack()
+        subscriber.close()
+        del views
+    children.reap()
+    _drain()
+
+
+@pytest.mark.parametrize("copy", [False, True])
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+@pytest.mark.parametrize("transport", ["ipc", "nixl"])
+def test_a_forged_generation_fails_its_checksum(transport, device, copy, monkeypatch):
+    """Issue 31: `publish(checksum=True)` sends the generation's CRC-32; a subscriber's
+    `verify()` finds bytes that differ from what was published, after a bf16 copy_into too."""
+    use_ucx_loopback(monkeypatch)  # nixl: to this host only
+    model = _workers.TinyGPT(device)
+    if not copy:
+        devipc.pack_module(model)
+    with devipc.WeightPublisher(model, copy=copy, transport=transport) as publisher:
+        subscriber = devipc.WeightSubscriber(publisher.token())
+        publisher.publish(wait=False)
+        subscriber.wait(timeout=TIMEOUT)
+        with pytest.raises(ValueError, match="without a checksum.*checksum=True"):
+            subscriber.verify()
+        subscriber.ack()
+        for step in range(2):
+            _workers.train_step(model, step + 0.5)
+            publisher.publish(wait=False, checksum=True)
+            subscriber.wait(timeout=TIMEOUT)
+            subscriber.verify()  # the bytes as published
+            engine = _workers.TinyGPT(device).to(torch.bfloat16)
+            subscriber.copy_into(engine)
+            subscriber.verify()  # reading them changed nothing
+            views = subscriber.tensors()
+            views["mask"][1, 2] += 1  # one byte of the generation forged where it is read
+            with pytest.raises(devipc.ChecksumError, match=f"generation {step + 1}") as forged:
+                subscriber.verify()
+            _in_user_words(forged.value)
+            views["mask"][1, 2] -= 1
+            subscriber.verify()
+            subscriber.ack()
+            del views
+        subscriber.close()
+    _drain()
+
+
+def test_cpu_engines_and_cpu_tensors_get_advice_they_can_follow(monkeypatch):
+    """Issue 31: what cannot be read on the CPU says which copy to make; CPU weights open on
+    the CPU; CPU tensors sent one by one are torch's to share, and the error says so."""
+    from devipc_openreg import _ipc_hooks
+
+    cpu_model = _workers.TinyGPT("cpu")
+    with devipc.WeightPublisher(cpu_model, copy=True) as publisher:
+        with pytest.raises(ValueError, match="open it on the CPU") as wrong:
+            devipc.WeightSubscriber(publisher.token(), device="openreg")
+        _in_user_words(wrong.value)
+        devipc.WeightSubscriber(publisher.token()).close()  # the refused token's place is free
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    monkeypatch.setattr(_ipc_hooks.OpenRegIpcHooks, "memory_kind", lambda self, index: "VRAM")
+    with devipc.WeightPublisher(model) as publisher:
+        token = publisher.token()
+        with pytest.raises(devipc.UnsupportedDeviceError, match="copy_into a CPU model") as vram:
+            devipc.WeightSubscriber(token, device="cpu")
+        _in_user_words(vram.value)
+        subscriber = devipc.WeightSubscriber(token)  # refused before its one open was spent
+        publisher.publish(wait=False)
+        subscriber.wait(timeout=TIMEOUT)
+        engine = _workers.TinyGPT("cpu")
+        subscriber.copy_into(engine)  # the copy the advice names
+        assert _workers.snapshot(engine) == _workers.snapshot(model)
+        subscriber.ack()
+        subscriber.close()
+    with pytest.raises(devipc.UnsupportedDeviceError, match="torch shares them") as cpu:
+        devipc.share(torch.ones(3))
+    assert "move the tensor to the CPU" not in str(cpu.value)
+    _drain()

@@ -52,13 +52,16 @@ SUBSCRIBER = textwrap.dedent("""
     while True:
         command, *args = commands.recv()
         if command == "open":
-            token, publisher_pid = args
-            sub = devipc.WeightSubscriber(token)
+            token, publisher_pid, *device = args
+            sub = devipc.WeightSubscriber(token, *device)
             replies.send((os.getpid(), os.path.exists(f"/proc/{publisher_pid}")))
         elif command == "generations":
             engine = TinyGPT()
-            for _ in range(args[0]):
+            count, *verify = args
+            for _ in range(count):
                 generation = sub.wait(timeout=60)
+                if verify:
+                    sub.verify()
                 views = {n: t.cpu().tolist() for n, t in sub.tensors().items()}
                 sub.copy_into(engine)
                 own = {n: t.cpu().tolist() for n, t in engine.state_dict().items()}
@@ -171,6 +174,25 @@ def test_a_subscriber_in_other_namespaces_gets_every_generation_exactly(remote, 
         assert remote.ask("close") == "closed"
         assert publisher.subscribers()[0]["state"] == "closed"
         publisher.publish(timeout=TIMEOUT)  # nobody left to wait for
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_cpu_trainer_feeds_a_cpu_engine_on_another_host_with_checksums(remote, copy):
+    """Issue 31: CPU on both sides across hosts; every generation's CRC-32 checked there."""
+    model = _workers.TinyGPT("cpu")
+    if not copy:
+        devipc.pack_module(model)
+    with devipc.WeightPublisher(model, copy=copy, transport="nixl") as publisher:
+        pid, _ = remote.ask("open", publisher.token(), os.getpid(), "cpu")
+        publisher.wait_subscribers(1, timeout=TIMEOUT)
+        remote.commands.send(("generations", 2, True))
+        for step in range(2):
+            _workers.train_step(model, float(step + 1))
+            expected = _workers.snapshot(model)
+            assert publisher.publish(timeout=TIMEOUT, checksum=True) == step
+            generation, views, own = recv(remote.replies)
+            assert generation == step and views == own == expected, (copy, step)
+        assert remote.ask("close") == "closed"
 
 
 def test_a_killed_subscriber_is_named_once_not_waited_for(loopback, monkeypatch):

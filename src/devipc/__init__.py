@@ -21,6 +21,7 @@ if sys.platform != "linux":  # memfds, /proc/<pid>/fd and OFD locks have no equi
 from . import _public, hooks
 from ._errors import (
     AckTimeoutError,
+    ChecksumError,
     ConsumerDiedError,
     DevIpcError,
     InvalidHandleError,
@@ -44,6 +45,7 @@ __all__ = [
     "AckTimeoutError",
     "Arena",
     "ArenaReader",
+    "ChecksumError",
     "Chunk",
     "ConsumerDiedError",
     "DevIpcError",

@@ -36,8 +36,10 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 import torch
 
 from . import _futex, _handles, _locks, _sharing, _wire
-from ._errors import ConsumerDiedError, InvalidHandleError, PeerGoneError
+from ._checksum import crc32
+from ._errors import ChecksumError, ConsumerDiedError, InvalidHandleError, PeerGoneError
 from ._hooks import hooks_for
+from ._host import HostSend, as_host, host_addressable, not_host_memory, shared_host_storage
 from ._memfd import MappedFile, SharedFile, WordTable, handle_pid, open_shared_file, pid_alive
 from ._readers import (
     ARENA_WORDS,
@@ -61,6 +63,8 @@ MAX_BUFFERS = 16
 _FIELDS = 4  # a record's words: state, acknowledged generation, pid, attachment serial
 _CONTROL_BYTES = WordTable.size(MAX_READERS, _FIELDS)
 _FILLING, _PUBLISHED, _ACKS, _CLOSED = 0, 1, 2, 3  # header words
+_SUMS = 4  # header words 4-7: (generation, CRC-32 or _NO_SUM) of the last two generations
+_NO_SUM = -1
 _DEATH_CHECK = 0.02  # seconds between looks for dead peers while a wait sleeps
 
 
@@ -128,6 +132,19 @@ class _Records(WordTable):
 
     def address(self, header_word: int) -> int:
         return self.mapping.address + 8 * header_word
+
+    def set_checksum(self, generation: int, crc: int) -> None:
+        """Before `generation` is published: its CRC-32 (or _NO_SUM), in the pair of words of
+        its parity, which no generation rewrites while a reader may still hold it."""
+        word = _SUMS + 2 * (generation % 2)
+        self.store_header(word + 1, crc)
+        self.store_header(word, generation)
+
+    def checksum(self, generation: int) -> int | None:
+        """The CRC-32 published with `generation`, or None: published without one."""
+        word = _SUMS + 2 * (generation % 2)
+        crc = self.load_header(word + 1)
+        return crc if self.load_header(word) == generation and crc != _NO_SUM else None
 
 
 _HEADER_LOCK = (0, 8)  # the `filling` word
@@ -229,22 +246,29 @@ class Arena:
         if buffers > MAX_BUFFERS:
             raise ValueError(f"an arena has at most {MAX_BUFFERS} buffers, not {buffers}")
         device = torch.device(device)
-        hooks_for(device)  # UnsupportedDeviceError before anything is allocated
-        self.device = _sharing.local_device(device, device.type)
+        host = device.type == "cpu"  # torch's own shared memory (`_host`), no hooks
+        if not host:
+            hooks_for(device)  # UnsupportedDeviceError before anything is allocated
+        self.device = torch.device("cpu") if host else _sharing.local_device(device,
+                                                                               device.type)
         if storage is None:
             self.nbytes = -(-_positive(nbytes, "nbytes") // ALIGNMENT) * ALIGNMENT
-            self._storage = torch.empty(self.nbytes * buffers, dtype=torch.uint8,
-                                        device=self.device).untyped_storage()
+            self._storage = shared_host_storage(self.nbytes * buffers) if host else torch.empty(
+                self.nbytes * buffers, dtype=torch.uint8, device=self.device).untyped_storage()
         else:
             if buffers != 1 or storage.device != self.device or storage.nbytes() != nbytes:
                 raise ValueError("an arena over a storage has one buffer: the storage's bytes")
             self.nbytes, self._storage = _positive(nbytes, "nbytes"), storage
+        # one send for every consumer of CPU memory: the file torch keeps for the storage
+        self._host_send = HostSend.of(self._storage) if host else None
         self._control = SharedFile(_MAGIC, _CONTROL_BYTES)
         self._records = _Records(self._control.buffer)
         self._records.set_filling(-1)
         self._records.set_published(-1)
+        for generation in (-2, -1):
+            self._records.set_checksum(generation, _NO_SUM)
         self._token = secrets.token_bytes(16)
-        self._sends: dict[int, _handles.Handle] = {}  # record index -> its attachment's send
+        self._sends: dict[int, _handles.Handle | HostSend] = {}  # record -> its send
         self._serials = itertools.count(1)
         self.generation = -1  # the last one put
 
@@ -264,14 +288,17 @@ class Arena:
         self._records.set_ack(index, self.generation - 1 if newest else self.generation)
         self._records.set_pid(index, 0)
         self._records.set_serial(index, serial)
-        shared = _sharing.share_device(self._storage)
-        send = _handles.Handle(bucket=True, shared=shared,
-                               identity=_handles.identity_of(shared.device),
-                               table=Table([], [], [], [], []))
+        send = self._host_send or self._device_send()
         self._sends[index] = send
         self._records.set_state(index, PENDING)
         return Attachment(self._token, send, self._control.handle, index, self.nbytes,
                           self.buffers, serial).to_bytes()
+
+    def _device_send(self) -> _handles.Handle:
+        shared = _sharing.share_device(self._storage)
+        return _handles.Handle(bucket=True, shared=shared,
+                               identity=_handles.identity_of(shared.device),
+                               table=Table([], [], [], [], []))
 
     def _take_record(self) -> int:
         """A record nobody uses: free, or of a consumer that closed or died, or of an
@@ -305,13 +332,14 @@ class Arena:
                          f"and never opened holds its place until it expires)")
 
     def put(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-            timeout: float = 60.0) -> bytes:
+            timeout: float = 60.0, checksum: bool = False) -> bytes:
         """Copy a chunk of named tensors into the next buffer, packed as `share_tensors` packs
         them, once every attached consumer acknowledged the generation that used that buffer
-        before (one that never opened its attachment is not waited for);
+        before (one that never opened its attachment is not waited for), with its CRC-32 if
+        `checksum` (as `publish`);
         returns the chunk's bytes for `ArenaReader.read`. ConsumerDiedError if a consumer died
         meanwhile (it no longer counts: put again), AckTimeoutError after `timeout` seconds."""
-        items = _handles.named_items(named_tensors, "Arena.put()")
+        items = _handles.named_items(named_tensors, "Arena.put()", host=True)
         if items[0][1].device != self.device:
             raise ValueError(f"the arena is on {self.device}, the chunk on {items[0][1].device}")
         table, end = Table.packed(items)
@@ -319,7 +347,7 @@ class Arena:
             raise ValueError(f"the chunk needs {end} bytes, an arena buffer holds {self.nbytes}: "
                              f"split it into smaller chunks")
         generation = self.publish(
-            lambda storage, base: _handles.fill(storage, base, table, items), timeout)
+            lambda storage, base: _handles.fill(storage, base, table, items), timeout, checksum)
         writer = _wire.Writer(_wire.CHUNK).bytes(self._token).int(generation)
         writer.int(generation % self.buffers)
         table.write(writer)
@@ -327,18 +355,25 @@ class Arena:
 
     @counted
     def publish(self, fill: Callable[[torch.UntypedStorage, int], object] | None = None,
-                timeout: float = 60.0) -> int:
+                timeout: float = 60.0, checksum: bool = False) -> int:
         """The next generation: announced, then (once every attached consumer acknowledged the
         generation that used its buffer before) `fill(storage, byte offset of its buffer)`,
         the device's work waited for, and the generation published: consumers sleeping in
-        `ArenaReader.wait` wake. Returns it. Errors as `put`."""
+        `ArenaReader.wait` wake. Returns it. With `checksum` (an arena of at most two buffers),
+        the CRC-32 of its buffer goes with it, for `ArenaReader.verify`. Errors as `put`."""
+        if checksum and self.buffers > 2:
+            raise ValueError(f"checksums go with arenas of at most 2 buffers, not "
+                             f"{self.buffers}")
         with self._turns:
             generation = self.generation + 1
             self.announce(generation)
             self._wait_for(generation - self.buffers, timeout)
+            base = (generation % self.buffers) * self.nbytes
             if fill is not None:
-                fill(self._storage, (generation % self.buffers) * self.nbytes)
+                fill(self._storage, base)
             torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
+            self._records.set_checksum(generation, crc32(self._storage, base, self.nbytes)
+                                       if checksum else _NO_SUM)
             self.generation = generation
             self._records.set_published(generation)
             return generation
@@ -473,7 +508,7 @@ class Attachment(NamedTuple):
     check what comes with it (a publisher token's table) before the one open is spent."""
 
     token: bytes
-    send: _handles.Handle
+    send: _handles.Handle | HostSend  # device memory, or a CPU arena's shared memory
     control: bytes
     record: int
     nbytes: int
@@ -491,7 +526,7 @@ class Attachment(NamedTuple):
         """`name`: what errors call it (the token of a weight publisher it is part of)."""
         reader = _wire.Reader(data, (_wire.ARENA,), name)
         token = reader.bytes("identity", 64)
-        send = _handles.Handle.from_bytes(reader.bytes("memory handle"), name)
+        send = _send_from_bytes(reader.bytes("memory handle"), name)
         control = reader.bytes("control file handle", 1024)
         record = reader.int("reader index", 0, MAX_READERS - 1)
         nbytes = reader.int("buffer size", 1)
@@ -531,8 +566,8 @@ class ArenaReader:
                 raise InvalidHandleError(f"this {words.token} was already opened "
                                          f"({words.one_each}), revoked, or the "
                                          f"{words.producer} is closed")
-            self._storage: torch.UntypedStorage | None = _handles.open_storage(attachment.send,
-                                                                               device)
+            self._storage: torch.UntypedStorage | None = _open_send(attachment.send, device,
+                                                                    words.token)
         except BaseException:
             self._mapping.close()  # the lock goes with it
             raise
@@ -631,6 +666,25 @@ class ArenaReader:
         self.acknowledged = generation
         self._records.bump_acks()
 
+    @counted
+    def verify(self, generation: int) -> None:
+        """Compute the CRC-32 of the held `generation`'s buffer as this reader sees it, and
+        compare it with the one published with it: ChecksumError if they differ, ValueError if
+        it was published without one. Before `ack`: the buffer may be refilled after."""
+        if not self.acknowledged < generation <= self._read:
+            raise ValueError(f"generation {generation} is not held: read or waited for up to "
+                             f"{self._read}, acknowledged up to {self.acknowledged}")
+        expected = self._records.checksum(generation)
+        if expected is None:
+            raise ValueError(f"generation {generation} was published without a checksum: the "
+                             f"{self._words.producer} publishes with checksum=True")
+        torch.get_device_module(self.device).synchronize(self.device)
+        found = crc32(self._held(), (generation % self.buffers) * self.nbytes, self.nbytes)
+        if found != expected:
+            raise ChecksumError(f"generation {generation} holds other bytes here than the "
+                                f"{self._words.producer} published (CRC-32 {found:08x}, "
+                                f"published {expected:08x})")
+
     def _held(self) -> torch.UntypedStorage:
         assert self._storage is not None  # until the last call under way left
         return self._storage
@@ -666,3 +720,28 @@ def open_arena(data: bytes | bytearray | memoryview,
                device: torch.device | str | int | None = None) -> ArenaReader:
     """Consumer: open an arena from `Arena.attach()`'s bytes, once. `device` as in `open`."""
     return ArenaReader(data, device)
+
+
+def _send_from_bytes(data: bytes, name: str) -> _handles.Handle | HostSend:
+    """An attachment's send: a device memory handle, or a CPU arena's host memory."""
+    if _wire.Reader(data, (_wire.BUCKET, _wire.HOST), name).kind == _wire.HOST:
+        return HostSend.from_bytes(data, name)
+    return _handles.Handle.from_bytes(data, name)
+
+
+def _open_send(send: _handles.Handle | HostSend, device: torch.device | str | int | None,
+               what: str) -> torch.UntypedStorage:
+    """The arena's memory in this process: on `device` (None: the producer's own), the CPU
+    included where the memory is host memory. Checked before the send's one open is spent."""
+    cpu = device is not None and torch.device(device).type == "cpu"
+    if isinstance(send, HostSend):
+        if device is not None and not cpu:
+            raise ValueError(f"this {what} is of CPU memory: open it on the CPU (device=None or "
+                             f"'cpu'), then copy what {torch.device(device)} needs (copy_into "
+                             f"a model on it copies)")
+        return send.open(what)
+    if cpu:
+        if not host_addressable(send.device):
+            raise not_host_memory(send.device, what)
+        return as_host(_handles.open_storage(send, None), what)
+    return _handles.open_storage(send, device)

@@ -18,7 +18,9 @@ _BATCH_MIN = 2  # below this, one copy_ is as cheap
 
 def copy_rows(device: torch.device, rows: list[tuple[int, int, int]]) -> bool:
     """Queue the byte copies `rows` (destination, source, bytes) on `device`'s current stream as
-    one operation; False (nothing done) when its hooks have no `copy_batch`."""
+    one operation; False (nothing done) when its hooks have no `copy_batch` (the CPU has none)."""
+    if device.type == "cpu":
+        return False
     copy_batch = getattr(hooks_for(device), "copy_batch", None)
     if copy_batch is None:
         return False

@@ -50,6 +50,12 @@ class ConsumerDiedError(PeerGoneError):
                          f"{generation}; the {producer} no longer waits for it")
 
 
+class ChecksumError(DevIpcError):
+    """The bytes a weight subscriber holds are not those its publisher published with
+    `checksum=True` (`WeightSubscriber.verify`): do not use them; the next generation may be
+    whole again."""
+
+
 class AckTimeoutError(DevIpcError, TimeoutError):
     """A consumer is alive but did not acknowledge in time."""
 

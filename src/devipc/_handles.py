@@ -14,6 +14,7 @@ from . import _sharing, _wire
 from ._copies import copy_pairs
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
+from ._host import shared_host_storage
 from ._refcount import SLOTS_PER_FILE
 from ._table import MAX_NAME, Table
 
@@ -161,11 +162,14 @@ def pack(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tens
          ) -> dict[str, torch.Tensor]:
     """The tensors copied into one new allocation on their device, laid out as a bucket: weights
     kept there (`param.data = packed[name]`) are sent with `share_tensors(packed, copy=False)`,
-    one handle and no copy per sync. Names of one same view stay tied."""
-    items = named_items(named_tensors, "pack()")
+    one handle and no copy per sync. Names of one same view stay tied. CPU tensors are packed
+    into torch's shared memory, for a CPU trainer's `WeightPublisher`."""
+    items = named_items(named_tensors, "pack()", host=True)
     table, end = Table.packed(items, aliases=True)
-    storage = torch.empty(max(end, 1), dtype=torch.uint8, device=items[0][1].device)
-    return fill(storage.untyped_storage(), 0, table, items)
+    device = items[0][1].device
+    storage = shared_host_storage(end) if device.type == "cpu" else torch.empty(
+        max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
+    return fill(storage, 0, table, items)
 
 
 def pack_and_share(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -199,9 +203,10 @@ def in_place(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.UntypedSt
 
 
 def named_items(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                what: str) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a dict or an iterable of pairs: unique names, one device. One
-    pass over the tensors collects their kinds; a bad kind is looked up again to be named."""
+                what: str, host: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a dict or an iterable of pairs: unique names, one device that
+    can share (or, with `host`, the CPU: a weight publisher's host memory). One pass over the
+    tensors collects their kinds; a bad kind is looked up again to be named."""
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
     kinds = set()
     for name, tensor in items:
@@ -216,7 +221,8 @@ def named_items(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, tor
         raise ValueError("a bucket's names must be unique")
     devices = {device for device, *_ in kinds}
     for device in devices:
-        hooks_for(device)  # UnsupportedDeviceError for devices that cannot share
+        if not (host and device.type == "cpu"):
+            hooks_for(device)  # UnsupportedDeviceError for devices that cannot share
     if len(devices) > 1:
         raise ValueError(f"a bucket's tensors must all be on one device, got "
                          f"{sorted(map(str, devices))}")

@@ -202,6 +202,11 @@ def hooks_for(device: torch.device) -> IpcHooks:
 
 
 def unsupported_device(device: torch.device) -> UnsupportedDeviceError:
+    if device.type == "cpu":
+        return UnsupportedDeviceError(
+            "devipc does not send CPU tensors itself: torch shares them (put them on a "
+            "torch.multiprocessing queue, or call share_memory_() before a fork). A "
+            "devipc.WeightPublisher publishes CPU weights, and devipc sends device tensors")
     known = ", ".join(sorted(_registry)) or "none"
     return UnsupportedDeviceError(
         f"cannot share a tensor on {device} between processes: no IPC hooks able to share are "

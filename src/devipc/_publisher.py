@@ -64,12 +64,15 @@ class WeightPublisher:
         at any time."""
         return self._backend.token()
 
-    def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
+    def publish(self, *, wait: bool = True, timeout: float | None = None,
+                checksum: bool = False) -> int:
         """Make the current weights a new generation for every subscriber, once the device work
         that wrote them is done; returns it. With `wait`, returns once every live subscriber
         acknowledged it (`wait_acks`). With copy=False, ValueError if the weights left the
-        packed allocation since the publisher was made."""
-        return self._backend.publish(wait=wait, timeout=timeout)
+        packed allocation since the publisher was made. With `checksum`, the generation's
+        CRC-32 goes with it, for `WeightSubscriber.verify()` (one pass over the bytes, through
+        the host where the device's memory is not host memory)."""
+        return self._backend.publish(wait=wait, timeout=timeout, checksum=checksum)
 
     def wait_acks(self, generation: int, timeout: float | None = None) -> None:
         """Return once every live subscriber acknowledged `generation`. AckTimeoutError after
@@ -113,6 +116,10 @@ class WeightSubscriber:
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
+        """`device`: where to read the tensors (None: the publisher's device type, the local
+        device that holds the memory). "cpu" for a CPU engine: on one host zero-copy where the
+        publisher's memory is host memory (a CPU trainer, a device whose hooks say "DRAM"),
+        else refused with the copy to make; across hosts each generation is pulled there."""
         transport, _ = token_reader(token)
         if transport == "nixl":
             from ._publisher_remote import NixlSubscriber
@@ -165,6 +172,13 @@ class WeightSubscriber:
                                    f"{self.generation})")
             await asyncio.sleep(backoff.next_pause())
         return self._backend.wait(timeout)
+
+    def verify(self) -> None:
+        """Check the held generation end to end: the CRC-32 of its bytes as this subscriber
+        holds them against the one the publisher computed (`publish(checksum=True)`).
+        ChecksumError if they differ, ValueError if it was published without one. Before
+        `ack()`: after it, the publisher may write the next generation there."""
+        self._backend.verify()
 
     def ack(self) -> None:
         """Done with the held generation (its device work included): the publisher may go on."""

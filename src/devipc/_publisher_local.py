@@ -63,7 +63,8 @@ class LocalPublisher:
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
                  copy: bool = False):
         self._source = model_or_state_dict
-        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher")
+        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher",
+                                     host=True)
         self.copy = bool(copy)
         self._in_place: InPlace | None = None
         if self.copy:
@@ -72,9 +73,12 @@ class LocalPublisher:
                                 words=PUBLISHER_WORDS)
         else:
             storage, self._table = _handles.in_place(items)
-            self._in_place = InPlace(model_or_state_dict, items, storage)
+            # CPU weights move into shared memory here (as share_memory_() moves them), so
+            # where they lie is taken after
             self._arena = Arena(storage.nbytes(), storage.device, buffers=1, storage=storage,
                                 words=PUBLISHER_WORDS)
+            self._in_place = InPlace(model_or_state_dict, named_weights(model_or_state_dict),
+                                     storage)
         self.device = self._arena.device
         self.generation = -1
 
@@ -88,15 +92,18 @@ class LocalPublisher:
         attachment = Attachment.from_bytes(self._arena.attach(from_newest=self.copy))
         return LocalToken(attachment, self._table).to_bytes()
 
-    def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
+    def publish(self, *, wait: bool = True, timeout: float | None = None,
+                checksum: bool = False) -> int:
         """Make the current weights a new generation for every subscriber, once the device work
         that wrote them is done; returns it. With `wait`, returns once every live subscriber
         acknowledged it (`wait_acks`). With copy=False, ValueError if the weights left the
-        packed allocation since the publisher was made (`InPlace`)."""
+        packed allocation since the publisher was made (`InPlace`). With `checksum`, its
+        CRC-32 goes with it."""
         if self._in_place is not None:
             self._in_place.check()
         fill = self._fill if self.copy else None
-        generation = self._arena.publish(fill, ACK_TIMEOUT if timeout is None else timeout)
+        generation = self._arena.publish(fill, ACK_TIMEOUT if timeout is None else timeout,
+                                         checksum)
         self.generation = max(self.generation, generation)
         if wait:
             self.wait_acks(generation, timeout)
@@ -163,6 +170,13 @@ class LocalSubscriber:
         if views is None:
             views = self._views[buffer] = self._reader.views(self.generation, self._table)
         return views
+
+    def verify(self) -> None:
+        """ChecksumError unless the held generation's bytes here are those published."""
+        if self.generation < 0:
+            raise ValueError("no generation to verify: wait() first")
+        with self._turns:
+            self._reader.verify(self.generation)
 
     def ack(self) -> None:
         """Done with the held generation (its device work included): the publisher may go on."""

@@ -5,7 +5,9 @@ The publisher registers two things with a NIXL endpoint: the weights (the packed
 itself with `copy=False`, two staging buffers with `copy=True`) and a small host control block
 of int64 words:
 
-    header: published generation | filling
+    header: published generation | filling | the CRC-32s of the last two generations
+            (generation | CRC-32, -1: none), each pair rewritten only once nobody holds its
+            generation
     record per subscriber: state | pid | serial | acknowledged generation | heartbeat
 
 A token carries the endpoint's metadata, the descriptors of the header, of the subscriber's
@@ -39,7 +41,9 @@ import torch
 from . import _handles, p2p
 from ._arena import Calls, counted
 from ._backoff import Backoff
+from ._checksum import crc32
 from ._errors import (
+    ChecksumError,
     ConsumerDiedError,
     DevIpcError,
     InvalidHandleError,
@@ -47,6 +51,7 @@ from ._errors import (
     PeerGoneError,
     RemoteTensorFreedError,
 )
+from ._host import share_host, shared_host_storage
 from ._readers import (
     ATTACHED,
     CLOSED,
@@ -74,18 +79,27 @@ _JOIN = 5.0  # seconds a closing subscriber waits for its heartbeat thread
 _DESCRIPTOR_BYTES = 1 << 20
 _METADATA_BYTES = 1 << 20  # a NIXL agent's metadata
 _SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
-_PUBLISHED, _FILLING = 0, 1
-_HEADER = 2  # words
+_PUBLISHED, _FILLING, _SUMS = 0, 1, 2  # header words; _SUMS: two (generation, CRC-32) pairs
+_NO_SUM = -1
+_HEADER = 6  # words
 _STATE, _PID, _SERIAL, _ACK, _BEAT = range(5)
 _FIELDS = 5
 _WORDS = _HEADER + MAX_READERS * _FIELDS
 # a subscriber's words: where the header and its record land, what it writes
 _HEAD, _RECORD = slice(0, _HEADER), slice(_HEADER, _HEADER + _FIELDS)
-_CLAIM, _ACKED, _BEATS = slice(8, 10), slice(10, 11), slice(11, 12)  # state and pid; ack; beat
+_CLAIM = slice(_HEADER + _FIELDS, _HEADER + _FIELDS + 2)  # state and pid
+_ACKED, _BEATS = slice(_CLAIM.stop, _CLAIM.stop + 1), slice(_CLAIM.stop + 1, _CLAIM.stop + 2)
 
 
 def _word(index: int, field: int) -> int:
     return _HEADER + index * _FIELDS + field
+
+
+def _checksum(header: list[int], generation: int) -> int | None:
+    """The CRC-32 published with `generation` in the header's words, or None: none."""
+    word = _SUMS + 2 * (generation % 2)
+    crc = header[word + 1]
+    return crc if header[word] == generation and crc != _NO_SUM else None
 
 
 class RemoteToken(NamedTuple):
@@ -137,17 +151,22 @@ class NixlPublisher:
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
                  copy: bool = False):
         self._source = model_or_state_dict
-        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher")
+        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher",
+                                     host=True)
         self.copy = bool(copy)
         if self.copy:
             self._table, end = Table.packed(items)
             self._nbytes = -(-max(end, 1) // ALIGNMENT) * ALIGNMENT
             self._buffers = 2
-            self._storage: torch.UntypedStorage | None = torch.empty(
-                2 * self._nbytes, dtype=torch.uint8, device=items[0][1].device).untyped_storage()
+            device = items[0][1].device
+            self._storage: torch.UntypedStorage | None = shared_host_storage(
+                2 * self._nbytes) if device.type == "cpu" else torch.empty(
+                2 * self._nbytes, dtype=torch.uint8, device=device).untyped_storage()
         else:
             self._storage, self._table = _handles.in_place(items)
             self._nbytes, self._buffers = self._storage.nbytes(), 1
+            if self._storage.device.type == "cpu":
+                share_host(self._storage)  # NIXL's peers map it; moved before InPlace looks
         self._in_place = None if self.copy else InPlace(model_or_state_dict, items,
                                                         self._storage)
         self.device = self._storage.device
@@ -164,6 +183,7 @@ class NixlPublisher:
             self._words, control = p2p.create_tensor((_WORDS,), torch.int64, "cpu")
             self._ids.append(control)
             self._words.zero_()
+            self._words[_SUMS:_HEADER] = _NO_SUM
             self._words[_PUBLISHED] = -1
             self._words[_FILLING] = -1 if self.copy else 0  # copy=False: the trainer writes now
             try:
@@ -212,9 +232,11 @@ class NixlPublisher:
                            control, tuple(self._data), self._table).to_bytes()
 
     @counted
-    def publish(self, *, wait: bool = True, timeout: float | None = None) -> int:
+    def publish(self, *, wait: bool = True, timeout: float | None = None,
+                checksum: bool = False) -> int:
         """As for one host: the new generation is visible once the device work that wrote it is
-        done; `wait` waits for every live subscriber's acknowledgement."""
+        done; `wait` waits for every live subscriber's acknowledgement; `checksum` publishes
+        its CRC-32 with it."""
         with self._turns:
             if self._in_place is not None:
                 self._in_place.check()
@@ -226,6 +248,11 @@ class NixlPublisher:
                 fill(self._storage, (generation % 2) * self._nbytes, self._table,
                      named_weights(self._source), self.device)
             torch.get_device_module(self.device).synchronize(self.device)
+            assert self._storage is not None
+            word = _SUMS + 2 * (generation % 2)  # nobody holds generation - 2 any more
+            self._words[word + 1] = crc32(self._storage, (generation % self._buffers)
+                                          * self._nbytes, self._nbytes) if checksum else _NO_SUM
+            self._words[word] = generation
             self.generation = generation
             self._words[_PUBLISHED] = generation
         if wait:
@@ -337,10 +364,14 @@ class NixlSubscriber:
         _check_descriptors(metadata, zip((header, record, claim, ack, beat, *self._data), (
             8 * _HEADER, 8 * _FIELDS, 16, 8, 8, *[nbytes] * self._buffers)))
         self.device = torch.device(publisher_device if device is None else device)
+        if self.device.type == "cpu":
+            self.device = torch.device("cpu")  # as torch names it
         self.generation = -1
         self._calls = Calls("WeightSubscriber")
         self._turns = threading.Lock()
         self._torn = False  # a pull into `_local` started and did not end (Ctrl-C)
+        self._header_seen: list[int] = []  # the header at the last poll
+        self._checksum: int | None = None  # published with the held generation
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._header, self._record, self._claim, self._ack = header, record, claim, ack
         self._ids: list[int] = []
@@ -393,8 +424,9 @@ class NixlSubscriber:
         """(published, filling, this record's state), one NIXL read."""
         self._remote(lambda: self._connection.readv([self._words[_HEAD], self._words[_RECORD]],
                                                     [self._header, self._record]))
-        published, filling, state = self._words[:_HEADER + 1].tolist()
-        return published, filling, state
+        words = self._words[:_HEADER + 1].tolist()
+        self._header_seen = words[:_HEADER]
+        return words[_PUBLISHED], words[_FILLING], words[_HEADER + _STATE]
 
     def _pull(self, data: bytes) -> None:
         """One NIXL read of a generation into `_local`, waited for in slices (another thread's
@@ -440,6 +472,7 @@ class NixlSubscriber:
                 self._pull(self._data[published % self._buffers])
                 if self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
                     self.generation = published
+                    self._checksum = _checksum(self._header_seen, published)
                     return published
                 continue
             if backoff.expired():
@@ -469,6 +502,27 @@ class NixlSubscriber:
         if views is None:
             views = self._views[0] = self._table.views(self._local.untyped_storage())
         return views
+
+    @counted
+    def verify(self) -> None:
+        """ChecksumError unless the held generation's bytes, as pulled here, are those
+        published; ValueError if it was published without a checksum."""
+        if self.generation < 0:
+            raise ValueError("no generation to verify: wait() first")
+        with self._turns:
+            if self._checksum is None:
+                raise ValueError(f"generation {self.generation} was published without a "
+                                 f"checksum: the WeightPublisher publishes with checksum=True")
+            if self._torn:
+                raise ValueError("the last wait() was cut short while it pulled a generation "
+                                 "into this memory: wait() again")
+            torch.get_device_module(self.device).synchronize(self.device)
+            storage = self._local.untyped_storage()
+            found = crc32(storage, 0, storage.nbytes())
+            if found != self._checksum:
+                raise ChecksumError(f"generation {self.generation} holds other bytes here than "
+                                    f"the WeightPublisher published (CRC-32 {found:08x}, "
+                                    f"published {self._checksum:08x})")
 
     @counted
     def ack(self) -> None:
