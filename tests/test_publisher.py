@@ -2,6 +2,7 @@
 generations, copy and in-place modes, late and dead subscribers, a killed publisher, bad tokens,
 and nothing left behind; in both openreg IPC modes."""
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -29,6 +30,9 @@ def _in_user_words(error):
 
 
 def _drain():
+    """Until this process holds no send: views that the frames of a caught exception hold (a
+    cycle, with its traceback) go with a collection, not at once."""
+    gc.collect()
     torch.accelerator.synchronize()
     wait_until(lambda: devipc.stats()["sent"] == 0, "every send ended", collect=True)
 
