@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(PY) examples/ipc_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --maxprocesses 4 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
 
 # openreg's C++: the runtime, the glue and the runtime's native test.
 CXX_SOURCES := $(wildcard openreg/csrc/*/*.cpp openreg/csrc/*/*.h openreg/csrc/*/*/*.cpp tests/openreg/native/*.cpp)
@@ -98,7 +98,7 @@ $(STAMP): $(SOURCES)
 	echo "torch==$(TORCH)" > $(PIN)
 	PIP_CONSTRAINT=$(PIN) $(PIP) install -q torch==$(TORCH)
 	PIP_CONSTRAINT=$(PIN) $(PIP) install -q setuptools wheel ninja
-	PIP_CONSTRAINT=$(PIN) $(PIP) install -q --no-build-isolation -e '.[test,lint,nixl]'
+	PIP_CONSTRAINT=$(PIN) $(PIP) install -q --no-build-isolation -e '.[test,lint,nixl,ray]'
 	@echo "building devipc-openreg: C++ runtime and PyTorch glue (full log: $(VENV)/openreg-build.log)"
 	$(if $(DEFAULT_VENV),,$(PIP) uninstall -q -y devipc-openreg)  # a rebuild, not "already satisfied"
 	$(OPENREG_ENV) PIP_CONSTRAINT=$(PIN) $(PIP) install --no-build-isolation $(OPENREG) -v 2>&1 | tee $(VENV)/openreg-build.log \

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _support import FRESH_TIMEOUT, fresh_env
+from _support import FRESH_TIMEOUT, UCX_LOOPBACK, fresh_env
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES, README = ROOT / "examples", ROOT / "README.md"
@@ -20,6 +20,20 @@ def test_rl_weight_sync_example_matches_every_step():
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("step ") for line in lines) == 5, proc.stdout
     assert lines[-1] == "all engines matched the trainer at every step"
+
+
+@pytest.mark.xdist_group("ray")  # a Ray cluster at a time (tests/test_ray.py runs one too)
+@pytest.mark.parametrize("transport", ["ipc", "nixl"])
+def test_rl_weight_sync_between_ray_actors_matches_every_step(transport):
+    pytest.importorskip("ray")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "ray_weight_sync.py"), "--transport",
+                           transport], env=fresh_env(**UCX_LOOPBACK), capture_output=True,
+                          text=True, timeout=FRESH_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("step ") and "match the trainer" in line for line in lines) == 4
+    assert lines[-2:] == ["the evaluator read the trainer's newest weights through DEVIPC, "
+                          "zero-copy", "all engines matched the trainer at every step"], lines
 
 
 @pytest.mark.parametrize(("args", "last"), [

@@ -182,6 +182,13 @@ def device_supports_ipc(device_type: str) -> bool:
     return sharing_hooks(device_type) is not None
 
 
+def sharing_device_types() -> list[str]:
+    """The device types whose registered hooks say they can share, sorted."""
+    with _lock:
+        types = list(_registry)
+    return sorted(t for t in types if sharing_hooks(t) is not None)
+
+
 def sharing_hooks(device_type: str) -> IpcHooks | None:
     """The hooks of `device_type` when they say they can share, else None. Never raises."""
     hooks = _registry.get(device_type)
