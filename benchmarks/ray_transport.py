@@ -4,6 +4,8 @@
   store      the same tensor returned plainly: Ray's object store (pickled through host memory)
   ray-nixl   a CPU tensor of the same size through Ray's own NIXL transport
   floor      an actor call carrying a small Python value, the same two hops
+  rdt-noop   Ray's RDT with a transport that moves nothing (the receiver makes an empty tensor
+             of the shape): what RDT itself costs per object, whatever the transport
 
 Each transfer is one round trip from the driver: the sender's method makes the object, the
 receiver's reads its last element, `ray.get` returns. The sender keeps one tensor per size and
@@ -18,9 +20,28 @@ import sys
 import time
 
 import ray
+import ray.experimental
 import torch
 
+from devipc.ray._transport import DevipcMetadata, DevipcTransport
+
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20, "256 MiB": 256 << 20}
+
+
+class NoopTransport(DevipcTransport):
+    """RDT's own cost: metadata of the shapes, and a receiver that makes empty tensors."""
+
+    def extract_tensor_transport_metadata(self, obj_id, rdt_object):  # type: ignore[no-untyped-def]
+        return DevipcMetadata(tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
+                              tensor_device=rdt_object[0].device.type)
+
+    def recv_multiple_tensors(self, obj_id, meta, communicator_metadata,  # type: ignore[no-untyped-def]
+                              target_buffers=None):
+        return [torch.empty(shape, dtype=dtype, device=meta.tensor_device)
+                for shape, dtype in meta.tensor_meta]
+
+    def garbage_collect(self, obj_id, tensor_transport_meta, tensors):  # type: ignore[no-untyped-def]
+        pass
 
 
 def _setup_worker() -> None:
@@ -38,6 +59,11 @@ def _setup_worker() -> None:
     import devipc_openreg  # noqa: F401
 
     devipc.ray.register_transport()
+    try:
+        ray.experimental.register_tensor_transport("NOOP", ["openreg", "cpu"], NoopTransport,
+                                                   torch.Tensor)
+    except ValueError:
+        pass  # registered already
 
 
 _setup_worker()
@@ -54,6 +80,10 @@ class Sender:
 
     @ray.method(tensor_transport="DEVIPC")
     def devipc(self, n: int) -> list[torch.Tensor]:
+        return [self.device[n]]
+
+    @ray.method(tensor_transport="NOOP")
+    def noop(self, n: int) -> list[torch.Tensor]:
         return [self.device[n]]
 
     def store(self, n: int) -> list[torch.Tensor]:
@@ -103,6 +133,8 @@ def main() -> None:
         paths = {"devipc": sender.devipc, "store": sender.store, "ray-nixl": sender.nixl}
         floor = _median(lambda: ray.get(receiver.take.remote(sender.small.remote(1)),
                                         timeout=120), args.repeats)
+        noop = _median(lambda: ray.get(receiver.take.remote(sender.noop.remote(4096)),
+                                       timeout=120), args.repeats)
         rows = {}
         for label, n in SIZES.items():
             repeats = args.repeats if n <= 1 << 20 else max(3, args.repeats // 3)
@@ -114,7 +146,9 @@ def main() -> None:
                 except Exception as error:  # e.g. Ray's NIXL where its agent cannot start
                     rows[label][path] = None
                     print(f"{path} at {label}: {type(error).__name__}: {error}"[:200])
-        print(f"\nfloor (a small value, sender -> receiver): {floor * 1e3:.2f} ms\n")
+        print(f"\nfloor (a small value, sender -> receiver): {floor * 1e3:.2f} ms; "
+              f"rdt-noop (RDT moving nothing): {noop * 1e3:.2f} ms, {noop / floor:.2f}x the "
+              f"floor\n")
         print(f"{'size':>8} | {'devipc ms':>10} | {'store ms':>10} | {'ray-nixl ms':>11} | "
               f"{'store/devipc':>12} | {'nixl/devipc':>11} | {'devipc/floor':>12} | "
               f"{'devipc GB/s':>11}")
@@ -134,12 +168,12 @@ def main() -> None:
                   f"{'n/a' if ours is None else f'{ours / floor:.2f}x':>12} | "
                   f"{'n/a' if ours is None else f'{n / ours / 1e9:.2f}':>11}")
         if args.plot:
-            _plot(rows, floor, args.plot)
+            _plot(rows, floor, noop, args.plot)
     finally:
         ray.shutdown()
 
 
-def _plot(rows: dict, floor: float, path: str) -> None:
+def _plot(rows: dict, floor: float, noop: float, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,6 +186,7 @@ def _plot(rows: dict, floor: float, path: str) -> None:
                   if rows[label][name] is not None]
         axes.plot(*zip(*points), marker="o", label=name)
     axes.axhline(floor * 1e3, color="grey", linestyle="--", label="floor (small value)")
+    axes.axhline(noop * 1e3, color="grey", linestyle=":", label="RDT moving nothing")
     axes.set(xscale="log", yscale="log", xlabel="tensor bytes", ylabel="round trip (ms)",
              title="Ray actor to actor: one openreg tensor (ray-nixl: CPU)")
     axes.set_xticks(sizes, list(SIZES))

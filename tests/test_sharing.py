@@ -1,5 +1,6 @@
 """share_device / new_shared_device / release_ipc_counter_device and the sent-data collector,
 in one process and across processes, in both openreg IPC modes."""
+import gc
 import logging
 import textwrap
 import threading
@@ -260,6 +261,7 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
         tensor, other = torch.arange(4.0, device="openreg"), torch.ones(4, device="openreg")
         received = [ForkingPickler.loads(ForkingPickler.dumps(t)) for t in (tensor, other)]
         del received  # both die; their releases wait for the next open
+        gc.collect()  # (also if a cycle held one: a retried open's traceback, on a busy machine)
         torch.accelerator.synchronize()  # their streams' work done: the releases are due at once
         original, calls = _sharing._opened.release, []
 

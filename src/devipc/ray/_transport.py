@@ -10,9 +10,11 @@ storage registered and advertised on a NIXL endpoint (`devipc.p2p`), which the r
 into its own memory. The receiver takes the first way its host allows (same boot and PID
 namespace: the handles; else NIXL), per transfer.
 
-Lifetimes are devipc's: Ray's `garbage_collect` takes back the handles nobody opened and ends the
-registrations; memory a receiver mapped stays until it lets go (or dies: the core reclaims a dead
-consumer's hold), and a receiver of a sender that died gets PeerGoneError, not a hang.
+Lifetimes are devipc's: Ray's `garbage_collect` takes back the handles nobody opened; memory a
+receiver mapped stays until it lets go (or dies: the core reclaims a dead consumer's hold), and a
+receiver of a sender that died gets PeerGoneError, not a hang. A storage's NIXL registration lasts
+as long as the storage (the p2p registry ends it then): registering memory costs milliseconds,
+and a sender sends the same weights again and again.
 """
 from __future__ import annotations
 
@@ -66,13 +68,6 @@ class DevipcCommunicatorMetadata(CommunicatorMetadata):
     """One-sided: nothing is arranged between the two actors."""
 
 
-@dataclass
-class _Sent:
-    """What the sender keeps of an object until Ray frees it."""
-
-    handles: list[_handles.Handle]
-    registrations: list[int]  # p2p ids this transport registered for it
-
 
 class DevipcTransport(TensorTransportManager):
     """The transport Ray instantiates in each process (`devipc.ray.register_transport`)."""
@@ -81,8 +76,7 @@ class DevipcTransport(TensorTransportManager):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sent: dict[str, _Sent] = {}
-        self._ours: dict[int, int] = {}  # p2p id this transport registered -> objects using it
+        self._sent: dict[str, list[_handles.Handle]] = {}  # an object's handles, until freed
         self._endpoint: Any = None  # a NIXL endpoint, made on first use
         self._connections: dict[bytes, Any] = {}  # peer endpoint metadata -> connection
 
@@ -117,19 +111,19 @@ class DevipcTransport(TensorTransportManager):
         if len({t.device for t in tensors}) != 1:
             raise ValueError(f"the tensors of one Ray object must be on one device, got "
                              f"{sorted({str(t.device) for t in tensors})}")
-        sent = _Sent([], [])
+        sent: list[_handles.Handle] = []
         try:
             for indices in _by_storage(tensors).values():
                 meta.groups.append(self._describe(tensors, indices, sent, meta))
         except BaseException:
-            self._let_go(sent)
+            _revoke(sent)
             raise
         with self._lock:
             self._sent[obj_id] = sent
         return meta
 
-    def _describe(self, tensors: list[torch.Tensor], indices: list[int], sent: _Sent,
-                  meta: DevipcMetadata) -> Group:
+    def _describe(self, tensors: list[torch.Tensor], indices: list[int],
+                  sent: list[_handles.Handle], meta: DevipcMetadata) -> Group:
         storage = tensors[indices[0]].untyped_storage()
         items = [(str(i), tensors[i]) for i in indices]
         if not storage.nbytes():
@@ -138,7 +132,7 @@ class DevipcTransport(TensorTransportManager):
             sends = [bytes(HostSend.of(storage))]  # moved into shared memory if it is not there
         else:
             handles = [_handles.share_tensors(items, copy=False) for _ in range(READERS)]
-            sent.handles += handles
+            sent += handles
             sends = [bytes(handle) for handle in handles]
         rows = [(t.dtype, tuple(t.shape), t.stride(),
                  int(t.storage_offset()) * t.element_size()) for _, t in items]
@@ -146,28 +140,8 @@ class DevipcTransport(TensorTransportManager):
         network = self._network()
         if network is not None and storage.nbytes():
             meta.endpoint = network.metadata()
-            group.descriptor = network.advertise(self._register(storage, sent), 0,
-                                                 storage.nbytes())
+            group.descriptor = network.advertise(_registered(storage), 0, storage.nbytes())
         return group
-
-    def _register(self, storage: torch.UntypedStorage, sent: _Sent) -> int:
-        """The storage's p2p id, registered by this transport if it is not yet (counted, so
-        that the last object using it ends it)."""
-        from .. import p2p
-
-        try:
-            reg_id = p2p.get_tensor_id_by_tensor(storage)
-            with self._lock:
-                if reg_id not in self._ours:
-                    return reg_id  # the user's own registration: not ours to end
-        except p2p.NotRegisteredError:
-            if storage.device.type == "cpu":
-                share_host(storage)  # NIXL's peers map CPU memory through its shared file
-            reg_id = p2p.register(storage)
-        with self._lock:
-            self._ours[reg_id] = self._ours.get(reg_id, 0) + 1
-        sent.registrations.append(reg_id)
-        return reg_id
 
     def _network(self) -> Any:
         """This process's NIXL endpoint, or None where NIXL is not installed."""
@@ -187,28 +161,10 @@ class DevipcTransport(TensorTransportManager):
 
     def garbage_collect(self, obj_id: str, tensor_transport_meta: Any,
                         tensors: list[Any]) -> None:
-        """Ray freed the object: handles nobody opened are taken back, registrations end."""
+        """Ray freed the object: handles nobody opened are taken back."""
         with self._lock:
-            sent = self._sent.pop(obj_id, None)
-        if sent is not None:
-            self._let_go(sent)
-
-    def _let_go(self, sent: _Sent) -> None:
-        from .. import p2p
-
-        for handle in sent.handles:
-            handle.revoke()
-        for reg_id in sent.registrations:
-            with self._lock:
-                left = self._ours[reg_id] - 1
-                if left:
-                    self._ours[reg_id] = left
-                else:
-                    del self._ours[reg_id]
-            if not left:
-                p2p.deregister(reg_id)
-        sent.handles.clear()
-        sent.registrations.clear()
+            sent = self._sent.pop(obj_id, [])
+        _revoke(sent)
 
     def held(self) -> int:
         """Objects this process sent that Ray has not freed yet."""
@@ -296,6 +252,24 @@ class DevipcNetworkTransport(DevipcTransport):
     on one machine (`register_transport(..., network=True)`)."""
 
     network_only = True
+
+
+def _registered(storage: torch.UntypedStorage) -> int:
+    """The storage's p2p id, registered now if it is not yet; the registry ends the registration
+    when the storage dies."""
+    from .. import p2p
+
+    try:
+        return p2p.get_tensor_id_by_tensor(storage)
+    except p2p.NotRegisteredError:
+        if storage.device.type == "cpu":
+            share_host(storage)  # NIXL's peers map CPU memory through its shared file
+        return p2p.register(storage)
+
+
+def _revoke(handles: list[_handles.Handle]) -> None:
+    for handle in handles:
+        handle.revoke()
 
 
 def _by_storage(tensors: list[torch.Tensor]) -> dict[int, list[int]]:
