@@ -36,7 +36,7 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 import torch
 
 from . import _futex, _handles, _locks, _sharing, _wire
-from ._checksum import crc32
+from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
 from ._errors import ChecksumError, ConsumerDiedError, InvalidHandleError, PeerGoneError
 from ._hooks import hooks_for
 from ._host import HostSend, as_host, host_addressable, not_host_memory, shared_host_storage
@@ -63,8 +63,7 @@ MAX_BUFFERS = 16
 _FIELDS = 4  # a record's words: state, acknowledged generation, pid, attachment serial
 _CONTROL_BYTES = WordTable.size(MAX_READERS, _FIELDS)
 _FILLING, _PUBLISHED, _ACKS, _CLOSED = 0, 1, 2, 3  # header words
-_SUMS = 4  # header words 4-7: (generation, CRC-32 or _NO_SUM) of the last two generations
-_NO_SUM = -1
+_SUMS = 4  # header words 4-7: the CRC-32s of the last two generations (`_checksum`)
 _DEATH_CHECK = 0.02  # seconds between looks for dead peers while a wait sleeps
 
 
@@ -134,17 +133,15 @@ class _Records(WordTable):
         return self.mapping.address + 8 * header_word
 
     def set_checksum(self, generation: int, crc: int) -> None:
-        """Before `generation` is published: its CRC-32 (or _NO_SUM), in the pair of words of
-        its parity, which no generation rewrites while a reader may still hold it."""
-        word = _SUMS + 2 * (generation % 2)
+        """Before `generation` is published: its CRC-32 (or NO_SUM)."""
+        word = _SUMS + pair(generation)
         self.store_header(word + 1, crc)
         self.store_header(word, generation)
 
     def checksum(self, generation: int) -> int | None:
         """The CRC-32 published with `generation`, or None: published without one."""
-        word = _SUMS + 2 * (generation % 2)
-        crc = self.load_header(word + 1)
-        return crc if self.load_header(word) == generation and crc != _NO_SUM else None
+        return published_sum([self.load_header(_SUMS + i) for i in range(SUM_WORDS)],
+                             generation)
 
 
 _HEADER_LOCK = (0, 8)  # the `filling` word
@@ -266,7 +263,7 @@ class Arena:
         self._records.set_filling(-1)
         self._records.set_published(-1)
         for generation in (-2, -1):
-            self._records.set_checksum(generation, _NO_SUM)
+            self._records.set_checksum(generation, NO_SUM)
         self._token = secrets.token_bytes(16)
         self._sends: dict[int, _handles.Handle | HostSend] = {}  # record -> its send
         self._serials = itertools.count(1)
@@ -373,7 +370,7 @@ class Arena:
                 fill(self._storage, base)
             torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
             self._records.set_checksum(generation, crc32(self._storage, base, self.nbytes)
-                                       if checksum else _NO_SUM)
+                                       if checksum else NO_SUM)
             self.generation = generation
             self._records.set_published(generation)
             return generation
@@ -526,7 +523,7 @@ class Attachment(NamedTuple):
         """`name`: what errors call it (the token of a weight publisher it is part of)."""
         reader = _wire.Reader(data, (_wire.ARENA,), name)
         token = reader.bytes("identity", 64)
-        send = _send_from_bytes(reader.bytes("memory handle"), name)
+        send = _handles.bucket_or_host_send(reader.bytes("memory handle"), name)
         control = reader.bytes("control file handle", 1024)
         record = reader.int("reader index", 0, MAX_READERS - 1)
         nbytes = reader.int("buffer size", 1)
@@ -720,13 +717,6 @@ def open_arena(data: bytes | bytearray | memoryview,
                device: torch.device | str | int | None = None) -> ArenaReader:
     """Consumer: open an arena from `Arena.attach()`'s bytes, once. `device` as in `open`."""
     return ArenaReader(data, device)
-
-
-def _send_from_bytes(data: bytes, name: str) -> _handles.Handle | HostSend:
-    """An attachment's send: a device memory handle, or a CPU arena's host memory."""
-    if _wire.Reader(data, (_wire.BUCKET, _wire.HOST), name).kind == _wire.HOST:
-        return HostSend.from_bytes(data, name)
-    return _handles.Handle.from_bytes(data, name)
 
 
 def _open_send(send: _handles.Handle | HostSend, device: torch.device | str | int | None,

@@ -1,17 +1,37 @@
 """A generation's checksum: CRC-32 of its bytes, which a publisher computes once its device
 work is done and a subscriber computes again over what it holds. Read where the bytes lie when
 they are host memory (the CPU, a device whose memory is host memory), else through the host in
-bounded pieces: one pass over the bytes either way, no larger copy than a piece."""
+bounded pieces: one pass over the bytes either way, no larger copy than a piece.
+
+Both publishers keep the sums in SUM_WORDS words of their control header: a (generation,
+CRC-32) pair per parity, rewritten only once no reader holds the generation two back."""
 import ctypes
 import zlib
+from collections.abc import Sequence
 
 import torch
 
 from ._host import host_addressable
 
-__all__ = ["crc32"]
+__all__ = ["NO_SUM", "SUM_WORDS", "crc32", "pair", "published_sum"]
+
+NO_SUM = -1  # in a pair's CRC-32 word: published without one
+SUM_WORDS = 4
 
 _PIECE = 64 << 20  # bytes copied to the host at a time for a device whose memory is not host's
+
+
+def pair(generation: int) -> int:
+    """Where `generation`'s (generation, CRC-32) pair starts among the SUM_WORDS words. Write
+    its CRC-32 word first, then its generation word."""
+    return 2 * (generation % 2)
+
+
+def published_sum(words: Sequence[int], generation: int) -> int | None:
+    """The CRC-32 published with `generation` in the SUM_WORDS `words`, or None: none."""
+    at = pair(generation)
+    crc = words[at + 1]
+    return crc if words[at] == generation and crc != NO_SUM else None
 
 
 def crc32(storage: torch.UntypedStorage, start: int, nbytes: int) -> int:

@@ -14,7 +14,7 @@ from . import _sharing, _wire
 from ._copies import copy_pairs
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
-from ._host import shared_host_storage
+from ._host import HostSend, shared_host_storage
 from ._refcount import SLOTS_PER_FILE
 from ._table import MAX_NAME, Table
 
@@ -241,6 +241,14 @@ def fill(storage: torch.UntypedStorage, base: int, table: Table,
     views = table.views(storage, shift=base)
     copy_pairs([(view, tensor) for (_, tensor), view in zip(items, views.values())])
     return views
+
+
+def bucket_or_host_send(data: bytes, name: str) -> "Handle | HostSend":
+    """The bytes of a whole storage sent either way: a bucket handle of device memory, or a
+    HostSend of CPU memory (an arena's, a Ray object's). InvalidHandleError for anything else."""
+    if _wire.Reader(data, (_wire.BUCKET, _wire.HOST), name).kind == _wire.HOST:
+        return HostSend.from_bytes(data, name)
+    return Handle.from_bytes(data, name)
 
 
 def _as_handle(handle: Handle | bytes | bytearray | memoryview) -> Handle:

@@ -12,15 +12,14 @@ can be read as CPU tensors where it is mapped (`as_host`): a CPU engine reads a 
 weights without a copy. Other devices are refused with the copy to make instead.
 """
 import ctypes
-import errno
 import os
 
 import torch
 
 from . import _wire
-from ._errors import InvalidHandleError, PeerGoneError, UnsupportedDeviceError
+from ._errors import InvalidHandleError, UnsupportedDeviceError
 from ._hooks import sharing_hooks
-from ._memfd import check_reach, pid_alive, reach_tag
+from ._memfd import open_peer_fd, reach_tag
 
 __all__ = ["HostSend", "as_host", "host_addressable", "not_host_memory", "share_host",
            "shared_host_storage"]
@@ -95,26 +94,12 @@ class HostSend:
         """This process's mapping of the sender's memory, as a CPU storage that owns it.
         InvalidHandleError for a stale, forged or unreachable send; PeerGoneError once the
         sender exited. `what`: what errors call the handle the user holds."""
-        check_reach(self._reach, self.pid, what)
-        if not pid_alive(self.pid):
-            raise PeerGoneError(f"process {self.pid} that made this {what} has exited")
-        path = f"/proc/{self.pid}/fd/{self.fd}"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as error:
-            if not pid_alive(self.pid):
-                raise PeerGoneError(f"process {self.pid} that made this {what} has exited") \
-                    from None
-            if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
-                raise
-            raise InvalidHandleError(f"{path} cannot be opened for this {what} "
-                                     f"({error.strerror}): its memory was released, or it is "
-                                     f"stale or forged") from None
+        fd = open_peer_fd(self._reach, self.pid, self.fd, what)
         try:
             status = os.fstat(fd)
             if (status.st_dev, status.st_ino) != self.inode or status.st_size < self.nbytes:
-                raise InvalidHandleError(f"{path} is not the memory this {what} names (it is "
-                                         f"stale or forged)")
+                raise InvalidHandleError(f"fd {self.fd} of process {self.pid} is not the memory "
+                                         f"this {what} names (it is stale or forged)")
             storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, self.nbytes)
             assert isinstance(storage, torch.UntypedStorage)
             return storage

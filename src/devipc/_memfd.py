@@ -119,28 +119,8 @@ def open_shared_file(handle: bytes, magic: bytes, what: str | None = None) -> Ma
     if got_magic != magic or version != VERSION or pid <= 0 or fd < 0 or size <= 0:
         raise InvalidHandleError(f"not a {what} (magic {got_magic!r}, "
                                  f"version {version})")
-    check_reach(token[:8], pid, what)
-    if not pid_alive(pid):
-        raise _peer_gone(pid, what)
+    peer_fd = open_peer_fd(token[:8], pid, fd, what)
     path = f"/proc/{pid}/fd/{fd}"
-    try:
-        peer_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as error:
-        if not pid_alive(pid):
-            raise _peer_gone(pid, what) from None
-        if error.errno in (errno.EACCES, errno.EPERM):
-            raise InvalidHandleError(
-                f"permission denied opening {path} for a {what}: the consumer must run as "
-                f"the same user as process {pid}, in the same PID namespace, and process {pid} "
-                f"must be dumpable (one that dropped privileges or called "
-                f"prctl(PR_SET_DUMPABLE, 0) cannot be opened even by its own user)") from None
-        if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
-            raise
-        if error.errno == errno.ENOENT:
-            raise InvalidHandleError(f"fd {fd} is no longer open in process {pid}: the file of "
-                                     f"this {what} was released there or it is stale") from None
-        raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened as the file of a "
-                                 f"{what} ({error.strerror}): it is forged or stale") from None
     try:
         # What was opened, not the path again: the producer may reuse fd numbers. The exact name:
         # a regular file that merely carries the token in its name is not our memfd.
@@ -153,6 +133,37 @@ def open_shared_file(handle: bytes, magic: bytes, what: str | None = None) -> Ma
     except BaseException:
         os.close(peer_fd)
         raise
+
+
+def open_peer_fd(reach: bytes, pid: int, fd: int, what: str) -> int:
+    """This process's own open (O_RDWR) of fd `fd` of process `pid`, through /proc: the first
+    step of opening a peer's file by plain bytes; the caller checks that it is the file it names.
+    `reach`: the maker's `reach_tag`. InvalidHandleError for a peer on another host or PID
+    namespace, a denied, closed or forged fd; PeerGoneError once the peer exited (a zombie too);
+    OSError when this process is out of fds or memory."""
+    check_reach(reach, pid, what)
+    if not pid_alive(pid):
+        raise _peer_gone(pid, what)
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as error:
+        if not pid_alive(pid):
+            raise _peer_gone(pid, what) from None
+        if error.errno in (errno.EACCES, errno.EPERM):
+            raise InvalidHandleError(
+                f"permission denied opening {path} for a {what}: the consumer must run as "
+                f"the same user as process {pid}, in the same PID namespace, and process {pid} "
+                f"must be dumpable (one that dropped privileges or called "
+                f"prctl(PR_SET_DUMPABLE, 0) cannot be opened even by its own user)") from None
+        if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise
+        if error.errno == errno.ENOENT:
+            raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened: it is no "
+                                     f"longer open there (the file of this {what} was released, "
+                                     f"or it is stale)") from None
+        raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened as the file of a "
+                                 f"{what} ({error.strerror}): it is forged or stale") from None
 
 
 def host_identity() -> bytes:

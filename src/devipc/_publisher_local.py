@@ -77,8 +77,7 @@ class LocalPublisher:
             # where they lie is taken after
             self._arena = Arena(storage.nbytes(), storage.device, buffers=1, storage=storage,
                                 words=PUBLISHER_WORDS)
-            self._in_place = InPlace(model_or_state_dict, named_weights(model_or_state_dict),
-                                     storage)
+            self._in_place = InPlace(model_or_state_dict, items, storage)
         self.device = self._arena.device
         self.generation = -1
 

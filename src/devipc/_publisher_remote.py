@@ -41,7 +41,7 @@ import torch
 from . import _handles, p2p
 from ._arena import Calls, counted
 from ._backoff import Backoff
-from ._checksum import crc32
+from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
 from ._errors import (
     ChecksumError,
     ConsumerDiedError,
@@ -79,9 +79,8 @@ _JOIN = 5.0  # seconds a closing subscriber waits for its heartbeat thread
 _DESCRIPTOR_BYTES = 1 << 20
 _METADATA_BYTES = 1 << 20  # a NIXL agent's metadata
 _SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
-_PUBLISHED, _FILLING, _SUMS = 0, 1, 2  # header words; _SUMS: two (generation, CRC-32) pairs
-_NO_SUM = -1
-_HEADER = 6  # words
+_PUBLISHED, _FILLING, _SUMS = 0, 1, 2  # header words; from _SUMS, the CRC-32s (`_checksum`)
+_HEADER = _SUMS + SUM_WORDS  # words
 _STATE, _PID, _SERIAL, _ACK, _BEAT = range(5)
 _FIELDS = 5
 _WORDS = _HEADER + MAX_READERS * _FIELDS
@@ -95,11 +94,6 @@ def _word(index: int, field: int) -> int:
     return _HEADER + index * _FIELDS + field
 
 
-def _checksum(header: list[int], generation: int) -> int | None:
-    """The CRC-32 published with `generation` in the header's words, or None: none."""
-    word = _SUMS + 2 * (generation % 2)
-    crc = header[word + 1]
-    return crc if header[word] == generation and crc != _NO_SUM else None
 
 
 class RemoteToken(NamedTuple):
@@ -183,7 +177,7 @@ class NixlPublisher:
             self._words, control = p2p.create_tensor((_WORDS,), torch.int64, "cpu")
             self._ids.append(control)
             self._words.zero_()
-            self._words[_SUMS:_HEADER] = _NO_SUM
+            self._words[_SUMS:_HEADER] = NO_SUM
             self._words[_PUBLISHED] = -1
             self._words[_FILLING] = -1 if self.copy else 0  # copy=False: the trainer writes now
             try:
@@ -249,9 +243,9 @@ class NixlPublisher:
                      named_weights(self._source), self.device)
             torch.get_device_module(self.device).synchronize(self.device)
             assert self._storage is not None
-            word = _SUMS + 2 * (generation % 2)  # nobody holds generation - 2 any more
+            word = _SUMS + pair(generation)  # nobody holds generation - 2 any more
             self._words[word + 1] = crc32(self._storage, (generation % self._buffers)
-                                          * self._nbytes, self._nbytes) if checksum else _NO_SUM
+                                          * self._nbytes, self._nbytes) if checksum else NO_SUM
             self._words[word] = generation
             self.generation = generation
             self._words[_PUBLISHED] = generation
@@ -472,7 +466,7 @@ class NixlSubscriber:
                 self._pull(self._data[published % self._buffers])
                 if self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
                     self.generation = published
-                    self._checksum = _checksum(self._header_seen, published)
+                    self._checksum = published_sum(self._header_seen[_SUMS:], published)
                     return published
                 continue
             if backoff.expired():

@@ -210,12 +210,12 @@ class DevipcTransport(TensorTransportManager):
     def _map(self, group: Group) -> torch.UntypedStorage | None:
         """The sender's storage mapped here, zero-copy; None once its handles are spent and it
         can be read over NIXL instead."""
-        if _is_host_send(group.sends[0]):
-            return HostSend.from_bytes(group.sends[0], "Ray object handle").open(
-                "Ray object handle")
         for data in group.sends:
+            send = _handles.bucket_or_host_send(data, "Ray object handle")
+            if isinstance(send, HostSend):
+                return send.open("Ray object handle")  # CPU memory: any number open it
             try:
-                return _handles.open_storage(_handles.Handle.from_bytes(data), None)
+                return _handles.open_storage(send, None)
             except SpentHandleError:
                 continue  # another receiver on this host took it
             except PeerGoneError as error:
@@ -279,13 +279,6 @@ def _by_storage(tensors: list[torch.Tensor]) -> dict[int, list[int]]:
         key = tensor.untyped_storage().data_ptr() or -1 - i  # each empty storage its own
         groups.setdefault(key, []).append(i)
     return groups
-
-
-def _is_host_send(data: bytes) -> bool:
-    from .. import _wire
-
-    return _wire.Reader(data, (_wire.BUCKET, _wire.HOST), "Ray object handle").kind == \
-        _wire.HOST
 
 
 def _receiving_device(meta: DevipcMetadata) -> torch.device:
