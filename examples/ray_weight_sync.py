@@ -23,7 +23,7 @@ import devipc
 import devipc.ray
 import devipc_openreg  # noqa: F401  (the reference device, in the driver and in every actor)
 
-TIMEOUT = 60  # seconds: every wait and get is bounded
+TIMEOUT = 60  # seconds: every wait and get is bounded (--timeout: a busy machine's)
 STEPS = 4
 ENGINES = 2
 
@@ -43,7 +43,8 @@ def sums(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
 
 @ray.remote
 class Trainer:
-    def __init__(self, transport: str):
+    def __init__(self, transport: str, timeout: float):
+        self.timeout = timeout
         torch.set_num_threads(1)  # several processes on one host: one core each
         self.model = make_model()
         devipc.pack_module(self.model)  # one allocation: generations are sent without a copy
@@ -56,7 +57,7 @@ class Trainer:
     def wait_engines(self, count: int) -> None:
         """Until `count` engines opened their tokens: with copy=False, one that opens after a
         publish starts with the next generation."""
-        self.publisher.wait_subscribers(count, timeout=TIMEOUT)
+        self.publisher.wait_subscribers(count, timeout=self.timeout)
 
     def step(self, step: int) -> tuple[int, dict[str, float]]:
         """One optimizer step, then a generation; returns once every engine acknowledged it."""
@@ -64,7 +65,7 @@ class Trainer:
         self.model(inputs).square().mean().backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        generation = self.publisher.publish(timeout=TIMEOUT, checksum=True)
+        generation = self.publisher.publish(timeout=self.timeout, checksum=True)
         return generation, sums(self.model.state_dict())
 
     @ray.method(tensor_transport="DEVIPC")
@@ -75,13 +76,14 @@ class Trainer:
 
 @ray.remote
 class Engine:
-    def __init__(self, token: bytes):
+    def __init__(self, token: bytes, timeout: float):
+        self.timeout = timeout
         torch.set_num_threads(1)
         self.model = make_model()  # its own weights, overwritten by every generation
         self.subscriber = devipc.WeightSubscriber(token)
 
     def update(self) -> tuple[int, dict[str, float]]:
-        generation = self.subscriber.wait(timeout=TIMEOUT)
+        generation = self.subscriber.wait(timeout=self.timeout)
         self.subscriber.verify()  # the bytes held are those published (CRC-32)
         self.subscriber.copy_into(self.model)
         self.subscriber.ack()
@@ -100,28 +102,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=("ipc", "nixl"), default="ipc",
                         help="the publisher's path: one host (ipc) or across hosts (nixl)")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT,
+                        help="seconds every wait and get may take (actors start slowly on a "
+                             "busy machine)")
     args = parser.parse_args()
+    timeout = args.timeout
     here = os.path.dirname(os.path.abspath(__file__))
     # the actors import this module by name (its classes): Ray's workers find it here
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this run alone
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        trainer = Trainer.remote(args.transport)
-        engines = [Engine.remote(ray.get(trainer.token.remote(), timeout=TIMEOUT))
+        trainer = Trainer.remote(args.transport, timeout)
+        engines = [Engine.remote(ray.get(trainer.token.remote(), timeout=timeout), timeout)
                    for _ in range(ENGINES)]
-        ray.get(trainer.wait_engines.remote(ENGINES), timeout=TIMEOUT)
+        ray.get(trainer.wait_engines.remote(ENGINES), timeout=timeout)
         for step in range(STEPS):
             (generation, expected), *seen = ray.get(
                 [trainer.step.remote(step)] + [engine.update.remote() for engine in engines],
-                timeout=TIMEOUT)
+                timeout=timeout)
             matched = all(got == (generation, expected) for got in seen)
             print(f"step {step}: generation {generation}, {len(seen)} engines "
                   f"{'match' if matched else 'DIFFER FROM'} the trainer")
             if not matched:
                 raise SystemExit(f"an engine's weights differ at generation {generation}")
         latest, mapped = ray.get(Evaluator.remote().evaluate.remote(trainer.weights.remote()),
-                                 timeout=TIMEOUT)
+                                 timeout=timeout)
         if latest != list(expected.values()) or not mapped:
             raise SystemExit("the evaluator did not get the trainer's newest weights zero-copy")
         print("the evaluator read the trainer's newest weights through DEVIPC, zero-copy")
