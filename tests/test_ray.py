@@ -27,6 +27,9 @@ def cluster():
             "PYTHONPATH")))))  # the actors' module, for Ray's workers
         use_ucx_loopback(patch)  # NIXL to this host only
         patch.setenv("RAY_AUTH_MODE", "disabled")  # a cluster of this test alone
+        # Ray's own bound on an object's transfer (60 s) assumes an idle machine: a receiver's
+        # first NIXL read (its agent, UCX, the connection) took longer in a loaded suite
+        patch.setenv("RAY_rdt_fetch_fail_timeout_milliseconds", str(TIMEOUT * 1000))
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
         try:
