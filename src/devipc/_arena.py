@@ -37,7 +37,7 @@ import torch
 
 from . import _futex, _handles, _locks, _sharing, _wire
 from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
-from ._errors import ChecksumError, ConsumerDiedError, InvalidHandleError, PeerGoneError
+from ._errors import ChecksumError, InvalidHandleError, PeerGoneError
 from ._hooks import hooks_for
 from ._host import HostSend, as_host, host_addressable, not_host_memory, shared_host_storage
 from ._memfd import MappedFile, SharedFile, WordTable, handle_pid, open_shared_file, pid_alive
@@ -49,10 +49,13 @@ from ._readers import (
     GONE,
     MAX_READERS,
     PENDING,
+    Records,
     Words,
     acks_timeout,
     attach_timeout,
+    attached,
     label,
+    unacknowledged,
 )
 from ._table import ALIGNMENT, Table
 
@@ -262,6 +265,8 @@ class Arena:
         self._records = _Records(self._control.buffer)
         self._records.set_filling(-1)
         self._records.set_published(-1)
+        self._scanned = Records(self._records.state, self._records.ack, self._records.pid,
+                                self._died)
         for generation in (-2, -1):
             self._records.set_checksum(generation, NO_SUM)
         self._token = secrets.token_bytes(16)
@@ -400,20 +405,13 @@ class Arena:
         while True:
             self._calls.check()
             seen = self._records.acks()  # before the records: an ack after it changes it
-            waiting = [i for i in range(MAX_READERS)
-                       if self._records.state(i) == ATTACHED
-                       and self._records.ack(i) < generation]
-            dead = [(i, self._records.pid(i)) for i in waiting if self._died(i)]
-            if dead:
-                raise ConsumerDiedError(dead, generation, self._words.consumer,
-                                        self._words.producer)
+            waiting = unacknowledged(self._scanned, generation, self._words)
             if not waiting:
                 return
             left = _DEATH_CHECK if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                raise acks_timeout(timeout, generation, self._words.readers, (
-                    f"{i} (pid {self._records.pid(i)}, {label(self._records.state(i))},"
-                    f" acknowledged {self._records.ack(i)})" for i in waiting))
+                raise acks_timeout(self._scanned, waiting, timeout, generation,
+                                   self._words.readers)
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
     @counted
@@ -424,13 +422,12 @@ class Arena:
         while True:
             self._calls.check()
             seen = self._records.acks()  # an attach changes it too
-            attached = sum(self._records.state(i) == ATTACHED and not self._died(i)
-                           for i in range(MAX_READERS))
-            if attached >= count:
+            now = attached(self._scanned)
+            if now >= count:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise attach_timeout(attached, count, timeout, self._words.readers)
+                raise attach_timeout(now, count, timeout, self._words.readers)
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
     def _died(self, index: int) -> bool:

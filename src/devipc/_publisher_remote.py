@@ -44,7 +44,6 @@ from ._backoff import Backoff
 from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
 from ._errors import (
     ChecksumError,
-    ConsumerDiedError,
     DevIpcError,
     InvalidHandleError,
     NotRegisteredError,
@@ -60,9 +59,12 @@ from ._readers import (
     MAX_READERS,
     PENDING,
     PUBLISHER_WORDS,
+    Records,
     acks_timeout,
     attach_timeout,
+    attached,
     label,
+    unacknowledged,
 )
 from ._table import ALIGNMENT, Table
 from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
@@ -266,23 +268,28 @@ class NixlPublisher:
         backoff = Backoff(timeout, first=0.00005, longest=0.001)
         while True:
             self._calls.check()
-            words, now = self._adopt(), time.monotonic()
-            waiting = [i for i in range(MAX_READERS)
-                       if words[_word(i, _STATE)] == ATTACHED
-                       and words[_word(i, _ACK)] < generation]
-            dead = [(i, words[_word(i, _PID)]) for i in waiting if self._silent(i, words, now)]
-            if dead:
-                for i, _ in dead:
-                    self._words[_word(i, _STATE)] = GONE
-                raise ConsumerDiedError(dead, generation, PUBLISHER_WORDS.consumer,
-                                        PUBLISHER_WORDS.producer)
+            records = self._records(self._adopt(), mark=True)
+            waiting = unacknowledged(records, generation, PUBLISHER_WORDS)
             if not waiting:
                 return
             if backoff.expired():
-                raise acks_timeout(timeout, generation, "subscribers", (
-                    f"{i} (pid {words[_word(i, _PID)]}, acknowledged {words[_word(i, _ACK)]})"
-                    for i in waiting))
+                raise acks_timeout(records, waiting, timeout, generation, PUBLISHER_WORDS.readers)
             backoff.pause()
+
+    def _records(self, words: list[int], mark: bool = False) -> Records:
+        """The records in `words` (the control words, read once) for the scans of `_readers`: a
+        subscriber whose heartbeat stood still is dead, marked GONE with `mark`."""
+        now = time.monotonic()
+
+        def died(index: int) -> bool:
+            if not self._silent(index, words, now):
+                return False
+            if mark:
+                self._words[_word(index, _STATE)] = GONE
+            return True
+
+        return Records(lambda i: words[_word(i, _STATE)], lambda i: words[_word(i, _ACK)],
+                       lambda i: words[_word(i, _PID)], died)
 
     def _adopt(self) -> list[int]:
         """The control words, once every subscriber that attached since the last look is no
@@ -314,13 +321,11 @@ class NixlPublisher:
         backoff = Backoff(timeout, first=0.0001, longest=0.01)
         while True:
             self._calls.check()
-            words, now = self._words.tolist(), time.monotonic()
-            attached = sum(words[_word(i, _STATE)] == ATTACHED and not self._silent(i, words, now)
-                           for i in range(MAX_READERS))
-            if attached >= count:
+            now = attached(self._records(self._words.tolist()))
+            if now >= count:
                 return
             if backoff.expired():
-                raise attach_timeout(attached, count, timeout, "subscribers")
+                raise attach_timeout(now, count, timeout, PUBLISHER_WORDS.readers)
             backoff.pause()
 
     def subscribers(self) -> dict[int, dict]:

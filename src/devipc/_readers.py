@@ -3,13 +3,14 @@ subscribers across hosts): the states a record goes through, the most records on
 words of a wait that ran out. Both the arena and the NIXL publisher write these states into shared
 words, so a number read there may be anything: `label` names the ones it knows."""
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import NamedTuple
 
-from ._errors import AckTimeoutError
+from ._errors import AckTimeoutError, ConsumerDiedError
 
 __all__ = ["ARENA_WORDS", "ATTACHED", "CLOSED", "FREE", "GONE", "MAX_READERS", "PENDING",
-           "PUBLISHER_WORDS", "ReaderState", "Words", "acks_timeout", "attach_timeout", "label"]
+           "PUBLISHER_WORDS", "ReaderState", "Records", "Words", "acks_timeout", "attach_timeout",
+           "attached", "label", "unacknowledged"]
 
 MAX_READERS = 64
 
@@ -50,12 +51,41 @@ def label(state: int) -> str:
     return _LABELS.get(state, str(state))
 
 
+class Records(NamedTuple):
+    """A publisher's records as the scans below read them, each a function of a reader's index:
+    the arena reads its control file, the NIXL publisher a copy of its control words."""
+
+    state: Callable[[int], int]
+    ack: Callable[[int], int]  # the newest generation it acknowledged
+    pid: Callable[[int], int]
+    died: Callable[[int], bool]  # whether an attached reader is dead (marked GONE once it is)
+
+
+def unacknowledged(records: Records, generation: int, words: Words) -> list[int]:
+    """The readers a wait for `generation` still waits for: attached, an older one acknowledged.
+    ConsumerDiedError names those of them found dead (GONE from then on: named once)."""
+    waiting = [i for i in range(MAX_READERS)
+               if records.state(i) == ATTACHED and records.ack(i) < generation]
+    dead = [(i, records.pid(i)) for i in waiting if records.died(i)]
+    if dead:
+        raise ConsumerDiedError(dead, generation, words.consumer, words.producer)
+    return waiting
+
+
+def attached(records: Records) -> int:
+    """How many readers opened what they were given and live."""
+    return sum(records.state(i) == ATTACHED and not records.died(i) for i in range(MAX_READERS))
+
+
 def attach_timeout(attached: int, count: int, timeout: float, readers: str) -> TimeoutError:
     return TimeoutError(f"{attached} of {count} {readers} attached within {timeout} s")
 
 
-def acks_timeout(timeout: float | None, generation: int, readers: str,
-                 waiting: Iterable[str]) -> AckTimeoutError:
-    """`waiting`: one description per reader not yet acknowledging, e.g. "3 (pid 12, ...)"."""
-    return AckTimeoutError(f"after {timeout} s, {readers} " + ", ".join(waiting)
-                           + f" have not acknowledged generation {generation}")
+def acks_timeout(records: Records, waiting: list[int], timeout: float | None, generation: int,
+                 readers: str) -> AckTimeoutError:
+    """The wait for `generation` ran out with `waiting` (`unacknowledged`) still waited for."""
+    return AckTimeoutError(
+        f"after {timeout} s, {readers} " + ", ".join(
+            f"{i} (pid {records.pid(i)}, {label(records.state(i))}, acknowledged "
+            f"{records.ack(i)})" for i in waiting)
+        + f" have not acknowledged generation {generation}")
