@@ -99,6 +99,11 @@ class Receiver:
             self.kept = list(tensors)
         return seen
 
+    def kept_described(self) -> list[tuple]:
+        """What the tensors it kept hold now."""
+        torch.accelerator.synchronize()
+        return described(self.kept)
+
     def drop(self) -> dict:
         """Let go of what it kept; what devipc still maps here."""
         import gc

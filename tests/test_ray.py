@@ -134,3 +134,27 @@ def test_killed_receivers_and_freed_objects_leave_nothing_behind(cluster, actors
     wait_until(lambda: _get(sender.held.remote()) == {"objects": 0, "sent": 0},
                "the sender holds no object and no send", timeout=TIMEOUT)
     assert _get(receivers[0].drop.remote())["mapped"] == 0
+
+
+@pytest.mark.parametrize("method", ["make", "make_over_network"])
+def test_an_object_freed_while_a_receiver_reads_it_stays_whole_until_it_lets_go(cluster, actors,
+                                                                                method):
+    sender, _, receivers = actors
+    key = f"freed while read {method}"
+    ref = getattr(sender, method).remote(key, 5.0)
+    expected = cluster.described(cluster.sample("cpu", 5.0))
+    assert _get(receivers[2].take.remote(ref, keep=True))["tensors"] == expected
+    del ref  # Ray frees the object, and the sender its tensors, while the receiver holds them
+    sender.forget.remote(key)
+    if method == "make":  # the sender's memory: it stays until the receiver lets go
+        wait_until(lambda: _get(sender.held.remote())["objects"] == 0,
+                   "Ray freed the object", timeout=TIMEOUT)
+    else:  # a copy of the receiver's own, read over NIXL
+        wait_until(lambda: _get(sender.held.remote()) == {"objects": 0, "sent": 0},
+                   "the sender holds nothing", timeout=TIMEOUT)
+    sender.make.remote("overwrites freed memory", 6.0)  # its allocator may reuse the blocks
+    assert _get(receivers[2].kept_described.remote()) == expected
+    assert _get(receivers[2].drop.remote())["mapped"] == 0
+    sender.forget.remote("overwrites freed memory")
+    wait_until(lambda: _get(sender.held.remote())["sent"] == 0,
+               "every send of the freed object ended", timeout=TIMEOUT)

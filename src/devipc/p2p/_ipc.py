@@ -16,7 +16,7 @@ import functools
 import operator
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
 import torch
@@ -251,22 +251,36 @@ class IpcLink:
 
 @dataclass(slots=True, eq=False)
 class _Plan:
-    """A same-host copy of these descriptors as the full path first made it, kept by the link
-    for the next copy of the same descriptors: only the local tensors and the registrations'
-    words are read again. One of two kinds:
-    - one descriptor of at most _INLINE_BYTES that the calling thread copied itself (`remote`,
-      its bytes in the peer's memory), made again while the streams that order it are idle;
-    - a vector the device copied as one batch (`table`: each pair's remote address and bytes),
-      handed to the device again in slices."""
+    """A same-host copy of these descriptors as the full path validated it: the one form in
+    which a transfer is kept, by the link for the next copy of the same descriptors or by a
+    prepared transfer. Only the local tensors (not a prepared one's: they are fixed) and the
+    registrations' words are read again. Three kinds:
+    - the link's, one descriptor of at most _INLINE_BYTES that the calling thread copied itself
+      (`remote`: its bytes in the peer's memory; `stream`), made again while the streams that
+      order it are idle;
+    - the link's, a vector the device copied as one batch (`table`: each pair's remote address
+      and bytes), handed to the device again in slices (`batch_again`);
+    - a prepared transfer's (`prepared`, `post_prepared`), every copy fixed: host bytes the
+      calling thread copies while `streams` are idle (`rows`), else the device's batch (`batch`)
+      or the pairs (`pairs`)."""
 
-    descs: list[Descriptor]  # held: their ids, the plan's key, stay theirs
+    descs: list[Descriptor]  # held: their ids, the link's key for the plan, stay theirs
     entries: list[RemoteEntry]  # the distinct registrations the copies reach
-    device: torch.device | None  # the device whose current stream orders the copies (or None)
+    device: torch.device | None = None  # the link's: the device whose current stream orders them
     stream: int = -1  # one descriptor: its index for the accelerator's current stream, or -1
     remote: memoryview = _NO_BYTES  # one descriptor: the remote range's bytes
     table: torch.Tensor | None = None  # a batch: the pairs' remote addresses, then their bytes
-    cpu_remote: bool = False  # a batch reaching the peer's CPU memory: finished before return
+    cpu_remote: bool = False  # the peer's CPU memory reached: a device copy ends before return
     last: tuple[int, memoryview | None] = (0, None)  # the last local address, and its bytes
+    # a prepared transfer's
+    devices: set[torch.device] = field(default_factory=set)  # the streams ordering the copies
+    words: list[tuple[int, int]] = field(default_factory=list)  # (slot, id) per registration
+    streams: list[int] = field(default_factory=list)  # to be idle for `rows`
+    rows: list[tuple[memoryview, memoryview]] | None = None  # (destination, source) host bytes
+    batch: "_Batch | None" = None  # all the copies as one operation of the device
+    pairs: list = field(default_factory=list)  # else each copy (`_pair`)
+    owner: tuple[list[RemoteEntry], list[Descriptor]] | None = None  # events not waited for yet
+    keep: tuple[object, ...] = ()  # what a device copy's Transfer holds until it ends
 
     def batch_again(self, op: str, locals_: list, peer: Peer) -> Transfer | None:
         """The batch again with these local tensors; None where the full path must run (a local
@@ -308,81 +322,90 @@ class _Plan:
         return transfer
 
 
+    @classmethod
+    def prepared(cls, op: str, locals_: list, entries: list[RemoteEntry],
+                 descs: list[Descriptor]) -> "_Plan":
+        """The plan of a prepared transfer: `entries` (one per descriptor, pinned by the caller
+        for the plan's life) and `locals_` are fixed."""
+        distinct = list({id(entry): entry for entry in entries}.values())
+        devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
+        devices.update(local.device for local in locals_ if not local.is_cpu)
+        rows = _host_rows(op, locals_, entries, descs, events=False)
+        streams = [] if rows is None else [_stream_index(device) for device in rows[1]]
+        small = rows is not None and None not in streams \
+            and len(rows[0]) <= _INLINE_PAIRS and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
+        batch = _batch(op, locals_, entries, descs, devices)
+        return cls(
+            descs=descs, entries=distinct, devices=devices,
+            cpu_remote=any(entry.device.type == "cpu" for entry in distinct),
+            words=[(entry.slot, entry.reg_id) for entry in distinct],
+            # the copies the calling thread may make when these streams are idle
+            streams=[index for index in streams if index is not None] if small else [],
+            rows=[(host_bytes(dst, n), host_bytes(src, n)) for dst, src, n in rows[0]]
+            if rows is not None and small else None,
+            batch=batch, pairs=[] if batch is not None else [
+                _pair(op, local, entry, desc) for local, entry, desc in
+                zip(locals_, entries, descs)],
+            owner=(entries, descs) if any(desc.event for desc in descs) else None,
+            keep=(locals_, [entry.data for entry in distinct]))
+
+    def post_prepared(self, peer: Peer) -> Transfer:
+        """A prepared transfer's copies, once more: the owner's words and the streams read, the
+        rest as prepared."""
+        devices, owner, rows = self.devices, self.owner, self.rows
+        if owner is not None:  # the owner's advertisement events, waited for once
+            if rows is not None and all(not d.event or d.event in e.waited
+                                        for e, d in zip(*owner)):
+                self.owner = owner = None
+        if rows is not None and owner is None and _all_idle(self.streams) \
+                and peer.move_live(self.words, rows):  # liveness and copies, one lock
+            return DONE
+        peer.check_alive()
+        peer.check_live(self.words)
+        if not devices:  # host memory only: copied here (`close` may unmap it afterwards)
+            _copy(self.pairs)
+            return DONE
+        if owner is not None:
+            _wait_for_owner(*owner, devices)
+            self.owner = None
+        batch = self.batch
+        if batch is None:
+            _copy(self.pairs)
+        else:
+            batch.copy_batch(batch.device_index, batch.table)
+        transfer = Transfer(record_events(devices), keep=self.keep)
+        if self.cpu_remote:
+            transfer.wait()  # `close` may unmap a CPU mapping: never under a device copy
+        return transfer
+
+
 class IpcPrepared:
-    """A transfer validated once: the peer's registrations stay mapped and pinned, the copies are
-    one precomputed batch (or pair list), and a post checks only the registrations' words."""
+    """A transfer validated once (its `_Plan`): the peer's registrations stay mapped and pinned
+    until `close`, and a post checks only the registrations' words."""
 
     def __init__(self, peer: Peer, op: str, locals_: list, descs: list):
         peer.check_alive()
         entries = peer.open_all(descs)
         try:
-            distinct = list({id(entry): entry for entry in entries}.values())
-            self._words = [(entry.slot, entry.reg_id) for entry in distinct]
-            devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
-            devices.update(local.device for local in locals_ if not local.is_cpu)
-            self._devices = devices
-            rows = _host_rows(op, locals_, entries, descs, events=False)
-            streams = [] if rows is None else [_stream_index(device) for device in rows[1]]
-            small = rows is not None and None not in streams \
-                and len(rows[0]) <= _INLINE_PAIRS and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
-            # the copies the calling thread may make when these streams are idle
-            self._rows = [(host_bytes(dst, n), host_bytes(src, n)) for dst, src, n in rows[0]] \
-                if rows is not None and small else None
-            self._streams = [index for index in streams if index is not None]  # if small
-            self._batch = _batch(op, locals_, entries, descs, devices)
-            self._pairs = [] if self._batch is not None else [
-                _pair(op, local, entry, desc) for local, entry, desc in
-                zip(locals_, entries, descs)]
-            self._owner = (entries, descs) if any(d.event for d in descs) else None
-            self._cpu_remote = any(entry.device.type == "cpu" for entry in distinct)
-            self._keep: tuple[object, ...] = (locals_, [entry.data for entry in distinct])
+            self._plan: _Plan | None = _Plan.prepared(op, locals_, entries, descs)
         except BaseException:
             peer.unpin(entries)
             raise
         self._peer, self._entries = peer, entries
         self._lock = threading.Lock()  # a post and `close`: never at once (pins, raw addresses)
-        self._closed = False
 
     def post(self) -> Transfer:
         with self._lock:
-            if self._closed:
+            if self._plan is None:
                 raise ValueError("this prepared transfer is closed: prepare it again")
-            return self._post()
-
-    def _post(self) -> Transfer:
-        peer = self._peer
-        devices, owner, rows = self._devices, self._owner, self._rows
-        if owner is not None:  # the owner's advertisement events, waited for once
-            if rows is not None and all(not d.event or d.event in e.waited
-                                        for e, d in zip(*owner)):
-                self._owner = owner = None
-        if rows is not None and owner is None and _all_idle(self._streams) \
-                and peer.move_live(self._words, rows):  # liveness and copies, one lock
-            return DONE
-        peer.check_alive()
-        peer.check_live(self._words)
-        if not devices:  # host memory only: copied here (`close` may unmap it afterwards)
-            _copy(self._pairs)
-            return DONE
-        if owner is not None:
-            _wait_for_owner(*owner, devices)
-            self._owner = None
-        if self._batch is None:
-            _copy(self._pairs)
-        else:
-            batch = self._batch
-            batch.copy_batch(batch.device_index, batch.table)
-        transfer = Transfer(record_events(devices), keep=self._keep)
-        if self._cpu_remote:
-            transfer.wait()  # `close` may unmap a CPU mapping: never under a device copy
-        return transfer
+            return self._plan.post_prepared(self._peer)
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
-            self._peer.unpin(self._entries)
-            self._rows, self._batch, self._pairs, self._keep = None, None, [], ()
-            self._entries = []
+            if self._plan is not None:
+                self._plan = None
+                self._peer.unpin(self._entries)
+                self._entries = []
 
 
 def _host_rows(op: str, locals_: list, entries: list[RemoteEntry], descs: list[Descriptor],
