@@ -325,6 +325,25 @@ def test_forged_grad_and_device_flags_are_invalid_handles_and_leave_the_send_alo
     _drain()
 
 
+def test_a_table_seen_before_is_still_checked_against_each_handles_storage():
+    """A consumer keeps the tables it decoded (a trainer sends the same one every step); a
+    handle whose table was seen with a larger storage is still refused where a row would reach
+    outside its own."""
+    big = torch.arange(1000, dtype=torch.float32, device="openreg")
+    handle = devipc.share_tensors({"a": big[996:]}, copy=False)
+    assert devipc.open_tensors(bytes(handle))["a"].cpu().tolist() == [996.0, 997.0, 998.0, 999.0]
+    again = devipc.share_tensors({"a": big[996:]}, copy=False)
+    assert devipc.open_tensors(bytes(again))["a"].cpu().tolist() == [996.0, 997.0, 998.0, 999.0]
+    forged = devipc.share_tensors({"a": big[996:]}, copy=False)
+    forged._shared = forged._shared._replace(size_bytes=16)  # the same table, a smaller storage
+    with pytest.raises(devipc.InvalidHandleError, match="outside its storage"):
+        devipc.open_tensors(bytes(forged))
+    forged._shared = forged._shared._replace(size_bytes=4000)
+    assert forged.revoke()
+    del big
+    _drain()
+
+
 def _in_another_pid_namespace(code: str, *args: str) -> subprocess.CompletedProcess:
     """Runs `code` as root's `unshare --pid --fork --mount-proc` would for a second container
     sharing the device: its own PID namespace and /proc. Skips where that is not allowed."""

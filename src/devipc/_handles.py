@@ -6,12 +6,13 @@ unopened (`Handle.revoke`). A bucket is one device allocation, one memory handle
 any number of tensors: a trainer can publish its weights in one message and the consumer maps
 them once, as zero-copy views.
 """
+import operator
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from . import _sharing, _wire
-from ._copies import copy_pairs
+from ._copies import copy_pairs, copy_rows
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
 from ._host import HostSend, shared_host_storage
@@ -20,19 +21,32 @@ from ._table import MAX_NAME, Table
 
 __all__ = ["Handle", "open", "open_tensors", "pack", "share", "share_tensors"]
 
+_device_of = operator.attrgetter("device")
+
 
 class Handle:
     """One send of a tensor or a bucket. `bytes(handle)` is all a consumer needs; pickling a
     handle sends the same bytes. `local` is the producer's own views of a bucket it packed (None
     elsewhere): writes through it reach the consumers, and theirs come back."""
 
-    __slots__ = ("_bucket", "_shared", "_identity", "_requires_grad", "_table", "local")
+    __slots__ = ("_bucket", "_shared", "_identity", "_requires_grad", "_table", "_local",
+                 "_packed")
 
     def __init__(self, *, bucket: bool, shared: _sharing.SharedStorage, identity: bytes,
                  table: Table, requires_grad: bool = False,
-                 local: dict[str, torch.Tensor] | None = None):
+                 local: dict[str, torch.Tensor] | None = None,
+                 packed: torch.UntypedStorage | None = None):
+        """`local`: the producer's tensors; or `packed`, the storage they were packed into,
+        whose views `local` makes when first asked (a snapshot sent is rarely looked at)."""
         self._bucket, self._shared, self._identity = bucket, shared, identity
-        self._requires_grad, self._table, self.local = requires_grad, table, local
+        self._requires_grad, self._table = requires_grad, table
+        self._local, self._packed = local, packed
+
+    @property
+    def local(self) -> dict[str, torch.Tensor] | None:
+        if self._local is None and self._packed is not None:
+            self._local, self._packed = self._table.views(self._packed), None
+        return self._local
 
     @property
     def kind(self) -> str:
@@ -87,7 +101,7 @@ class Handle:
         if bool(mem) != bool(counter) or (not mem and size):
             raise InvalidHandleError("a handle of a non-empty storage needs both a memory handle "
                                      "and a ref-counter handle")
-        table = Table.read(reader, size)
+        table = _read_table(reader, size)
         if reader.kind == _wire.TENSOR and len(table) != 1:
             raise InvalidHandleError(f"a tensor handle holds one tensor, this one {len(table)}")
         if requires_grad:
@@ -117,6 +131,27 @@ class Handle:
     def __repr__(self) -> str:
         return (f"<devipc.Handle {self.kind} of {len(self._table)} on {self.device}, "
                 f"{self.nbytes} bytes>")
+
+
+_TABLES_KEPT = 16
+_tables: dict[tuple[bytes, int], Table] = {}
+
+
+def _read_table(reader: _wire.Reader, storage_bytes: int) -> Table:
+    """The table that ends a handle, checked against its storage's size. Kept by its bytes: a
+    trainer sends the same table step after step, and its thousands of rows cost milliseconds
+    to check (a kept one is shared: tables are never changed once made)."""
+    key = (reader.rest(), storage_bytes)
+    table = _tables.get(key)
+    if table is not None:
+        reader.skip_rest()
+        return table
+    table = Table.read(reader, storage_bytes)
+    reader.end()
+    if len(_tables) >= _TABLES_KEPT:
+        _tables.clear()
+    _tables[key] = table
+    return table
 
 
 def identity_of(device: torch.device) -> bytes:
@@ -169,7 +204,8 @@ def pack(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tens
     device = items[0][1].device
     storage = shared_host_storage(end) if device.type == "cpu" else torch.empty(
         max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
-    return fill(storage, 0, table, items)
+    fill(storage, 0, table, items)
+    return table.views(storage)
 
 
 def pack_and_share(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -180,15 +216,16 @@ def pack_and_share(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, 
     if copy:
         table, end = Table.packed(items, aliases)
         storage = torch.empty(max(end, 1), dtype=torch.uint8, device=device).untyped_storage()
-        local = fill(storage, 0, table, items)
+        fill(storage, 0, table, items)
+        local, packed = None, storage
     else:
         storage, table = in_place(items)
-        local = dict(items)
+        local, packed = dict(items), None
     shared = _sharing.share_device(storage)
     _sharing.counts["buckets_shared"] += 1
     _sharing.counts["bucket_tensors_shared"] += len(table)
     return Handle(bucket=True, shared=shared, identity=identity_of(device), table=table,
-                  local=local)
+                  local=local, packed=packed)
 
 
 def in_place(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.UntypedStorage, Table]:
@@ -236,11 +273,20 @@ def named_items(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, tor
 
 
 def fill(storage: torch.UntypedStorage, base: int, table: Table,
-         items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Copy `items` into `storage` at `base` + their table's offsets; the views, by name."""
+         items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Copy `items` into `storage` at `base` + their table's offsets (`table` lays out these
+    very tensors): one batched device operation of (destination, source, bytes) rows where every
+    tensor is contiguous and the hooks offer `copy_batch`, else `copy_` through views."""
+    start = storage.data_ptr() + base
+    tensors = [tensor for _, tensor in items]
+    if all(map(torch.Tensor.is_contiguous, tensors)) \
+            and set(map(_device_of, tensors)) == {storage.device}:
+        rows = [(start + offset, tensor.data_ptr(), tensor.nbytes)
+                for offset, tensor in zip(table.offsets, tensors) if tensor.numel()]
+        if copy_rows(storage.device, rows):
+            return
     views = table.views(storage, shift=base)
-    copy_pairs([(view, tensor) for (_, tensor), view in zip(items, views.values())])
-    return views
+    copy_pairs(list(zip(views.values(), tensors)))
 
 
 def bucket_or_host_send(data: bytes, name: str) -> "Handle | HostSend":

@@ -5,6 +5,7 @@ Columns, because a weight sync moves thousands of tensors: one wire field per co
 same for one entry or for 19,500, where fields per entry cost microseconds each to write, read
 and check. A tensor handle is a table of one entry.
 """
+import functools
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, repeat
 from operator import floordiv, mod
@@ -50,26 +51,28 @@ class Table:
                aliases: bool = False) -> tuple["Table", int]:
         """Where (name, tensor) pairs go when packed: contiguous, at offsets aligned to
         ALIGNMENT; with `aliases`, names of one same view share its bytes. And the end."""
-        table, end = cls([], [], [], [], []), 0
+        names: list[str] = []
+        dtypes: list[torch.dtype] = []
+        shapes: list[tuple[int, ...]] = []
+        offsets: list[int] = []
+        end = 0
         seen: dict[tuple, int] = {}
         for name, tensor in items:
-            shape = tuple(tensor.shape)
-            key = (tensor.data_ptr(), tensor.dtype, shape, tensor.stride())
-            if aliases and tensor.numel() and key in seen:
-                offset = seen[key]
-            else:
-                offset = seen[key] = -(-end // ALIGNMENT) * ALIGNMENT
-                end = offset + tensor.numel() * tensor.element_size()
-            table.append(name, tensor.dtype, shape, _contiguous(shape), offset)
-        return table, end
-
-    def append(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
-               stride: tuple[int, ...], offset: int) -> None:
-        self.names.append(name)
-        self.dtypes.append(dtype)
-        self.shapes.append(shape)
-        self.strides.append(stride)
-        self.offsets.append(offset)
+            shape, dtype = tuple(tensor.shape), tensor.dtype
+            nbytes = tensor.nbytes
+            key = (tensor.data_ptr(), dtype, shape, tensor.stride()) if aliases and nbytes \
+                else None
+            offset = seen.get(key, -1) if key is not None else -1
+            if offset < 0:
+                offset = -(-end // ALIGNMENT) * ALIGNMENT
+                end = offset + nbytes
+                if key is not None:
+                    seen[key] = offset
+            names.append(name)
+            dtypes.append(dtype)
+            shapes.append(shape)
+            offsets.append(offset)
+        return cls(names, dtypes, shapes, map(_contiguous, shapes), offsets), end
 
     def write(self, writer: _wire.Writer) -> None:
         """On the wire: count | name lengths | names | dtype codes | ndims | shapes | strides |
@@ -143,6 +146,7 @@ def _cut(blob: bytes, lengths: Sequence[int]) -> list[str]:
         raise InvalidHandleError("a tensor name is not UTF-8 text") from None
 
 
+@functools.lru_cache(maxsize=1024)
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of `shape`, as torch gives them (sizes 0 count as 1)."""
     if not shape:

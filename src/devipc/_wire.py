@@ -207,6 +207,14 @@ class Reader:
             raise InvalidHandleError(f"{what} {values} holds a negative value")
         return values
 
+    def rest(self) -> builtins.bytes:
+        """The bytes not read yet: a cache's key for what they decode to (`skip_rest`)."""
+        return self._data[self._at:]
+
+    def skip_rest(self) -> None:
+        """The rest counts as read: a cache held what it decodes to (`rest`)."""
+        self._at = len(self._data)
+
     def end(self) -> None:
         if self._at != len(self._data):
             raise InvalidHandleError(f"{len(self._data) - self._at} unexpected bytes after the "
