@@ -161,6 +161,27 @@ def count_fds_around_a_receive(inbox, outbox):
                 devipc.stats()["mapped_counter_files"]))
 
 
+def read_new_tensors(inbox, outbox, count):
+    """Reads the first element of `count` tensors, each dropped at once; replies with their sum
+    and what it holds afterwards beyond what it held after the first: fds, mappings of other
+    processes' memfds, devipc's mapped allocations."""
+    from _support import foreign_memfd_maps
+
+    first = inbox.get(timeout=TIMEOUT)  # the producer's counter file, mapped once and kept
+    total = first[0].item()
+    del first
+    devipc.ipc_collect()
+    fds, maps = len(os.listdir("/proc/self/fd")), foreign_memfd_maps()
+    for _ in range(count - 1):
+        tensor = inbox.get(timeout=TIMEOUT)
+        total += tensor[0].item()
+        del tensor
+    wait_until(lambda: devipc.stats()["mapped"] == 0, "every received allocation let go",
+               collect=True)
+    outbox.put((total, len(os.listdir("/proc/self/fd")) - fds,
+                sorted(foreign_memfd_maps() - maps), devipc.stats()["mapped"]))
+
+
 def reduce_and_exit(outbox):
     """Sends a handle as plain bytes, then exits before anyone opens it."""
     import torch.multiprocessing.reductions as reductions
