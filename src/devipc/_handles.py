@@ -22,6 +22,7 @@ from ._table import MAX_NAME, Table
 __all__ = ["Handle", "open", "open_tensors", "pack", "share", "share_tensors"]
 
 _device_of = operator.attrgetter("device")
+_kind_of = operator.attrgetter("device", "layout", "dtype", "is_nested")
 
 
 class Handle:
@@ -245,16 +246,19 @@ def named_items(named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, tor
     can share (or, with `host`, the CPU: a weight publisher's host memory). One pass over the
     tensors collects their kinds; a bad kind is looked up again to be named."""
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-    kinds = set()
-    for name, tensor in items:
-        if not isinstance(name, str) or len(name) > MAX_NAME // 4 \
-                and len(name.encode()) > MAX_NAME:
-            raise ValueError(f"a bucket's names are strings of at most {MAX_NAME} bytes, got "
-                             f"{name!r:.80}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{what}[{name!r}] is not a tensor but {type(tensor).__name__}")
-        kinds.add((tensor.device, tensor.layout, tensor.dtype, tensor.is_nested))
-    if len({name for name, _ in items}) != len(items):
+    names, tensors = [name for name, _ in items], [tensor for _, tensor in items]
+    if set(map(type, names)) - {str} or max(map(len, names), default=0) > MAX_NAME // 4 \
+            or not all(issubclass(kind, torch.Tensor) for kind in set(map(type, tensors))):
+        # (C loops above; this one names the culprit)
+        for name, tensor in items:
+            if not isinstance(name, str) or len(name) > MAX_NAME // 4 \
+                    and len(name.encode()) > MAX_NAME:
+                raise ValueError(f"a bucket's names are strings of at most {MAX_NAME} bytes, "
+                                 f"got {name!r:.80}")
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{what}[{name!r}] is not a tensor but {type(tensor).__name__}")
+    kinds = set(map(_kind_of, tensors))
+    if len(set(names)) != len(items):
         raise ValueError("a bucket's names must be unique")
     devices = {device for device, *_ in kinds}
     for device in devices:
