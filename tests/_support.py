@@ -270,11 +270,12 @@ def zombie_child(code, **env):
         proc.stderr.close()
 
 
-def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.01,
+def wait_until(condition, what, timeout: float = TIMEOUT, poll: float = 0.01,
                collect: bool = False):
     """Polls `condition()` until it is truthy, for effects that happen in the background (the
-    collector thread, a killed process's locks); fails the test after `timeout` seconds. With
-    `collect`, each poll runs `devipc.ipc_collect()` first."""
+    collector thread, a killed process's locks); fails the test after `timeout` seconds, saying
+    `what` (text, or a function that says what was seen last). With `collect`, each poll runs
+    `devipc.ipc_collect()` first."""
     deadline = time.monotonic() + timeout
     while True:
         if collect:
@@ -283,7 +284,8 @@ def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.0
             devipc.ipc_collect()
         if value := condition():
             return value
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        assert time.monotonic() < deadline, \
+            f"not within {timeout} s: {what() if callable(what) else what}"
         time.sleep(poll)
 
 

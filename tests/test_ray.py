@@ -131,8 +131,14 @@ def test_killed_receivers_and_freed_objects_leave_nothing_behind(cluster, actors
     del ref
     sender.forget.remote("loop")
     sender.forget.remote("kept by a receiver that is killed")
-    wait_until(lambda: _get(sender.held.remote()) == {"objects": 0, "sent": 0},
-               "the sender holds no object and no send", timeout=TIMEOUT)
+    held: dict = {}
+
+    def nothing_held():
+        held.update(_get(sender.held.remote()))
+        return held == {"objects": 0, "sent": 0}
+
+    wait_until(nothing_held, lambda: f"the sender holds no object and no send: {held}",
+               timeout=TIMEOUT)
     assert _get(receivers[0].drop.remote())["mapped"] == 0
 
 
