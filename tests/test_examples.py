@@ -29,7 +29,8 @@ def test_rl_weight_sync_between_ray_actors_matches_every_step(transport):
     proc = subprocess.run([sys.executable, str(EXAMPLES / "ray_weight_sync.py"), "--transport",
                            transport, "--timeout", str(FRESH_TIMEOUT)],  # actors start slowly
                           env=fresh_env(**UCX_LOOPBACK, RAY_rdt_fetch_fail_timeout_milliseconds=str(
-                              FRESH_TIMEOUT * 1000)),  # Ray's own 60 s assume an idle machine
+                              FRESH_TIMEOUT * 1000),  # Ray's own 60 s assume an idle machine
+                              RAY_worker_niceness="0"),  # (tests/test_ray.py says why)
                           capture_output=True, text=True, timeout=4 * FRESH_TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()

@@ -30,6 +30,9 @@ def cluster():
         # Ray's own bound on an object's transfer (60 s) assumes an idle machine: a receiver's
         # first NIXL read (its agent, UCX, the connection) took longer in a loaded suite
         patch.setenv("RAY_rdt_fetch_fail_timeout_milliseconds", str(TIMEOUT * 1000))
+        # Ray runs its workers at niceness 15: beside the suite's other workers (niceness 0) an
+        # actor starved, its start-up alone past every bound. The tests' cluster runs at 0.
+        patch.setenv("RAY_worker_niceness", "0")
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
         try:
