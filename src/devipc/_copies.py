@@ -5,13 +5,14 @@ operation each. The pairs that are plain byte copies (contiguous, same dtype and
 the device's memory) go to the hooks' `copy_batch` as one table of (destination, source, bytes);
 the others, and every pair on a device without the hook, are copied one by one.
 """
+import array
 from collections.abc import Iterable
 
 import torch
 
 from ._hooks import hooks_for
 
-__all__ = ["copy_pairs", "copy_rows"]
+__all__ = ["copy_columns", "copy_pairs", "copy_rows"]
 
 _BATCH_MIN = 2  # below this, one copy_ is as cheap
 
@@ -26,6 +27,20 @@ def copy_rows(device: torch.device, rows: list[tuple[int, int, int]]) -> bool:
         return False
     if rows:
         copy_batch(device.index or 0, torch.tensor(rows, dtype=torch.int64).view(-1, 3))
+    return True
+
+
+def copy_columns(device: torch.device, columns: array.array) -> bool:
+    """`copy_rows` of rows given as one flat int64 array of columns: every destination, then
+    every source, then every size (thousands of rows, no tuple made for each)."""
+    if device.type == "cpu":
+        return False
+    copy_batch = getattr(hooks_for(device), "copy_batch", None)
+    if copy_batch is None:
+        return False
+    if columns:
+        copy_batch(device.index or 0,
+                   torch.frombuffer(columns, dtype=torch.int64).view(3, -1).t().contiguous())
     return True
 
 

@@ -6,13 +6,15 @@ unopened (`Handle.revoke`). A bucket is one device allocation, one memory handle
 any number of tensors: a trainer can publish its weights in one message and the consumer maps
 them once, as zero-copy views.
 """
+import array
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 
 import torch
 
 from . import _sharing, _wire
-from ._copies import copy_pairs, copy_rows
+from ._copies import copy_columns, copy_pairs, copy_rows
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
 from ._host import HostSend, shared_host_storage
@@ -22,6 +24,7 @@ from ._table import MAX_NAME, Table
 __all__ = ["Handle", "open", "open_tensors", "pack", "share", "share_tensors"]
 
 _device_of = operator.attrgetter("device")
+_nbytes_of = operator.attrgetter("nbytes")
 _kind_of = operator.attrgetter("device", "layout", "dtype", "is_nested")
 
 
@@ -285,9 +288,16 @@ def fill(storage: torch.UntypedStorage, base: int, table: Table,
     tensors = [tensor for _, tensor in items]
     if all(map(torch.Tensor.is_contiguous, tensors)) \
             and set(map(_device_of, tensors)) == {storage.device}:
-        rows = [(start + offset, tensor.data_ptr(), tensor.nbytes)
-                for offset, tensor in zip(table.offsets, tensors) if tensor.numel()]
-        if copy_rows(storage.device, rows):
+        sizes = list(map(_nbytes_of, tensors))
+        if all(sizes):  # columns made by C loops: destinations, sources, sizes
+            columns = array.array("q", map(operator.add, table.offsets, repeat(start)))
+            columns.extend(map(torch.Tensor.data_ptr, tensors))
+            columns.extend(sizes)
+            if copy_columns(storage.device, columns):
+                return
+        elif copy_rows(storage.device, [
+                (start + offset, tensor.data_ptr(), size)
+                for offset, tensor, size in zip(table.offsets, tensors, sizes) if size]):
             return
     views = table.views(storage, shift=base)
     copy_pairs(list(zip(views.values(), tensors)))

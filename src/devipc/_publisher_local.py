@@ -109,7 +109,7 @@ class LocalPublisher:
         return generation
 
     def _fill(self, storage: torch.UntypedStorage, base: int) -> None:
-        fill(storage, base, self._table, named_weights(self._source))
+        fill(storage, base, self._table, named_weights(self._source, detach=False))
 
     def wait_acks(self, generation: int, timeout: float | None = None) -> None:
         """With copy=False, the next generation is announced before the last look at whom to

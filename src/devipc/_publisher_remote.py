@@ -242,7 +242,7 @@ class NixlPublisher:
                 assert self._storage is not None
                 self._words[_FILLING] = generation  # subscribers reading it drop the pull
                 fill(self._storage, (generation % 2) * self._nbytes, self._table,
-                     named_weights(self._source))
+                     named_weights(self._source, detach=False))
             torch.get_device_module(self.device).synchronize(self.device)
             assert self._storage is not None
             word = _SUMS + pair(generation)  # nobody holds generation - 2 any more
