@@ -6,7 +6,7 @@ the device's memory) go to the hooks' `copy_batch` as one table of (destination,
 the others, and every pair on a device without the hook, are copied one by one.
 """
 import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -20,9 +20,7 @@ _BATCH_MIN = 2  # below this, one copy_ is as cheap
 def copy_rows(device: torch.device, rows: list[tuple[int, int, int]]) -> bool:
     """Queue the byte copies `rows` (destination, source, bytes) on `device`'s current stream as
     one operation; False (nothing done) when its hooks have no `copy_batch` (the CPU has none)."""
-    if device.type == "cpu":
-        return False
-    copy_batch = getattr(hooks_for(device), "copy_batch", None)
+    copy_batch = _copy_batch(device)
     if copy_batch is None:
         return False
     if rows:
@@ -33,15 +31,20 @@ def copy_rows(device: torch.device, rows: list[tuple[int, int, int]]) -> bool:
 def copy_columns(device: torch.device, columns: array.array) -> bool:
     """`copy_rows` of rows given as one flat int64 array of columns: every destination, then
     every source, then every size (thousands of rows, no tuple made for each)."""
-    if device.type == "cpu":
-        return False
-    copy_batch = getattr(hooks_for(device), "copy_batch", None)
+    copy_batch = _copy_batch(device)
     if copy_batch is None:
         return False
     if columns:
         copy_batch(device.index or 0,
                    torch.frombuffer(columns, dtype=torch.int64).view(3, -1).t().contiguous())
     return True
+
+
+def _copy_batch(device: torch.device) -> Callable[[int, torch.Tensor], None] | None:
+    """The hooks' `copy_batch` of `device`, or None (the CPU, or hooks without it)."""
+    if device.type == "cpu":
+        return None
+    return getattr(hooks_for(device), "copy_batch", None)
 
 
 def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
