@@ -9,12 +9,12 @@ them once, as zero-copy views.
 import array
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 
 import torch
 
 from . import _sharing, _wire
-from ._copies import copy_columns, copy_pairs, copy_rows
+from ._copies import copy_columns, copy_pairs
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
 from ._host import HostSend, shared_host_storage
@@ -288,16 +288,13 @@ def fill(storage: torch.UntypedStorage, base: int, table: Table,
     tensors = [tensor for _, tensor in items]
     if all(map(torch.Tensor.is_contiguous, tensors)) \
             and set(map(_device_of, tensors)) == {storage.device}:
+        # columns made by C loops: destinations, sources, sizes; empty tensors left out
         sizes = list(map(_nbytes_of, tensors))
-        if all(sizes):  # columns made by C loops: destinations, sources, sizes
-            columns = array.array("q", map(operator.add, table.offsets, repeat(start)))
-            columns.extend(map(torch.Tensor.data_ptr, tensors))
-            columns.extend(sizes)
-            if copy_columns(storage.device, columns):
-                return
-        elif copy_rows(storage.device, [
-                (start + offset, tensor.data_ptr(), size)
-                for offset, tensor, size in zip(table.offsets, tensors, sizes) if size]):
+        kept = list(map(bool, sizes))
+        columns = array.array("q", compress(map(operator.add, table.offsets, repeat(start)), kept))
+        columns.extend(compress(map(torch.Tensor.data_ptr, tensors), kept))
+        columns.extend(compress(sizes, kept))
+        if copy_columns(storage.device, columns):
             return
     views = table.views(storage, shift=base)
     copy_pairs(list(zip(views.values(), tensors)))

@@ -96,8 +96,6 @@ def _word(index: int, field: int) -> int:
     return _HEADER + index * _FIELDS + field
 
 
-
-
 class RemoteToken(NamedTuple):
     """A subscriber's way in across hosts: the publisher's endpoint, its device, a buffer's
     size, the token's serial, descriptors of the control words (the header; the record whole,

@@ -66,9 +66,9 @@ class InPlace:
         self._tensors = (list(source.state_dict(keep_vars=True).values())
                          if isinstance(source, torch.nn.Module) else None)
         self._names = [name for name, _ in items]
-        self._rows = [(t.data_ptr(), t.dtype, t.shape) for _, t in items]
-        self._ptrs, self._dtypes = [t.data_ptr() for _, t in items], [t.dtype for _, t in items]
-        self._numels = [t.numel() for _, t in items]
+        tensors = [t for _, t in items]
+        self._ptrs, self._dtypes = list(map(_data_ptr, tensors)), list(map(_dtype_of, tensors))
+        self._numels, self._shapes = list(map(_numel, tensors)), [t.shape for t in tensors]
 
     def check(self) -> None:
         """ValueError naming what left the published allocation: a tensor that no longer starts
@@ -89,7 +89,8 @@ class InPlace:
         if list(map(_data_ptr, tensors)) == self._ptrs and list(map(
                 _dtype_of, tensors)) == self._dtypes and list(map(_numel, tensors)) == self._numels:
             return  # (C loops, 0.2 us a tensor: a shape is a new torch.Size each time it is read)
-        for name, tensor, (ptr, dtype, shape) in zip(self._names, tensors, self._rows):
+        for name, tensor, ptr, dtype, shape in zip(self._names, tensors, self._ptrs,
+                                                   self._dtypes, self._shapes):
             if tensor.dtype != dtype or tensor.shape != shape or (
                     tensor.data_ptr() != ptr and tensor.numel()):
                 raise ValueError(f"{name!r} no longer lies where it was published (now "
