@@ -73,6 +73,7 @@ bench-all: bench
 	$(PY) benchmarks/weight_publisher.py
 	$(PY) benchmarks/device_ops.py
 	$(PY) benchmarks/p2p_bandwidth.py
+	$(PY) benchmarks/fleet_relay.py  # as root: network namespaces
 
 # The long runs behind docs/reliability.md (the suite runs bounded versions of both).
 fuzz: $(STAMP)

@@ -30,22 +30,27 @@ TRANSPORTS = ("ipc", "nixl")
 
 class WeightPublisher:
     """The trainer's side: `token()` per subscriber, `publish()` per generation. With
-    `transport="nixl"` subscribers may be on other hosts.
+    `transport="nixl"` subscribers may be on other hosts; with `relay=True` each generation
+    leaves the trainer once and passes from engine to engine (`_relay`).
 
     Thread-safe: publishes from several threads take turns (each makes its own generation),
     and `close()` from another thread ends a `publish`, `wait_acks` or `wait_subscribers` under
     way there with ValueError."""
 
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False, transport: str = "ipc"):
+                 copy: bool = False, transport: str = "ipc", relay: bool = False):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport is 'ipc' (one host) or 'nixl' (across hosts), not "
                              f"{transport!r}")
+        if relay and transport != "nixl":
+            raise ValueError("relay=True passes generations from engine to engine across "
+                             "hosts: it needs transport='nixl' (on one host every engine maps "
+                             "the trainer's memory, nothing to relay)")
         if transport == "nixl":
             from ._publisher_remote import NixlPublisher
 
             self._backend: LocalPublisher | NixlPublisher = NixlPublisher(
-                model_or_state_dict, copy=copy)
+                model_or_state_dict, copy=copy, relay=relay)
         else:
             self._backend = LocalPublisher(model_or_state_dict, copy=copy)
         self.transport = transport

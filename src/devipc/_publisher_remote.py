@@ -66,6 +66,7 @@ from ._readers import (
     label,
     unacknowledged,
 )
+from ._relay import CARD_BYTES, Relay, chain, chunk_size, host_key
 from ._table import ALIGNMENT, Table
 from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
 from .p2p._descriptor import Descriptor, Metadata
@@ -83,12 +84,14 @@ _METADATA_BYTES = 1 << 20  # a NIXL agent's metadata
 _SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
 _PUBLISHED, _FILLING, _SUMS = 0, 1, 2  # header words; from _SUMS, the CRC-32s (`_checksum`)
 _HEADER = _SUMS + SUM_WORDS  # words
-_STATE, _PID, _SERIAL, _ACK, _BEAT = range(5)
-_FIELDS = 5
+# a record: what its subscriber writes (state, pid, host key, ack, heartbeat), what the publisher
+# writes (serial, the upstream in the relay's chain: a record's index, -1 for the trainer)
+_STATE, _PID, _HOST, _SERIAL, _ACK, _BEAT, _UP = range(7)
+_FIELDS = 7
 _WORDS = _HEADER + MAX_READERS * _FIELDS
 # a subscriber's words: where the header and its record land, what it writes
 _HEAD, _RECORD = slice(0, _HEADER), slice(_HEADER, _HEADER + _FIELDS)
-_CLAIM = slice(_HEADER + _FIELDS, _HEADER + _FIELDS + 2)  # state and pid
+_CLAIM = slice(_HEADER + _FIELDS, _HEADER + _FIELDS + 3)  # state, pid and host key
 _ACKED, _BEATS = slice(_CLAIM.stop, _CLAIM.stop + 1), slice(_CLAIM.stop + 1, _CLAIM.stop + 2)
 
 
@@ -98,20 +101,24 @@ def _word(index: int, field: int) -> int:
 
 class RemoteToken(NamedTuple):
     """A subscriber's way in across hosts: the publisher's endpoint, its device, a buffer's
-    size, the token's serial, descriptors of the control words (the header; the record whole,
-    its claim, its ack, its heartbeat) and of each buffer, and the tensors' table."""
+    size, the token's serial, its record's index, the relay's chunk (0: no relay), descriptors
+    of the control words (the header; the record whole, its claim, its ack, its heartbeat), of
+    the relay's cards (empty without relay) and of each buffer, and the tensors' table."""
 
     metadata: bytes
     device: torch.device
     nbytes: int
     serial: int
+    record: int
+    chunk: int
     control: tuple[bytes, ...]
     data: tuple[bytes, ...]
     table: Table
 
     def to_bytes(self) -> bytes:
         writer = token_writer("nixl").bytes(self.metadata, _METADATA_BYTES)
-        writer.device(self.device).int(self.nbytes).int(self.serial)
+        writer.device(self.device).int(self.nbytes).int(self.serial).int(self.record)
+        writer.int(self.chunk)
         for desc in self.control:
             writer.bytes(desc, _DESCRIPTOR_BYTES)
         writer.int(len(self.data))
@@ -127,12 +134,14 @@ class RemoteToken(NamedTuple):
         device = reader.device()
         nbytes = reader.int("buffer size", 1)
         serial = reader.int("token serial", 1)
-        control = tuple(reader.bytes("control descriptor", _DESCRIPTOR_BYTES) for _ in range(5))
+        record = reader.int("record index", 0, MAX_READERS - 1)
+        chunk = reader.int("relay chunk", 0, max(nbytes, 1))
+        control = tuple(reader.bytes("control descriptor", _DESCRIPTOR_BYTES) for _ in range(6))
         data = tuple(reader.bytes("weights descriptor", _DESCRIPTOR_BYTES)
                      for _ in range(reader.int("buffer count", 1, 2)))
         table = Table.read(reader, nbytes)
         reader.end()
-        return cls(metadata, device, nbytes, serial, control, data, table)
+        return cls(metadata, device, nbytes, serial, record, chunk, control, data, table)
 
 
 class NixlPublisher:
@@ -143,7 +152,7 @@ class NixlPublisher:
     `wait_subscribers` under way there with ValueError, and the memory goes once they left."""
 
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False):
+                 copy: bool = False, relay: bool = False):
         self._source = model_or_state_dict
         items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher",
                                      host=True)
@@ -170,6 +179,7 @@ class NixlPublisher:
         self._serials = itertools.count(1)
         self._beats: dict[int, tuple[int, int, float]] = {}  # record -> (serial, beat, seen at)
         self._adopted: dict[int, int] = {}  # record -> serial of the subscriber seen attached
+        self.relay = bool(relay)
         self._endpoint = p2p.Endpoint(transport="nixl")
         self._ids: list[int] = []  # registrations this publisher made, ended by close()
         self._let_go = weakref.finalize(self, _let_go, [self._endpoint], self._ids)
@@ -188,6 +198,14 @@ class NixlPublisher:
             self._data = [self._endpoint.advertise(data, b * self._nbytes, self._nbytes)
                           for b in range(self._buffers)]
             self._header = self._control(0, _HEADER)
+            self._chunk = chunk_size(self._nbytes) if self.relay else 0
+            self._cards, self._cards_desc = torch.empty(0, dtype=torch.uint8), b""
+            if self.relay:  # one slot per record, where its subscriber writes its card
+                self._cards, cards = p2p.create_tensor((MAX_READERS * CARD_BYTES,),
+                                                       torch.uint8, "cpu")
+                self._ids.append(cards)
+                self._cards.zero_()
+                self._cards_desc = self._endpoint.advertise(cards)
         except BaseException:
             self._release()
             raise
@@ -216,14 +234,26 @@ class NixlPublisher:
             raise ValueError(f"a publisher across hosts has at most {MAX_READERS} tokens "
                              f"open or unopened: close subscribers, or make a new publisher")
         index, serial = free[0], next(self._serials)
-        for field, value in ((_PID, 0), (_SERIAL, serial), (_ACK, -1), (_BEAT, 0),
-                             (_STATE, PENDING)):
+        for field, value in ((_PID, 0), (_HOST, 0), (_SERIAL, serial), (_ACK, -1), (_BEAT, 0),
+                             (_UP, -1), (_STATE, PENDING)):
             self._words[_word(index, field)] = value
+        if self.relay:
+            self._cards[index * CARD_BYTES:(index + 1) * CARD_BYTES] = 0
         control = (self._header, self._control(_word(index, _STATE), _FIELDS),
-                   self._control(_word(index, _STATE), 2), self._control(_word(index, _ACK), 1),
-                   self._control(_word(index, _BEAT), 1))
-        return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial,
-                           control, tuple(self._data), self._table).to_bytes()
+                   self._control(_word(index, _STATE), 3), self._control(_word(index, _ACK), 1),
+                   self._control(_word(index, _BEAT), 1), self._cards_desc)
+        return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial, index,
+                           self._chunk, control, tuple(self._data), self._table).to_bytes()
+
+    def _arrange(self) -> None:
+        """The relay's chain for the next generation, over the subscribers attached now (one
+        that attaches later pulls it from the trainer)."""
+        words = self._words.tolist()
+        members = [(words[_word(i, _HOST)], i) for i in range(MAX_READERS)
+                   if words[_word(i, _STATE)] == ATTACHED]
+        for index, upstream in chain(members).items():
+            if words[_word(index, _UP)] != upstream:
+                self._words[_word(index, _UP)] = upstream
 
     @counted
     def publish(self, *, wait: bool = True, timeout: float | None = None,
@@ -248,6 +278,8 @@ class NixlPublisher:
                                           * self._nbytes, self._nbytes) if checksum else NO_SUM
             self._words[word] = generation
             self.generation = generation
+            if self.relay:
+                self._arrange()
             self._words[_PUBLISHED] = generation
         if wait:
             self.wait_acks(generation, timeout)
@@ -327,10 +359,16 @@ class NixlPublisher:
             backoff.pause()
 
     def subscribers(self) -> dict[int, dict]:
+        """As for one host; with relay also each one's `upstream` in the chain of the newest
+        generation (a record's index; -1: the trainer)."""
         words = self._words.tolist()
-        return {i: {"state": label(state),
-                    "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
-                for i in range(MAX_READERS) if (state := words[_word(i, _STATE)]) != FREE}
+        found = {i: {"state": label(state),
+                     "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
+                 for i in range(MAX_READERS) if (state := words[_word(i, _STATE)]) != FREE}
+        if self.relay:
+            for index, record in found.items():
+                record["upstream"] = words[_word(index, _UP)]
+        return found
 
     def close(self) -> None:
         """The registrations and the endpoint go (once calls under way in other threads left):
@@ -341,6 +379,7 @@ class NixlPublisher:
     def _release(self) -> None:
         self._let_go()
         self._storage, self._source = None, {}
+        self._cards = torch.empty(0, dtype=torch.uint8)  # its fd-backed memory goes
         if hasattr(self, "_words"):  # its fd-backed memory goes; subscribers() still answers
             self._words = self._words.clone()
 
@@ -354,12 +393,13 @@ class NixlSubscriber:
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None):
-        metadata, publisher_device, nbytes, serial, control, data, self._table = \
+        metadata, publisher_device, nbytes, serial, index, chunk, control, data, self._table = \
             RemoteToken.from_bytes(token)
-        header, record, claim, ack, beat = control
+        header, record, claim, ack, beat, self._cards = control
         self._buffers, self._data = len(data), list(data)
-        _check_descriptors(metadata, zip((header, record, claim, ack, beat, *self._data), (
-            8 * _HEADER, 8 * _FIELDS, 16, 8, 8, *[nbytes] * self._buffers)))
+        cards = [(self._cards, MAX_READERS * CARD_BYTES)] if chunk else []
+        _check_descriptors(metadata, [*zip((header, record, claim, ack, beat, *self._data), (
+            8 * _HEADER, 8 * _FIELDS, 24, 8, 8, *[nbytes] * self._buffers)), *cards])
         self.device = torch.device(publisher_device if device is None else device)
         if self.device.type == "cpu":
             self.device = torch.device("cpu")  # as torch names it
@@ -371,6 +411,9 @@ class NixlSubscriber:
         self._checksum: int | None = None  # published with the held generation
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._header, self._record, self._claim, self._ack = header, record, claim, ack
+        self._nbytes, self._index = nbytes, index
+        self._relay: Relay | None = None
+        self._held = self._buffers if chunk else 1  # buffers of this process's memory
         self._ids: list[int] = []
         self._stop = threading.Event()
         self._heart: list[threading.Thread] = []
@@ -380,15 +423,25 @@ class NixlSubscriber:
                                         self._heart)  # dropped unclosed: its agents go too
         try:
             self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
-            self._words, words_id = p2p.create_tensor((16,), torch.int64, "cpu")
+            self._words, words_id = p2p.create_tensor((32,), torch.int64, "cpu")
             self._ids.append(words_id)
-            self._local, local_id = p2p.create_tensor((nbytes,), torch.uint8, self.device)
+            self._local, local_id = p2p.create_tensor((self._held * nbytes,), torch.uint8,
+                                                      self.device)
             self._ids.append(local_id)
             _, _, state = self._poll()
             if state != PENDING or int(self._words[_RECORD][_SERIAL]) != serial:
                 raise InvalidHandleError("this weight token was already opened (one token per "
                                          "subscriber), or its record was reused")
-            self._words[_CLAIM] = torch.tensor([ATTACHED, os.getpid()])
+            if chunk:  # the card first: a downstream may read it once the claim is seen
+                relay = self._relay = self._remote(lambda: Relay(
+                    self._endpoints[0], metadata, self._local, local_id, self._buffers, nbytes,
+                    chunk, self._ids, self._endpoints))
+                slot = relay.card.to_slot()
+                relay.card_slot[:len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
+                self._remote(lambda: self._connection.write(
+                    relay.card_slot[:len(slot)], self._cards, index * CARD_BYTES))
+            self._words[_CLAIM] = torch.tensor([ATTACHED, os.getpid(),
+                                                host_key() if chunk else 0])
             self._remote(lambda: self._connection.write(self._words[_CLAIM], claim))
             self._heart.append(threading.Thread(
                 target=_heartbeat, daemon=True, name="devipc-weights-heartbeat",
@@ -425,10 +478,26 @@ class NixlSubscriber:
         self._header_seen = words[:_HEADER]
         return words[_PUBLISHED], words[_FILLING], words[_HEADER + _STATE]
 
-    def _pull(self, data: bytes) -> None:
-        """One NIXL read of a generation into `_local`, waited for in slices (another thread's
-        close() ends the wait). A pull cut short (Ctrl-C) may still write into its memory: the
-        next one goes into new memory, the old one going once NIXL is done with it."""
+    def _pull(self, generation: int) -> bool:
+        """A generation into this process's memory, through the relay (False if its upstream
+        has a newer one) or with one NIXL read, waited for in slices (another thread's close()
+        ends the wait). A read cut short (Ctrl-C) may still write into its memory: the next one
+        goes into new memory, the old one going once NIXL is done with it (the relay sets its
+        staging area aside instead)."""
+        data = self._data[generation % self._buffers]
+        if self._relay is not None:
+            upstream = int(self._words[_RECORD][_UP])
+            slot = None
+            if 0 <= upstream < MAX_READERS and upstream != self._index:
+                card = self._relay.card_slot
+                self._remote(lambda: self._connection.read(card, self._cards,
+                                                           upstream * CARD_BYTES))
+                slot = bytes(card.numpy())
+            self._torn = True
+            relay = self._relay
+            pulled = self._remote(lambda: relay.pull(generation, data, slot, self._calls.check))
+            self._torn = False
+            return pulled
         if self._torn:
             p2p.deregister(self._ids.pop())  # the local buffer's registration is the last
             self._views.clear()
@@ -444,6 +513,7 @@ class NixlSubscriber:
             except TimeoutError:
                 self._calls.check()
         self._torn = False
+        return True
 
     def __len__(self) -> int:
         return len(self._table)
@@ -466,7 +536,8 @@ class NixlSubscriber:
                 raise PeerGoneError(f"the weight publisher dropped this subscriber (its "
                                     f"heartbeat stopped for {LIVENESS} s): open a new token")
             if published > self.generation and filling < published + self._buffers:
-                self._pull(self._data[published % self._buffers])
+                if not self._pull(published):
+                    continue  # the relay's upstream has a newer one
                 if self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
                     self.generation = published
                     self._checksum = published_sum(self._header_seen[_SUMS:], published)
@@ -495,9 +566,11 @@ class NixlSubscriber:
         if self._torn:
             raise ValueError("the last wait() was cut short while it pulled a generation into "
                              "this memory: wait() again")
-        views = self._views.get(0)
+        buffer = self.generation % self._held
+        views = self._views.get(buffer)
         if views is None:
-            views = self._views[0] = self._table.views(self._local.untyped_storage())
+            views = self._views[buffer] = self._table.views(self._local.untyped_storage(),
+                                                            shift=buffer * self._nbytes)
         return views
 
     @counted
@@ -514,8 +587,8 @@ class NixlSubscriber:
                 raise ValueError("the last wait() was cut short while it pulled a generation "
                                  "into this memory: wait() again")
             torch.get_device_module(self.device).synchronize(self.device)
-            storage = self._local.untyped_storage()
-            found = crc32(storage, 0, storage.nbytes())
+            found = crc32(self._local.untyped_storage(),
+                          (self.generation % self._held) * self._nbytes, self._nbytes)
             if found != self._checksum:
                 raise ChecksumError(f"generation {self.generation} holds other bytes here than "
                                     f"the WeightPublisher published (CRC-32 {found:08x}, "
@@ -549,6 +622,7 @@ class NixlSubscriber:
         self._let_go()
         self._views.clear()
         self._words = self._local = torch.empty(0)  # the registered memory goes with them
+        self._relay = None
 
 
 def _let_go(endpoints: list[p2p.Endpoint], ids: list[int], stop: threading.Event | None = None,

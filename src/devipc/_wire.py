@@ -40,11 +40,13 @@ P2P_NIXL = 8  # devipc.p2p over NIXL: the transport part of a P2P_DESCRIPTOR
 P2P_NIXL_AGENT = 9  # devipc.p2p over NIXL: the transport part of a P2P_METADATA
 WEIGHTS = 10  # devipc.WeightPublisher.token: an arena attachment and the published table
 HOST = 11  # a CPU storage's shared-memory file (a CPU trainer's weights)
+RELAY_CARD = 12  # how a relaying weight subscriber is reached (`_relay.Card`)
 KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucket handle",
               ARENA: "arena attachment", CHUNK: "arena chunk",
               P2P_METADATA: "p2p endpoint metadata", P2P_DESCRIPTOR: "p2p remote descriptor",
               P2P_NIXL: "p2p NIXL descriptor part", P2P_NIXL_AGENT: "p2p NIXL agent metadata",
-              WEIGHTS: "WeightPublisher token", HOST: "host memory handle"}
+              WEIGHTS: "WeightPublisher token", HOST: "host memory handle",
+              RELAY_CARD: "relay card"}
 
 MAX_NDIM = 64
 MAX_BYTES = 1 << 16  # a bytes or text field, unless its writer and reader name another limit

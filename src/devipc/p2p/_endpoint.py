@@ -72,15 +72,19 @@ class Endpoint:
         return Metadata(self.transport, host_identity(), os.getpid(), registry.page().handle,
                         extra).to_bytes()
 
-    def connect(self, peer_metadata: bytes | bytearray | memoryview) -> "Connection":
-        """A connection to the endpoint whose `metadata()` this is."""
+    def connect(self, peer_metadata: bytes | bytearray | memoryview, *,
+                liveness: bool = True) -> "Connection":
+        """A connection to the endpoint whose `metadata()` this is. `liveness=False` leaves out
+        the round trip before each NIXL post that checks the peer's registrations still live:
+        for a peer whose registrations live as long as its endpoint, where a transfer fails
+        anyway once it is gone."""
         self._check_open()
         meta = Metadata.from_bytes(peer_metadata)
         if meta.transport != self.transport:
             raise InvalidHandleError(f"the peer's endpoint uses transport {meta.transport!r}, "
                                      f"this one {self.transport!r}: make both with the same "
                                      f"transport")
-        connection = Connection(self, meta)
+        connection = Connection(self, meta, liveness)
         with self._lock:
             self._connections.add(connection)
         return connection
@@ -177,13 +181,15 @@ class Connection:
     from that byte of the advertised range on, never past its end (TransferSizeError). Without
     it the local tensor and the advertised range must be the same size."""
 
-    def __init__(self, endpoint: Endpoint, meta: Metadata):
+    def __init__(self, endpoint: Endpoint, meta: Metadata, liveness: bool = True):
         self._endpoint, self.peer_pid = endpoint, meta.pid
         self._page_handle = meta.page
         self._decoded = _wire.Decoded(Descriptor.from_bytes, _DECODED_KEPT)
         self._vectors: dict[tuple, list[Descriptor]] = {}  # vectors of bytes, decoded and checked
         self._link: Link | None = endpoint._transport.connect(meta)
         self._sub_ranges = bool(getattr(self._link, "sub_ranges", False))
+        if not liveness and hasattr(self._link, "liveness"):  # a NIXL link's
+            self._link.liveness = False
         # a link's optional `again(op, local, desc) -> bool`: a synchronous copy of one whole
         # descriptor made again as before, or False for `post`
         self._again: Callable[[str, torch.Tensor, Descriptor], bool] | None = \

@@ -392,10 +392,12 @@ class NixlTransport:
     def post_ranges(self, op: str, remote_agent: str,
                     local: Sequence[tuple[int, int, torch.device]],
                     remote_extras: Sequence[bytes],
-                    shifts: Sequence[int] | None = None, keep: object = None) -> "NixlTransfer":
+                    shifts: Sequence[int] | None = None, keep: object = None,
+                    liveness: bool = True) -> "NixlTransfer":
         """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
         `local` (addr, nbytes, device) and a peer descriptor's transport part (from `shifts`
-        bytes in, when given). `keep` (what holds the local memory) lives until NIXL is done."""
+        bytes in, when given). `keep` (what holds the local memory) lives until NIXL is done.
+        `liveness`: first read the registry words of the registrations (one round trip)."""
         if op not in OPERATIONS:
             raise ValueError(f"op is {READ!r} or {WRITE!r}, not {op!r}")
         remotes = self.remotes(remote_agent, local, remote_extras, shifts)
@@ -405,7 +407,8 @@ class NixlTransport:
             if remote_agent not in self._peers:
                 raise ValueError(f"not connected to NIXL agent {remote_agent!r}")
             self.load_remotes(remote_agent, remotes)
-            self._check_alive(remote_agent, remotes)
+            if liveness:
+                self._check_alive(remote_agent, remotes)
             return self._start(op, remote_agent, local, remotes, keep)
 
     def load_remotes(self, agent: str, remotes: Iterable[Remote]) -> None:
@@ -565,6 +568,7 @@ class NixlLink:
 
     def __init__(self, transport: NixlTransport, agent: str):
         self._transport, self.agent = transport, agent
+        self.liveness = True  # a post first reads the peer's registry words (`Connection`)
 
     def mapped(self) -> int:
         return 0
@@ -588,7 +592,8 @@ class NixlLink:
         _synchronize({tensor.device for tensor in locals_})
         handle = self._transport.post_ranges(op, self.agent, local,
                                              [desc.extra for desc in descs],
-                                             [desc.shift for desc in descs], locals_)
+                                             [desc.shift for desc in descs], locals_,
+                                             self.liveness)
         return Transfer(handle=handle, keep=(locals_,))
 
     def prepare(self, op: str, locals_: list, descs: list[Descriptor]) -> "NixlPrepared":

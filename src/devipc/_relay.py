@@ -1,0 +1,393 @@
+"""The relay of a generation along a chain of subscribers across hosts (`WeightPublisher(...,
+transport="nixl", relay=True)`), so that each byte leaves the trainer's host once.
+
+The publisher arranges its attached subscribers in a chain grouped by host (`chain`,
+`host_key`) and writes each one's upstream into its record before it publishes: the first pulls
+from the trainer, every other one from the subscriber before it. A generation moves in chunks:
+one word of a subscriber's registered memory per buffer (`progress`) says which generation the
+buffer holds and how many of its chunks, and its downstream polls that word with one-sided
+reads and pulls each chunk as soon as it is there. The time to K engines is about one copy's
+plus a few chunks', not K copies'.
+
+Every read lands in a staging area and is copied into the buffer only once it is known good: a
+chunk read from an upstream once the upstream's progress word, read after it, still names the
+generation (an upstream overwrites a buffer only for a newer generation, and says so first; the
+pull is then dropped, as a torn one would be). A read that did not end (an upstream frozen,
+Ctrl-C) may land later: its staging area is set aside for good, never reused.
+
+An upstream whose connection fails (it died or closed), that brings no new chunk for
+RELAY_STALL seconds (frozen, or not pulling), or whose card cannot be read is bypassed: the
+rest of the generation comes from the trainer, and that upstream is not used again until the
+publisher names another. Whichever way the chunks came, the subscriber's own look at the
+trainer's header after the pull says whether the trainer overwrote the generation meanwhile.
+
+A subscriber's card (its endpoint's metadata, the descriptors of its progress words and of its
+buffers) lies in a slot of the publisher's registered memory, written before its claim and read
+by its downstream at each generation it pulls from it.
+"""
+import hashlib
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from . import _wire, p2p
+from ._backoff import Backoff
+from ._errors import InvalidHandleError
+
+__all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Relay", "chain", "chunk_size", "host_key"]
+
+RELAY_STALL = 2.0  # seconds without a new chunk (or a read that long) after which an upstream
+# is bypassed
+CARD_BYTES = 16 << 10  # a card's slot in the publisher's memory
+DEPTH = 4  # chunks in flight from the trainer (and staging slots)
+# chunks in flight from an upstream: one; two in parallel share the link and each lands later
+# (measured: 8 engines on 8 emulated hosts, 1.85 s a generation with one, 1.98 with three)
+AHEAD = 1
+_CHUNKS = 1 << 24  # a progress word is (generation + 1) * _CHUNKS + the chunks held; 0: none
+_SLICE = 0.01  # seconds: reads are waited for in slices, so that close() ends the wait
+
+
+def host_key() -> int:
+    """This host as the chain groups subscribers (never 0): its boot id and this process's
+    network namespace, so that namespaces with links of their own (an emulated cluster, a
+    container's network) count as hosts."""
+    parts = []
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 lambda: os.readlink("/proc/self/ns/net")):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("")
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2 | 1
+
+
+def chunk_size(nbytes: int) -> int:
+    """The relay's chunk for a generation of `nbytes`: about 1/128 of it (each hop of a chain
+    adds about a chunk's time, and a little per chunk), 256 KiB to 16 MiB, in whole pages."""
+    chunk = min(16 << 20, max(256 << 10, nbytes // 128))
+    return min(-(-chunk // 4096) * 4096, max(nbytes, 1))
+
+
+def chain(members: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """Each member's upstream (-1: the trainer), the members given as (host key, record index):
+    grouped by host, so that a host's link carries a generation in once and out at most once."""
+    upstreams, previous = {}, -1
+    for _, index in sorted(members):
+        upstreams[index] = previous
+        previous = index
+    return upstreams
+
+
+def progress_word(generation: int, chunks: int) -> int:
+    return (generation + 1) * _CHUNKS + chunks
+
+
+class Card(NamedTuple):
+    """How a downstream reaches a subscriber: its endpoint, its progress words, its buffers."""
+
+    metadata: bytes
+    progress: bytes
+    buffers: tuple[bytes, ...]
+
+    def to_slot(self) -> bytes:
+        """The card as its slot holds it: its length (8 bytes), then the card."""
+        writer = _wire.Writer(_wire.RELAY_CARD).bytes(self.metadata, CARD_BYTES)
+        writer.bytes(self.progress, CARD_BYTES).int(len(self.buffers))
+        for desc in self.buffers:
+            writer.bytes(desc, CARD_BYTES)
+        data = writer.done()
+        if len(data) > CARD_BYTES - 8:
+            raise ValueError(f"this subscriber's relay card takes {len(data)} bytes, more than "
+                             f"the {CARD_BYTES - 8} of its slot (its NIXL endpoint's metadata "
+                             f"is that large): subscribe without relay")
+        return len(data).to_bytes(8, "little") + data
+
+    @classmethod
+    def from_slot(cls, slot: bytes | bytearray | memoryview) -> "Card":
+        length = int.from_bytes(slot[:8], "little")
+        if not 0 < length <= len(slot) - 8:
+            raise InvalidHandleError(f"no relay card in this slot (length {length})")
+        reader = _wire.Reader(bytes(slot[8:8 + length]), (_wire.RELAY_CARD,), "relay card")
+        metadata = reader.bytes("endpoint metadata", CARD_BYTES)
+        progress = reader.bytes("progress descriptor", CARD_BYTES)
+        buffers = tuple(reader.bytes("buffer descriptor", CARD_BYTES)
+                        for _ in range(reader.int("buffer count", 1, 2)))
+        reader.end()
+        return cls(metadata, progress, buffers)
+
+
+class _Moved(Exception):
+    """The upstream overwrites the buffer with a newer generation: this one is no longer the
+    newest, the pull is dropped."""
+
+
+class _Stopped(Exception):
+    """The relay stopped waiting for this upstream."""
+
+
+class _Upstream:
+    """One generation's pull from an upstream, in a thread of its own: an upstream that stopped
+    answering (frozen: NIXL's liveness read before each post may block for 30 s) holds up
+    nothing, as the relay stops waiting for it after RELAY_STALL seconds without a new chunk.
+    It commits under `lock` only while not `stopped`, so nothing lands once the relay took
+    over."""
+
+    def __init__(self, relay: "Relay", connection: p2p.Connection, card: Card, generation: int,
+                 buffer: int):
+        self._relay, self._connection, self._card = relay, connection, card
+        self._generation, self._buffer = generation, buffer
+        self._staging, self._word = relay.staging()  # set aside by the relay if abandoned
+        self.lock = threading.Lock()
+        self.done = 0  # chunks committed
+        self.news = time.monotonic()  # when the last chunk came (or the pull began)
+        self.stopped = self.moved = self.ended = False
+        self.endpoint: p2p.Endpoint | None = None  # handed over: closed when the thread ends
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name="devipc-relay-upstream")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._pull()
+        except _Moved:
+            self.moved = True
+        except Exception:  # noqa: BLE001 - the upstream failed (died, closed): bypassed
+            pass
+        finally:
+            with self.lock:
+                self.ended, endpoint = True, self.endpoint
+            if endpoint is not None:
+                endpoint.close()
+
+    def _pull(self) -> None:
+        """Reads of the chunks the upstream holds, AHEAD in flight; a chunk that landed is
+        committed once a progress word read after it still names the generation."""
+        relay, card, buffer, generation = self._relay, self._card, self._buffer, self._generation
+        in_flight: deque = deque()  # (chunk, its read), in order
+        landed = after = 0  # chunks landed and not yet committed; the next chunk to read
+        backoff = Backoff(None, first=0.0001, longest=0.002)
+        while not self.stopped:
+            while in_flight and in_flight[0][1].done():
+                in_flight.popleft()
+                landed += 1
+            known = landed  # these landed before the word below is read
+            self._read(self._word, card.progress, buffer * 8)
+            held, chunks = divmod(int(self._word[0]), _CHUNKS)
+            if held - 1 > generation:
+                raise _Moved
+            news = False
+            if held - 1 == generation:
+                with self.lock:
+                    if self.stopped:
+                        return
+                    for index in range(self.done, self.done + known):
+                        slot = (index % DEPTH) * relay.chunk
+                        relay.commit(generation, buffer, index, index + 1,
+                                     self._staging[slot:], "upstream")
+                    if known:
+                        self.done, self.news, landed = self.done + known, time.monotonic(), \
+                            landed - known
+                if self.done == relay.chunks:
+                    return
+                while after < chunks and after - self.done < AHEAD:
+                    low, high = relay.span(after, after + 1)
+                    slot = (after % DEPTH) * relay.chunk
+                    in_flight.append((after, self._connection.read_async(
+                        self._staging[slot:slot + high - low], card.buffers[buffer], low)))
+                    after += 1
+                    news = True
+            if news or known:  # the next look soon: the link stays busy
+                backoff = Backoff(None, first=0.0001, longest=0.001)
+            backoff.pause()
+
+    def _check(self) -> None:
+        if self.stopped:
+            raise _Stopped
+
+    def _read(self, local: torch.Tensor, desc: bytes, offset: int) -> None:
+        _finish(self._connection.read_async(local, desc, offset), self._check)
+
+    def stop(self) -> bool:
+        """Stop it; True if its thread still runs (it then closes `endpoint` when it ends)."""
+        with self.lock:
+            self.stopped = True
+            return not self.ended
+
+
+class Relay:
+    """A subscriber's part in the relay: it pulls each generation in chunks, from its upstream
+    or the trainer, into `buffers` (registered, `count` of `nbytes` bytes) and says how far it
+    got in `progress`, which its downstream reads through `endpoint`. It reads through an
+    endpoint of its own (one agent that both receives and serves at the link's rate fell
+    behind). Its registrations are added to `ids`, the endpoints it makes to `endpoints` (ended
+    with the subscriber's)."""
+
+    def __init__(self, endpoint: p2p.Endpoint, trainer: bytes, buffers: torch.Tensor,
+                 buffers_id: int, count: int, nbytes: int, chunk: int, ids: list[int],
+                 endpoints: list[p2p.Endpoint]):
+        if chunk <= 0:
+            raise ValueError(f"a relay's chunk is positive, not {chunk}")
+        self._buffers, self._ids, self._endpoints = buffers, ids, endpoints
+        self.count, self.nbytes, self.chunk = count, nbytes, chunk
+        self.chunks = max(1, -(-nbytes // chunk))
+        self.device = buffers.device
+        self.progress = self._tensor((count,), torch.int64, "cpu").zero_()
+        self.card_slot = self._tensor((CARD_BYTES,), torch.uint8, "cpu")
+        self._staging, self._word = self._new_staging()
+        self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # reads may land there
+        self.card = Card(endpoint.metadata(), endpoint.advertise(self.progress),
+                         tuple(endpoint.advertise(buffers_id, b * nbytes, nbytes)
+                               for b in range(count)))
+        self._trainer_metadata = trainer
+        self._reader: p2p.Endpoint | None = None  # reads from the trainer and upstreams
+        self._trainer: p2p.Connection | None = None
+        self._fresh_reader()
+        self._upstream: tuple[bytes, p2p.Connection, Card] | None = None
+        self._avoided: set[bytes] = set()  # cards of upstreams bypassed
+        # what this process pulled: bytes from the trainer, from upstreams; upstreams bypassed
+        self.counts = {"trainer": 0, "upstream": 0, "bypassed": 0}
+
+    def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+        tensor, reg_id = p2p.create_tensor(shape, dtype, device)
+        self._ids.append(reg_id)
+        return tensor
+
+    def _new_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self._tensor((DEPTH * self.chunk,), torch.uint8, self.device),
+                self._tensor((1,), torch.int64, "cpu"))
+
+    def _fresh_reader(self) -> None:
+        """An endpoint to read through, and its connection to the trainer."""
+        self._reader = p2p.Endpoint(transport="nixl")
+        self._endpoints.append(self._reader)
+        self._trainer = self._reader.connect(self._trainer_metadata)
+
+    def staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staging area (chunks, a progress word) for reads now."""
+        return self._staging, self._word
+
+    def _aside(self) -> None:
+        """Reads into the staging area may still land: it is never used again."""
+        self._set_aside.append((self._staging, self._word))
+        self._staging, self._word = self._new_staging()
+
+    def pull(self, generation: int, trainer_buffer: bytes, upstream_slot: bytes | None,
+             check: Callable[[], None]) -> bool:
+        """Pull `generation` into its buffer, from the upstream whose card slot is given (None:
+        the trainer) and from the trainer once the upstream failed or stalled. False if the
+        upstream moved on to a newer generation (this one is no longer the newest). `check()`
+        runs between waits (it raises once the subscriber closes)."""
+        buffer = generation % self.count
+        self.progress[buffer] = progress_word(generation, 0)  # before the buffer is written
+        done = 0
+        upstream = None if upstream_slot is None else self._connect(upstream_slot)
+        if upstream is not None:
+            job = _Upstream(self, upstream[1], upstream[2], generation, buffer)
+            try:
+                while job.thread.is_alive() and time.monotonic() - job.news <= RELAY_STALL:
+                    job.thread.join(_SLICE)
+                    check()
+            finally:
+                if job.stop():  # still waiting on the upstream: its reads may land later
+                    self._aside()
+                    job.endpoint, self._reader, self._upstream = self._reader, None, None
+                    self._trainer = None
+            if job.moved:  # so is its downstream's, which reads this word
+                self.progress[buffer] = progress_word(generation + self.count, 0)
+                return False
+            done = job.done
+            if done < self.chunks:
+                self.counts["bypassed"] += 1
+                self._avoided.add(upstream[0])
+                if self._upstream is not None:
+                    self._upstream[1].close()
+                    self._upstream = None
+        if done < self.chunks:
+            self._from_trainer(trainer_buffer, generation, buffer, done, check)
+        return True
+
+    def _connect(self, slot: bytes) -> tuple[bytes, p2p.Connection, Card] | None:
+        """A connection to the upstream whose card `slot` holds, kept while it stays the same;
+        None if it was bypassed before or cannot be reached."""
+        if self._upstream is not None and self._upstream[0] == slot:
+            return self._upstream
+        if self._upstream is not None:
+            self._upstream[1].close()
+            self._upstream = None
+        if slot in self._avoided:
+            return None
+        try:
+            card = Card.from_slot(slot)
+            if len(card.buffers) != self.count:
+                raise InvalidHandleError(f"an upstream card of {len(card.buffers)} buffers "
+                                         f"where this relay has {self.count}")
+            if self._reader is None:
+                self._fresh_reader()
+            assert self._reader is not None
+            # an upstream's registrations live as long as its endpoint
+            connection = self._reader.connect(card.metadata, liveness=False)
+        except Exception:  # noqa: BLE001 - a card unreadable, a peer unreachable: bypassed
+            self._avoided.add(slot)
+            return None
+        self._upstream = (slot, connection, card)
+        return self._upstream
+
+    def _from_trainer(self, desc: bytes, generation: int, buffer: int, start: int,
+                      check: Callable[[], None]) -> None:
+        """Chunks `start`... from the trainer, DEPTH in flight, each exposed once it landed."""
+        if self._trainer is None:
+            self._fresh_reader()
+        trainer = self._trainer
+        assert trainer is not None
+        in_flight: deque = deque()
+        after = start
+        try:
+            for index in range(start, self.chunks):
+                while after < self.chunks and len(in_flight) < DEPTH:
+                    low, high = self.span(after, after + 1)
+                    slot = (after % DEPTH) * self.chunk
+                    in_flight.append((slot, trainer.read_async(
+                        self._staging[slot:slot + high - low], desc, low)))
+                    after += 1
+                slot, transfer = in_flight[0]
+                _finish(transfer, check)
+                in_flight.popleft()
+                self.commit(generation, buffer, index, index + 1, self._staging[slot:],
+                            "trainer")
+        finally:
+            if in_flight:
+                self._aside()
+
+    def span(self, first: int, last: int) -> tuple[int, int]:
+        """The bytes of chunks [first, last)."""
+        return first * self.chunk, min(self.nbytes, last * self.chunk)
+
+    def commit(self, generation: int, buffer: int, first: int, last: int,
+               staged: torch.Tensor, source: str) -> None:
+        """Chunks [first, last), staged from the start of `staged`, into the buffer, then
+        exposed to the downstream."""
+        low, high = self.span(first, last)
+        self.counts[source] += high - low
+        base = buffer * self.nbytes
+        self._buffers[base + low:base + high].copy_(staged[:high - low])
+        torch.get_device_module(self.device).synchronize(self.device)
+        self.progress[buffer] = progress_word(generation, last)
+
+
+def _finish(transfer: p2p.Transfer, check: Callable[[], object]) -> None:
+    """Wait for `transfer`, sleeping between looks (a spinning wait would take a core from the
+    other engines of a host), `check()` every few milliseconds."""
+    backoff, looked = Backoff(None, first=0.00005, longest=0.0005), time.monotonic()
+    while not transfer.done():
+        backoff.pause()
+        if time.monotonic() - looked > _SLICE:
+            check()
+            looked = time.monotonic()

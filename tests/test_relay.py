@@ -1,0 +1,340 @@
+"""The relay of weight generations along a chain of engines (`WeightPublisher(transport="nixl",
+relay=True)`): engines in processes of their own reach each other and the trainer through NIXL
+(UCX over TCP loopback, as between hosts). Every engine's bytes are checked against the trainer's,
+also when an engine of the chain is killed or frozen, and when one joins late. The emulated
+cluster's smoke run (network namespaces, rate-limited links) closes the file."""
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, open_fds, recv, use_ucx_loopback
+
+import devipc
+from devipc import _publisher_remote, _wire
+from devipc._relay import CARD_BYTES, Card, chain, chunk_size, host_key
+
+NIXL = nixl_missing()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# An engine: commands from the test through a pipe, replies through another.
+ENGINE = textwrap.dedent("""
+    import hashlib, os, sys
+    from multiprocessing.connection import Connection
+    import torch, devipc, devipc_openreg
+    from devipc import _relay, p2p
+
+    p2p.Endpoint(transport="nixl").close()  # NIXL's first use keeps some fds
+
+    commands, replies = Connection(int(sys.argv[1])), Connection(int(sys.argv[2]))
+    fds = lambda: len(os.listdir("/proc/self/fd"))
+    sub = None
+    while True:
+        command, *args = commands.recv()
+        try:
+            if command == "open":
+                _relay.RELAY_STALL = args[1]
+                sub = devipc.WeightSubscriber(args[0])
+                replies.send(os.getpid())
+            elif command == "take":
+                generation = sub.wait(timeout=60)
+                digest = hashlib.sha256()
+                for name, view in sorted(sub.tensors().items()):
+                    digest.update(name.encode() + view.cpu().numpy().tobytes())
+                del view  # the engine's memory goes once it closed
+                sub.ack()
+                replies.send((generation, digest.hexdigest(), dict(sub._backend._relay.counts)))
+            elif command == "close":
+                sub.close()
+                sub = None
+                torch.accelerator.empty_cache()  # the allocator's cached segments: memfds
+                replies.send(fds())
+            else:
+                break
+        except Exception as error:
+            replies.send(error)
+""")
+
+
+class Engine:
+    """An engine process driven through two pipes."""
+
+    def __init__(self):
+        ours_in, theirs_out = os.pipe()
+        theirs_in, ours_out = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(theirs_in),
+                                      str(theirs_out)], pass_fds=(theirs_in, theirs_out))
+        os.close(theirs_in)
+        os.close(theirs_out)
+        self.commands, self.replies = Connection(ours_out), Connection(ours_in)
+
+    def send(self, *command):
+        self.commands.send(command)
+
+    def reply(self, timeout=FRESH_TIMEOUT):
+        answer = recv(self.replies, timeout)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def ask(self, *command):
+        self.send(*command)
+        return self.reply()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self):
+        with contextlib.suppress(OSError):
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.commands.send(("exit",))
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(TIMEOUT)
+        self.commands.close()
+        self.replies.close()
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Engine processes shared by the tests of this file; `fleet(n)` gives n live ones (a test
+    that kills or freezes one leaves it to be replaced)."""
+    if NIXL is not None:
+        pytest.skip(f"NIXL is not installed ({NIXL})")
+    import devipc_openreg  # noqa: F401 - openreg tensors in this process too
+
+    engines: list[Engine] = []
+    with pytest.MonkeyPatch.context() as patch:
+        use_ucx_loopback(patch)
+        devipc.p2p.Endpoint(transport="nixl").close()  # NIXL's first use keeps some fds
+
+        def give(count: int) -> list[Engine]:
+            for engine in [e for e in engines if not e.alive() or e.proc.pid in frozen]:
+                engines.remove(engine)
+                engine.stop()
+            engines.extend(Engine() for _ in range(count - len(engines)))
+            return engines[:count]
+
+        frozen: set[int] = set()
+        give.frozen = frozen  # type: ignore[attr-defined]
+        try:
+            yield give
+        finally:
+            for engine in engines:
+                engine.stop()
+
+
+def _weights(copy: bool) -> dict[str, torch.Tensor]:
+    """2 MiB of weights in three tensors: several chunks of the relay."""
+    weights = {"embed": torch.empty(300, 1024, device="openreg"),
+               "proj": torch.empty(200, 1024, device="openreg"),
+               "bias": torch.empty(1000, device="openreg")}
+    return weights if copy else devipc.pack(weights)
+
+
+def _step(weights: dict[str, torch.Tensor], seed: int) -> str:
+    """New values, as an optimizer step writes them; their digest as the engines take it."""
+    generator = torch.Generator().manual_seed(seed)
+    digest = hashlib.sha256()
+    for name, tensor in sorted(weights.items()):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        digest.update(name.encode() + tensor.cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _open(publisher, engines, stall=2.0) -> list[int]:
+    pids = [engine.ask("open", publisher.token(), stall) for engine in engines]
+    publisher.wait_subscribers(len(engines), timeout=TIMEOUT)
+    return pids
+
+
+def _take(engines, generation, digest):
+    """Each engine takes the generation: returns what its relay pulled from where."""
+    for engine in engines:
+        engine.send("take")
+    counts = []
+    for engine in engines:
+        got, found, pulled = engine.reply()
+        assert (got, found) == (generation, digest)
+        counts.append(pulled)
+    return counts
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
+    engines = fleet(3)
+    weights = _weights(copy)
+    nbytes = sum(t.nbytes for t in weights.values())
+    torch.accelerator.empty_cache()
+    fds = open_fds()
+    with devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True) as publisher:
+        _open(publisher, engines)
+        for generation in range(3):
+            digest = _step(weights, generation)
+            for engine in engines:
+                engine.send("take")
+            assert publisher.publish(timeout=TIMEOUT) == generation  # every engine acked
+            assert [r["upstream"] for r in publisher.subscribers().values()] == [-1, 0, 1]
+            counts = []
+            for engine in engines:
+                got, found, pulled = engine.reply()
+                assert (got, found) == (generation, digest), (copy, generation)
+                counts.append(pulled)
+        # the trainer's memory was read once a generation, by the head of the chain
+        padded = publisher._backend._nbytes
+        assert padded >= nbytes and chunk_size(padded) < padded // 4  # several chunks
+        assert [c["trainer"] for c in counts] == [3 * padded, 0, 0]
+        assert [c["upstream"] for c in counts] == [0, 3 * padded, 3 * padded]
+        assert all(c["bypassed"] == 0 for c in counts)
+        fds_there = [engine.ask("close") for engine in engines]
+        assert {r["state"] for r in publisher.subscribers().values()} == {"closed"}
+        _open(publisher, engines)  # once more: nothing grows from one subscription to the next
+        if copy:  # late subscribers take the newest generation at once
+            _take(engines, 2, digest)
+        digest = _step(weights, 3)
+        publisher.publish(wait=False)
+        _take(engines, 3, digest)
+        assert [engine.ask("close") for engine in engines] == fds_there
+    torch.accelerator.empty_cache()  # the allocator's cached segments: memfds
+    assert open_fds() == fds
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet, monkeypatch,
+                                                                           how):
+    """B holds a generation when it is killed (SIGKILL) or frozen (SIGSTOP); C, downstream of
+    it, then takes that generation from the trainer (around a killed B at once: its reads of B
+    fail; around a frozen one after RELAY_STALL, 1 s here) with every byte exact. The
+    publisher names B once (ConsumerDiedError, after LIVENESS) and the next chain leaves it
+    out: C then relays from A."""
+    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    a, b, c = fleet(3)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        pids = _open(publisher, [a, b, c], stall=1.0)
+        digest = _step(weights, 10)
+        publisher.publish(wait=False)
+        _take([a, b, c], 0, digest)
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        digest = _step(weights, 11)
+        publisher.publish(wait=False)
+        _take([a, b], 1, digest)
+        if how == "killed":
+            b.proc.kill()
+            b.proc.wait(TIMEOUT)
+        else:
+            os.kill(b.proc.pid, signal.SIGSTOP)
+            fleet.frozen.add(b.proc.pid)
+        [counts] = _take([c], 1, digest)
+        assert counts["bypassed"] == 1 and counts["trainer"] > 0
+        publisher.wait_acks(1, timeout=TIMEOUT)  # B acknowledged before it stopped
+        digest = _step(weights, 12)
+        publisher.publish(wait=False)
+        _take([a, c], 2, digest)  # B is still in this chain: C goes around it
+        with pytest.raises(devipc.ConsumerDiedError, match=f"pid {pids[1]}\\)") as dead:
+            publisher.wait_acks(2, timeout=TIMEOUT)
+        assert dead.value.consumers == [(1, pids[1])]
+        digest = _step(weights, 13)
+        for engine in (a, c):
+            engine.send("take")
+        assert publisher.publish(timeout=TIMEOUT) == 3  # named once: not waited for again
+        before = counts["upstream"]
+        counts = [engine.reply() for engine in (a, c)]
+        assert [(g, d) for g, d, _ in counts] == [(3, digest)] * 2
+        assert publisher.subscribers()[2]["upstream"] == 0  # C relays from A now
+        assert counts[1][2]["upstream"] > before
+        for engine in (a, c):
+            engine.ask("close")
+
+
+def test_a_late_engine_joins_the_chain_at_the_next_generation(fleet):
+    a, b, late = fleet(3)
+    weights = _weights(copy=True)
+    with devipc.WeightPublisher(weights, copy=True, transport="nixl", relay=True) as publisher:
+        _open(publisher, [a, b])
+        for generation in range(2):
+            digest = _step(weights, 20 + generation)
+            for engine in (a, b):
+                engine.send("take")
+            publisher.publish(timeout=TIMEOUT)
+            for engine in (a, b):
+                assert engine.reply()[:2] == (generation, digest)
+        _open(publisher, [late])  # copy=True: the newest generation at once, from the trainer
+        [counts] = _take([late], 1, digest)
+        assert counts["trainer"] > 0 and counts["upstream"] == 0
+        digest = _step(weights, 22)
+        for engine in (a, b, late):
+            engine.send("take")
+        publisher.publish(timeout=TIMEOUT)
+        assert [r["upstream"] for r in publisher.subscribers().values()] == [-1, 0, 1]
+        answers = [engine.reply() for engine in (a, b, late)]
+        assert [(g, d) for g, d, _ in answers] == [(2, digest)] * 3
+        assert answers[2][2]["upstream"] > 0  # the late one relays from B
+        for engine in (a, b, late):
+            engine.ask("close")
+
+
+def test_the_chain_groups_engines_by_host():
+    members = [(7, 0), (3, 1), (7, 2), (3, 3), (5, 4)]  # (host key, record)
+    upstreams = chain(members)
+    order = [1, 3, 4, 0, 2]  # host 3's, host 5's, host 7's: each host entered once
+    assert [upstreams[i] for i in order] == [-1, *order[:-1]]
+    assert chain([]) == {}
+    assert host_key() == host_key() != 0
+
+
+def test_a_chunk_is_a_fraction_of_a_generation_within_bounds():
+    assert chunk_size(64 << 20) == 512 << 10
+    assert chunk_size(1 << 20) == 256 << 10
+    assert chunk_size(100) == 100  # one chunk
+    assert chunk_size(1 << 40) == 16 << 20
+
+
+def test_a_card_reads_back_from_its_slot_and_damage_is_refused():
+    card = Card(b"metadata", b"progress", (b"buffer 0", b"buffer 1"))
+    slot = card.to_slot().ljust(CARD_BYTES, b"\0")
+    assert Card.from_slot(slot) == card
+    for damaged in (bytes(CARD_BYTES), slot[:20], slot[:8] + b"x" + slot[9:],
+                    (CARD_BYTES).to_bytes(8, "little") + slot[8:]):
+        with pytest.raises(devipc.InvalidHandleError):
+            Card.from_slot(damaged)
+    with pytest.raises(ValueError, match="subscribe without relay"):
+        Card(b"x" * CARD_BYTES, b"", (b"",)).to_slot()
+    assert _wire.KIND_NAMES[_wire.RELAY_CARD] == "relay card"
+
+
+def test_relay_is_refused_on_one_host():
+    with pytest.raises(ValueError, match="transport='nixl'"):
+        devipc.WeightPublisher(devipc.pack({"w": torch.zeros(4)}), relay=True)
+
+
+def _no_cluster() -> str | None:
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces)"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "the emulated cluster needs ip and tc (iproute2)"
+    return NIXL and f"NIXL is not installed ({NIXL})"
+
+
+@pytest.mark.skipif(_no_cluster() is not None, reason=str(_no_cluster()))
+def test_the_emulated_cluster_smoke_run_delivers_every_engines_bytes():
+    """benchmarks/fleet_relay.py --smoke: 2 hosts x 2 engines in network namespaces with
+    rate-limited links, relay and one-hop, every engine's bytes checked; nothing left behind."""
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                check=True).stdout.split())
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fleet_relay.py"),
+                           "--smoke"], capture_output=True, text=True, timeout=4 * FRESH_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "every engine's bytes exact in 2 settings" in done.stdout
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                               check=True).stdout.split())
+    assert {name for name in after - before if name.startswith("dvf")} == set()
