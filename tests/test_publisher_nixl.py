@@ -290,10 +290,11 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
         publisher.publish(wait=False)
         pull = late._backend._pull
 
-        def overlapped(data):
-            pull(data)
+        def overlapped(generation):
+            pulled = pull(generation)
             # the trainer writes meanwhile
             publisher._backend._words[_publisher_remote._FILLING] = 2
+            return pulled
 
         monkeypatch.setattr(late._backend, "_pull", overlapped)
         with pytest.raises(TimeoutError):

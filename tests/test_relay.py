@@ -19,9 +19,10 @@ from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, open_fds, recv, use_u
 
 import devipc
 from devipc import _publisher_remote, _wire
-from devipc._relay import CARD_BYTES, Card, chain, chunk_size, host_key
+from devipc._relay import CARD_BYTES, Card, chain, chunk_size, host_key, progress_word
 
 NIXL = nixl_missing()
+pytestmark = pytest.mark.xdist_group("relay")  # one worker starts the engines, its tests share them
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # An engine: commands from the test through a pipe, replies through another.
@@ -281,6 +282,53 @@ def test_a_late_engine_joins_the_chain_at_the_next_generation(fleet):
         assert answers[2][2]["upstream"] > 0  # the late one relays from B
         for engine in (a, b, late):
             engine.ask("close")
+
+
+def test_a_relayed_pull_that_overlapped_a_write_is_dropped(fleet, monkeypatch):
+    """In this process, two subscribers (two NIXL endpoints each, as across hosts): B relays
+    from A. A pull is dropped, not returned, when its upstream began to overwrite the buffer
+    (A's progress word names a newer generation) or the trainer did (`filling` moved)."""
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        a = devipc.WeightSubscriber(publisher.token())
+        b = devipc.WeightSubscriber(publisher.token())
+        publisher.wait_subscribers(2, timeout=TIMEOUT)
+        digest = _step(weights, 30)
+        publisher.publish(wait=False)
+        assert a.wait(timeout=TIMEOUT) == 0
+        relay = a._backend._relay
+        held = int(relay.progress[0])
+        relay.progress[0] = progress_word(1, 0)  # A overwrites its buffer with generation 1
+        with pytest.raises(TimeoutError):
+            b.wait(timeout=0.5)
+        relay.progress[0] = held  # A holds generation 0 whole again
+        pull = b._backend._pull
+
+        def overlapped(generation):
+            pulled = pull(generation)
+            publisher._backend._words[_publisher_remote._FILLING] = 1  # the trainer writes
+            return pulled
+
+        monkeypatch.setattr(b._backend, "_pull", overlapped)
+        with pytest.raises(TimeoutError):
+            b.wait(timeout=0.5)
+        monkeypatch.undo()
+        publisher._backend._words[_publisher_remote._FILLING] = 0  # generation 0 stable again
+        assert b.wait(timeout=TIMEOUT) == 0
+        assert b._backend._relay.counts["upstream"] > 0  # from A, not around it
+        assert _digest(b.tensors()) == _digest(a.tensors()) == digest
+        a.ack()
+        b.ack()
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        a.close()
+        b.close()
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        digest.update(name.encode() + tensor.cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def test_the_chain_groups_engines_by_host():

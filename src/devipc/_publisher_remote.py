@@ -535,9 +535,10 @@ class NixlSubscriber:
             if state != ATTACHED:
                 raise PeerGoneError(f"the weight publisher dropped this subscriber (its "
                                     f"heartbeat stopped for {LIVENESS} s): open a new token")
-            if published > self.generation and filling < published + self._buffers:
-                if not self._pull(published):
-                    continue  # the relay's upstream has a newer one
+            # a pull the relay dropped (its upstream has a newer one) is looked at again after
+            # a pause, as one that found nothing
+            if published > self.generation and filling < published + self._buffers \
+                    and self._pull(published):
                 if self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
                     self.generation = published
                     self._checksum = published_sum(self._header_seen[_SUMS:], published)

@@ -42,8 +42,7 @@ from ._errors import InvalidHandleError
 
 __all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Relay", "chain", "chunk_size", "host_key"]
 
-RELAY_STALL = 2.0  # seconds without a new chunk (or a read that long) after which an upstream
-# is bypassed
+RELAY_STALL = 2.0  # seconds without a new chunk from an upstream, after which it is gone around
 CARD_BYTES = 16 << 10  # a card's slot in the publisher's memory
 DEPTH = 4  # chunks in flight from the trainer (and staging slots)
 # chunks in flight from an upstream: one; two in parallel share the link and each lands later
@@ -134,8 +133,8 @@ class _Stopped(Exception):
 
 class _Upstream:
     """One generation's pull from an upstream, in a thread of its own: an upstream that stopped
-    answering (frozen: NIXL's liveness read before each post may block for 30 s) holds up
-    nothing, as the relay stops waiting for it after RELAY_STALL seconds without a new chunk.
+    answering (frozen: a read of it never ends) holds up nothing, as the relay stops waiting
+    for it after RELAY_STALL seconds without a new chunk.
     It commits under `lock` only while not `stopped`, so nothing lands once the relay took
     over."""
 
@@ -182,7 +181,6 @@ class _Upstream:
             held, chunks = divmod(int(self._word[0]), _CHUNKS)
             if held - 1 > generation:
                 raise _Moved
-            news = False
             if held - 1 == generation:
                 with self.lock:
                     if self.stopped:
@@ -202,8 +200,10 @@ class _Upstream:
                     in_flight.append((after, self._connection.read_async(
                         self._staging[slot:slot + high - low], card.buffers[buffer], low)))
                     after += 1
-                    news = True
-            if news or known:  # the next look soon: the link stays busy
+            if in_flight:  # nothing to do before it lands: then a word read after it
+                _finish(in_flight[0][1], self._check)
+                continue
+            if known:  # the upstream's next chunk is due soon: look again soon
                 backoff = Backoff(None, first=0.0001, longest=0.001)
             backoff.pause()
 
@@ -214,11 +214,15 @@ class _Upstream:
     def _read(self, local: torch.Tensor, desc: bytes, offset: int) -> None:
         _finish(self._connection.read_async(local, desc, offset), self._check)
 
-    def stop(self) -> bool:
-        """Stop it; True if its thread still runs (it then closes `endpoint` when it ends)."""
+    def stop(self, endpoint: p2p.Endpoint | None) -> bool:
+        """Stop it; True if its thread still runs: it then closes `endpoint` (the one its reads
+        went through, where one may still land) when it ends."""
         with self.lock:
             self.stopped = True
-            return not self.ended
+            if self.ended:
+                return False
+            self.endpoint = endpoint
+            return True
 
 
 class Relay:
@@ -296,10 +300,9 @@ class Relay:
                     job.thread.join(_SLICE)
                     check()
             finally:
-                if job.stop():  # still waiting on the upstream: its reads may land later
+                if job.stop(self._reader):  # still waiting on the upstream: reads may land
                     self._aside()
-                    job.endpoint, self._reader, self._upstream = self._reader, None, None
-                    self._trainer = None
+                    self._reader = self._trainer = self._upstream = None
             if job.moved:  # so is its downstream's, which reads this word
                 self.progress[buffer] = progress_word(generation + self.count, 0)
                 return False
