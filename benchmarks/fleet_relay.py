@@ -19,13 +19,14 @@ Usage: python benchmarks/fleet_relay.py [--mib 64] [--mbit 200] [--generations 2
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+
+from devipc._bench.common import replace_section
 
 NET = "10.231.0"
 TIMEOUT = 300
@@ -334,7 +335,8 @@ def main():
     if not args.no_doc:
         command = "python benchmarks/fleet_relay.py" + "".join(
             f" {a}" for a in sys.argv[1:] if a != "--no-doc")
-        write_doc(f"{SECTION}\n\n{ABOUT}\n\n`sudo {command}`, one run:\n\n{text}\n")
+        replace_section(DOC, SECTION,
+                        f"{SECTION}\n\n{ABOUT}\n\n`sudo {command}`, one run:\n\n{text}\n")
 
 
 def table(results, settings, nbytes, args) -> str:
@@ -367,20 +369,6 @@ def table(results, settings, nbytes, args) -> str:
               f"- one engine alone >= 85% of the link: {'met' if alone >= 0.85 else 'NOT met'} "
               f"({alone:.0%})"]
     return "\n".join(lines)
-
-
-def write_doc(text: str) -> None:
-    with open(DOC) as doc:
-        content = doc.read()
-    at = content.find(SECTION)
-    if at >= 0:
-        following = re.search(r"^## ", content[at + len(SECTION):], re.M)
-        end = len(content) if following is None else at + len(SECTION) + following.start()
-        content = content[:at] + text + "\n" + content[end:]
-    else:
-        content = content.rstrip("\n") + "\n\n" + text
-    with open(DOC, "w") as doc:
-        doc.write(content.rstrip("\n") + "\n")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,12 @@ UCX picks its own transports (UCX_TLS and friends are read from the environment)
 """
 import argparse
 import os
-import re
 import sys
 import time
 
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
 from devipc._bench import p2p as bench
-from devipc._bench.common import Progress
+from devipc._bench.common import Progress, replace_section
 
 BATCH = bench.BATCH
 NOTES = "Method notes:"  # from here to the next section, the doc's notes are kept on a rerun
@@ -113,24 +112,6 @@ def latency_acceptance(results) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
-    """Replace this benchmark's section with `text`, keeping its hand-written method notes."""
-    with open(DOC) as doc:
-        content = doc.read()
-    at = content.find(SECTION)
-    if at >= 0:
-        following = re.search(r"^## ", content[at + len(SECTION):], re.M)
-        end = len(content) if following is None else at + len(SECTION) + following.start()
-        notes = content.find(NOTES, at, end)
-        if notes >= 0:
-            text = text.rstrip("\n") + "\n\n" + content[notes:end].rstrip("\n") + "\n\n"
-        content = content[:at] + text + content[end:]
-    else:
-        content = content.rstrip("\n") + "\n\n" + text
-    with open(DOC, "w") as doc:
-        doc.write(content.rstrip("\n") + "\n")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-mib", type=int, default=256, help="largest size (MiB)")
@@ -157,7 +138,8 @@ def main():
         command = "python benchmarks/p2p_bandwidth.py" + "".join(
             f" {a}" for a in sys.argv[1:] if a != "--no-doc")
         about = ABOUT.format(rounds=args.rounds, seconds=args.seconds)
-        write_doc(f"{SECTION}\n\n{about}\n\n`{command}`, one run:\n\n{result}\n")
+        replace_section(DOC, SECTION, f"{SECTION}\n\n{about}\n\n`{command}`, one run:\n\n"
+                        f"{result}\n", NOTES)
 
 
 if __name__ == "__main__":

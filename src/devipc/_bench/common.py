@@ -1,4 +1,5 @@
 """What the benchmarks share: progress on stderr, Markdown tables, the PNG."""
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,3 +119,22 @@ def plot(panels: list[Panel], path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
+
+
+def replace_section(path: str, section: str, text: str, notes: str | None = None) -> None:
+    """Replace the markdown section headed `section` in the file at `path` with `text` (or
+    append it), keeping the old section's lines from `notes` on (hand-written method notes)."""
+    with open(path) as doc:
+        content = doc.read()
+    at = content.find(section)
+    if at >= 0:
+        following = re.search(r"^## ", content[at + len(section):], re.M)
+        end = len(content) if following is None else at + len(section) + following.start()
+        kept = -1 if notes is None else content.find(notes, at, end)
+        if kept >= 0:
+            text = text.rstrip("\n") + "\n\n" + content[kept:end].rstrip("\n") + "\n\n"
+        content = content[:at] + text.rstrip("\n") + "\n\n" + content[end:]
+    else:
+        content = content.rstrip("\n") + "\n\n" + text
+    with open(path, "w") as doc:
+        doc.write(content.rstrip("\n") + "\n")
