@@ -42,9 +42,11 @@ from `publish()` until every engine acknowledged; "carried" is a link's byte cou
 timed generations divided by their bytes (the trainer's link sending; a host's receiving /
 sending); "machine busy" is the share of this machine's CPU time not idle meanwhile. All the
 processes (the trainer, up to 8 engines, UCX's TCP and the kernel's forwarding for every link)
-share this machine's 2 cores: at 400 Mbit/s the 8-engine settings keep them ~97% busy and then
-measure the CPU, not the links (T(8)/T(1) of the relay 1.29 to 1.48 over three runs), so the
-links run at 200 Mbit/s, where they stay below saturation. Real hosts each have their own."""
+share this machine's 2 cores: at 400 Mbit/s the relay's 8-host setting kept them ~97% busy and
+measured the CPU more than the links (its T(8)/T(1) 1.29 in one run, 1.48 in another), so the
+links run at 200 Mbit/s, where that setting leaves a fifth of the CPU idle (the one-hop
+settings still fill it, the trainer's link their bottleneck; so does 2 hosts x 4, whose
+same-host hops run at loopback speed). Real hosts each have their own cores."""
 
 
 def note(text):
