@@ -8,7 +8,11 @@ of int64 words:
     header: published generation | filling | the CRC-32s of the last two generations
             (generation | CRC-32, -1: none), each pair rewritten only once nobody holds its
             generation
-    record per subscriber: state | pid | serial | acknowledged generation | heartbeat
+    record per subscriber: state | pid | host key | serial | acknowledged generation |
+            heartbeat | upstream (with relay: the record it pulls from, -1: the trainer)
+
+With `relay=True` (`_relay`) the subscribers pass each generation on along a chain, and a third
+thing is registered: one slot per record where its subscriber writes how it is reached.
 
 A token carries the endpoint's metadata, the descriptors of the header, of the subscriber's
 record and of the weights, and the table (names, dtypes, shapes, offsets: fixed for the
