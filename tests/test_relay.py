@@ -206,7 +206,7 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
         _take(engines, 3, digest)
         assert [engine.ask("close") for engine in engines] == fds_there
     torch.accelerator.empty_cache()  # the allocator's cached segments: memfds
-    assert open_fds() == fds
+    assert open_fds() <= fds  # (an earlier test's garbage may go meanwhile, in this worker)
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
