@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 import torch
-from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, open_fds, recv, use_ucx_loopback
+from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, recv, use_ucx_loopback
 
 import devipc
 from devipc import _publisher_remote, _wire
@@ -185,8 +185,6 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
     engines = fleet(3)
     weights = _weights(copy)
     nbytes = sum(t.nbytes for t in weights.values())
-    torch.accelerator.empty_cache()
-    fds = open_fds()
     with devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True) as publisher:
         _open(publisher, engines)
         for generation in range(3):
@@ -215,8 +213,6 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
         publisher.publish(wait=False)
         _take(engines, 3, digest)
         assert [engine.ask("close") for engine in engines] == fds_there
-    torch.accelerator.empty_cache()  # the allocator's cached segments: memfds
-    assert open_fds() <= fds  # (an earlier test's garbage may go meanwhile, in this worker)
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
