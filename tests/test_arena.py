@@ -159,7 +159,7 @@ def test_close_leaves_no_descriptors():
     reader.close()
     arena.close()
     _drain()
-    assert open_fds() == fds
+    assert open_fds() <= fds  # (below: an earlier test's fds went)
     assert torch.openreg.memory_allocated() <= baseline  # (below: memory others left went)
 
 

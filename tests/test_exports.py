@@ -23,7 +23,7 @@ def _baseline():
 
 
 def _back_to(baseline, what):
-    return wait_until(lambda: torch.accelerator.memory_allocated() == baseline, what, collect=True)
+    return wait_until(lambda: torch.accelerator.memory_allocated() <= baseline, what, collect=True)
 
 
 def test_resizing_after_a_send_gives_new_memory_and_the_sent_memory_stays(children):
@@ -68,7 +68,7 @@ def test_a_killed_consumer_holding_100_tensors_gives_the_memory_back(children):
     os.kill(child.pid, signal.SIGKILL)
     child.join(TIMEOUT)
     # No ipc_collect needed: the collector thread notices the dead holder by itself.
-    wait_until(lambda: torch.accelerator.memory_allocated() == baseline,
+    wait_until(lambda: torch.accelerator.memory_allocated() <= baseline,
                "memory of a SIGKILLed consumer back by the collector thread")
 
 

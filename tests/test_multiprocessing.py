@@ -59,7 +59,7 @@ def test_thousands_of_new_tensors_through_a_queue_leave_nothing_behind(children)
     assert (fds_left, maps_left, mapped) == (0, [], 0)
     children.join_ok()
     wait_until(lambda: devipc.stats()["sent"] == 0, "every send ended", collect=True)
-    wait_until(lambda: torch.accelerator.memory_allocated() == memory,
+    wait_until(lambda: torch.accelerator.memory_allocated() <= memory,
                "the producer's memory is back to its baseline")
     torch.accelerator.empty_cache()  # the allocator's cached segments: memfds of its own
     wait_until(lambda: open_fds() <= fds, f"fds back to {fds}", collect=True)  # (a counter file

@@ -251,7 +251,10 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
     logger.addHandler(handler)
     monkeypatch.setattr(logger, "propagate", False)
     try:
-        devipc.ipc_collect()
+        gc.collect()  # an earlier test's received storages, in cycles: their releases go first
+        torch.accelerator.synchronize()
+        wait_until(lambda: devipc.stats()["pending_releases"] == 0, "earlier releases ran",
+                   collect=True)
         # the collector's rounds would run the releases too: only the open runs them here, once
         # a round already under way (a busy machine's may be long) has ended
         idle = threading.Event()
