@@ -289,3 +289,76 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
         assert stats["pending_releases"] == 0 and stats["mapped"] == before
     finally:
         logger.removeHandler(handler)
+
+
+def test_mappings_kept_open_for_reuse_are_bounded_and_close(monkeypatch):
+    """Hooks with `reusable_mappings` keep a mapping whose last storage died open for the next
+    open of the same handle, at most IDLE_MAPPINGS of them, each until `close_idle` finds it
+    older than asked; hooks without it close with the last storage, as before."""
+    from devipc import _received
+    from devipc.hooks import OpenedMemory
+
+    closed, opened_count = [], []
+
+    class Hooks:
+        def __init__(self, reusable):
+            self.reusable = reusable
+
+        def reusable_mappings(self):
+            return self.reusable
+
+        def open_ipc_mem_handle(self, handle):
+            base = int.from_bytes(handle, "little")
+            opened_count.append(base)
+            return OpenedMemory(base, 10, torch.device("openreg", 0),
+                                lambda: closed.append(base))
+
+    monkeypatch.setattr(_received, "IDLE_MAPPINGS", 2)
+    opened, reusable = _received.OpenedAllocations(), Hooks(True)
+    handles = [(100 * i).to_bytes(4, "little") for i in range(1, 5)]
+    for handle in handles[:3]:
+        opened.acquire(reusable, handle)
+        opened.release(handle)
+    assert closed == [100] and len(opened) == opened.idle() == 2  # the oldest idle one went
+    opened.acquire(reusable, handles[1])  # kept: opened again without a mapping
+    assert opened_count == [100, 200, 300] and opened.idle() == 1
+    assert opened.contains(torch.device("openreg", 0), 305)  # an idle mapping is still mapped
+    opened.release(handles[1])
+    assert opened.close_idle(older_than=3600) and closed == [100]  # not old enough
+    assert not opened.close_idle() and sorted(closed) == [100, 200, 300] and len(opened) == 0
+    plain = Hooks(False)
+    opened.acquire(plain, handles[3])
+    opened.release(handles[3])
+    assert closed[-1] == 400 and len(opened) == 0 and opened.idle() == 0
+
+
+def test_a_new_tensor_per_send_maps_nothing_new_and_the_producer_reuses_its_memory(monkeypatch):
+    """A new tensor every step (a batch, an activation): the producer gives each send's memory
+    back within a few sends (its caching allocator reuses it), and the consumer finds the
+    segments still mapped; `ipc_collect` closes what was kept. The collector thread is kept out:
+    the sends' own path must do it."""
+    from devipc._hooks import hooks_for
+
+    _drain()
+    monkeypatch.setattr(_sharing._background, "wake", lambda: None)
+    hooks = hooks_for(torch.device("openreg"))
+    maps, open_handle = [], hooks.open_ipc_mem_handle
+    monkeypatch.setattr(hooks, "open_ipc_mem_handle",
+                        lambda handle: maps.append(handle) or open_handle(handle))
+    mapped, baseline = devipc.stats()["mapped"], torch.accelerator.memory_allocated()
+    size, places = 16 << 20, set()
+    for step in range(40):
+        tensor = torch.full((size // 4,), step, dtype=torch.int32, device="openreg")
+        places.add(tensor.data_ptr())
+        received = ForkingPickler.loads(ForkingPickler.dumps(tensor))
+        assert int(received[-1]) == step
+        del tensor, received
+        torch.accelerator.synchronize()
+        assert torch.accelerator.memory_allocated() <= baseline + 8 * size, step
+    assert len(places) <= 4 and len(maps) <= 4, (len(places), len(maps))
+    assert devipc.stats()["mapped_idle"] >= 1
+    devipc.ipc_collect()
+    stats = devipc.stats()
+    assert stats["mapped_idle"] == 0 and stats["mapped"] == mapped
+    _drain()
+    assert torch.accelerator.memory_allocated() <= baseline

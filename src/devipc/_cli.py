@@ -125,6 +125,8 @@ def describe(pid: int, page: dict) -> str:
         ("unopened sends", stats.get("unopened"), f"sent, never opened{oldest}"),
         ("counter files", stats.get("counter_files"), "this process's, for its sends"),
         ("mapped", stats.get("mapped"), "allocations received from other processes"),
+        ("of which idle", stats.get("mapped_idle"), "kept open a while for the next tensor on "
+                                                    "them"),
         ("mapped counter files", stats.get("mapped_counter_files"), "other producers' files"),
         ("pending releases", stats.get("pending_releases"), "waiting for device work"),
         ("buckets shared", stats.get("buckets_shared"),

@@ -40,6 +40,7 @@ from ._refcount import (
 )
 
 LIMBO_WARN_BLOCKS = 1_000
+NEWEST = 4  # exports whose slots a new send looks at (`_end_newest`)
 _log = logging.getLogger("devipc")
 
 
@@ -97,7 +98,7 @@ class Exports:
         key = storage_key(storage)
         self._reap_if_died(key)
         with self._lock:
-            finished = self._apply_dropped()
+            finished = self._apply_dropped() + self._end_newest()
             export = self._export_of(storage, key)
             export.wire = wire
             file, index = self._take(export)
@@ -244,22 +245,8 @@ class Exports:
         with self._lock:
             finished = self._apply_dropped()
             for export in list(self._active.values()):
-                live = []
-                for slot in export.slots:
-                    state = self._live_state(*slot, now)
-                    if state is not None:
-                        live.append(slot)
-                        if state == SENT:
-                            unopened, oldest = unopened + 1, min(oldest, slot[2])
-                for file, _, _ in export.slots:
-                    file.listed -= 1
-                for file, _, _ in live:
-                    file.listed += 1
-                ended += len(export.slots) - len(live)
-                self._held -= len(export.slots) - len(live)
-                export.slots = live
-                if not live:
-                    del self._active[export.id]
+                gone, waiting, since = self._prune(export, now)
+                ended, unopened, oldest = ended + gone, unopened + waiting, min(oldest, since)
             # Forwarded sends, read after the states above: a forwarder takes its new slot
             # before it releases its own, so an export seen released here is seen again.
             self._list_new_slots(now)
@@ -286,6 +273,40 @@ class Exports:
                           f"memory stays allocated until the consumers drop the tensors they "
                           f"received", ResourceWarning, stacklevel=3)
         return ended
+
+    def _prune(self, export: Export, now: float) -> tuple[int, int, float]:
+        """(Under the lock) drop the slots of `export` that ended: how many, and of those left
+        how many were never opened and when the oldest of them was sent (`now` if none)."""
+        live, unopened, oldest = [], 0, now
+        for slot in export.slots:
+            state = self._live_state(*slot, now)
+            if state is None:
+                slot[0].listed -= 1
+                continue
+            live.append(slot)
+            if state == SENT:
+                unopened, oldest = unopened + 1, min(oldest, slot[2])
+        ended = len(export.slots) - len(live)
+        self._held -= ended
+        export.slots = live
+        if not live:
+            del self._active[export.id]
+        return ended, unopened, oldest
+
+    def _end_newest(self) -> list[Export]:
+        """(Under the lock) the sends of the `NEWEST` exports sent last that ended, dropped, and
+        those exports if nothing keeps them any more: a new tensor sent every step (a batch, an
+        activation) gives its memory back within a few sends, not at the next collection, after
+        `_collect_at` sends that could each be a large allocation."""
+        now = time.monotonic()
+        newest = list(itertools.islice(reversed(self._active.values()), NEWEST))
+        for export in newest:
+            self._prune(export, now)
+        if not any(export.finished() for export in newest):
+            return []
+        self._list_new_slots(now)  # a slot a peer just took keeps its export
+        return [export for export in newest
+                if export.finished() and self._by_id.pop(export.id, None) is export]
 
     def _crossed(self, what: str, count: int) -> bool:
         """Whether `count` just went past the warning threshold (once until it falls back)."""

@@ -104,6 +104,14 @@ class IpcHooks:
         """Stable identity of `device` (a UUID), the same in every process; b"": none."""
         return b""
 
+    def reusable_mappings(self) -> bool:
+        """Whether a consumer may keep a mapping open a short while after its last storage died,
+        and use it again when the same handle comes back (a caching allocator's block reused for
+        a new tensor, the traffic of a DataLoader): true when a handle names one allocation for
+        good and a mapping keeps its memory valid after the producer freed it (openreg: a memfd
+        named by a random token). Default False: a mapping closes with its last storage."""
+        return False
+
     def memory_kind(self, device_index: int) -> str | None:
         """What this device's memory is to a network engine (NIXL): "DRAM" (host-addressable),
         "VRAM" (device memory the engine reaches itself), or None: not registrable, so the NIXL

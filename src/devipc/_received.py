@@ -5,6 +5,7 @@ import bisect
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple, cast
 
@@ -17,25 +18,40 @@ from ._memory import reap_freed, storage_key
 _log = logging.getLogger("devipc")
 
 
+IDLE_MAPPINGS = 8  # mappings kept open after their last storage died, at most...
+IDLE_SECONDS = 1.0  # ...and for this long at most (the collector's rounds close them)
+
+
 class OpenedAllocations:
     """The consumer's opened base allocations (the hooks' OpenedMemory): each opened once per
     process, closed with its last storage. Their address ranges are kept sorted per device type,
-    so `contains` (asked by every first send) costs a bisection, not a scan of what is held."""
+    so `contains` (asked by every first send) costs a bisection, not a scan of what is held.
+
+    Where the hooks allow it (`reusable_mappings`), a mapping whose last storage died stays open
+    a short while (`IDLE_MAPPINGS`, `IDLE_SECONDS`): a producer's caching allocator hands the
+    same block, or another of the same segment, to its next tensor, and that open then maps
+    nothing (a new batch every step would otherwise map and unmap a segment each time)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_handle: dict[bytes, list] = {}  # handle -> [OpenedMemory, live storages]
+        # handle -> [OpenedMemory, live storages, whether it may idle]
+        self._by_handle: dict[bytes, list] = {}
+        self._idle: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # -> since
         self._ranges: dict[str, tuple[list[int], list[int]]] = {}  # device type -> starts, ends
 
     def acquire(self, hooks: IpcHooks, handle: bytes) -> OpenedMemory:
         with self._lock:
             entry = self._by_handle.get(handle)
             if entry is not None:
+                if not entry[1]:
+                    del self._idle[handle]
                 entry[1] += 1
                 return entry[0]
+            reusable = getattr(hooks, "reusable_mappings", None)  # (hooks may be duck-typed)
+            reusable = reusable is not None and bool(reusable())
             # Opening under the lock: two threads must not map the same allocation twice.
             memory = hooks.open_ipc_mem_handle(handle)
-            self._by_handle[handle] = [memory, 1]
+            self._by_handle[handle] = [memory, 1, reusable]
             starts, ends = self._ranges.setdefault(memory.device.type, ([], []))
             at = bisect.bisect_right(starts, memory.ptr)
             starts.insert(at, memory.ptr)
@@ -48,12 +64,36 @@ class OpenedAllocations:
             entry[1] -= 1
             if entry[1] > 0:
                 return
-            del self._by_handle[handle]
-            memory = entry[0]
-            starts, ends = self._ranges[memory.device.type]
-            at = bisect.bisect_left(starts, memory.ptr)  # live mappings never overlap
-            del starts[at], ends[at]
-        memory.close()
+            if not entry[2]:
+                closing = [self._forget(handle)]
+            else:
+                self._idle[handle] = time.monotonic()
+                closing = [self._forget(self._idle.popitem(last=False)[0])
+                           for _ in range(len(self._idle) - IDLE_MAPPINGS)]
+        _close(closing)
+
+    def close_idle(self, older_than: float = 0.0) -> bool:
+        """Close the mappings idle for longer than `older_than` seconds; whether some are still
+        kept (the collector comes back for them)."""
+        with self._lock:
+            now, closing = time.monotonic(), []
+            while self._idle:
+                handle, since = next(iter(self._idle.items()))
+                if now - since < older_than:
+                    break
+                del self._idle[handle]
+                closing.append(self._forget(handle))
+            kept = bool(self._idle)
+        _close(closing)
+        return kept
+
+    def _forget(self, handle: bytes) -> OpenedMemory:
+        """(Under the lock) the entry of `handle` gone; its mapping, for the caller to close."""
+        memory = self._by_handle.pop(handle)[0]
+        starts, ends = self._ranges[memory.device.type]
+        at = bisect.bisect_left(starts, memory.ptr)  # live mappings never overlap
+        del starts[at], ends[at]
+        return memory
 
     def contains(self, device: torch.device, ptr: int) -> bool:
         with self._lock:
@@ -67,6 +107,22 @@ class OpenedAllocations:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_handle)
+
+    def idle(self) -> int:
+        """Mappings kept open with no storage on them (part of `len`)."""
+        return len(self._idle)
+
+
+def _close(memories: list[OpenedMemory]) -> None:
+    """Close each mapping; the first failure is raised once all were tried."""
+    failure = None
+    for memory in memories:
+        try:
+            memory.close()
+        except Exception as error:  # noqa: BLE001 - the others must still close
+            failure = failure or error
+    if failure is not None:
+        raise failure
 
 
 class Receipt(NamedTuple):

@@ -31,6 +31,7 @@ from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
 from ._hooks import IpcHooks, IpcMemHandle, OpenedMemory, hooks_for
 from ._memory import TensorOrStorage, reap_freed, tensor_from_memory, untyped, watched
 from ._received import (
+    IDLE_SECONDS,
     DeferredReleases,
     OpenedAllocations,
     Receipt,
@@ -61,6 +62,7 @@ counts: collections.Counter = collections.Counter()  # what other layers shared,
 
 def _background_round() -> bool:
     more = _deferred.poll()
+    more = _opened.close_idle(IDLE_SECONDS) or more
     _exports.collect()
     # storages devipc made that still live: their deaths are seen by these rounds
     more = more or _exports.pending() or watched() > 0
@@ -330,8 +332,9 @@ def release_ipc_counter_device(ref_counter_handle: bytes | None, ref_counter_off
 def ipc_collect() -> int:
     """Producer: free sent memory whose consumers released it or died; consumer: run the
     releases whose device work is done, and close what it kept of producers that died. Returns
-    how many sends ended."""
+    how many sends ended. Mappings kept open for reuse are closed too."""
     _deferred.poll()
+    _opened.close_idle()
     _counters.prune()
     return _exports.collect()
 
@@ -406,7 +409,7 @@ _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torc
 def stats() -> dict:
     """What this process holds for IPC right now."""
     reap_freed()  # storages that died count as released, pending their device work
-    return {**_exports.stats(), "mapped": len(_opened),
+    return {**_exports.stats(), "mapped": len(_opened), "mapped_idle": _opened.idle(),
             "mapped_counter_files": _counters.mapped_files(),
             "pending_releases": len(_deferred), "buckets_shared": counts["buckets_shared"],
             "bucket_tensors_shared": counts["bucket_tensors_shared"]}

@@ -77,6 +77,10 @@ class OpenRegIpcHooks(IpcHooks):
         return device.type == "openreg" and device.index is not None \
             and 0 <= device.index < torch.openreg.device_count()  # type: ignore[attr-defined]
 
+    def reusable_mappings(self) -> bool:
+        # a handle names its memfd by a random token; a mapping keeps the pages, freed or not
+        return True
+
     def device_identity(self, device: torch.device) -> bytes:
         return _runtime.device_uuid(device.index).encode()
 
