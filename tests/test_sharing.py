@@ -336,11 +336,14 @@ def test_a_new_tensor_per_send_maps_nothing_new_and_the_producer_reuses_its_memo
     """A new tensor every step (a batch, an activation): the producer gives each send's memory
     back within a few sends (its caching allocator reuses it), and the consumer finds the
     segments still mapped; `ipc_collect` closes what was kept. The collector thread is kept out:
-    the sends' own path must do it."""
+    the sends' own path must do it (nor close what is kept, however slow this machine is)."""
     from devipc._hooks import hooks_for
 
     _drain()
-    monkeypatch.setattr(_sharing._background, "wake", lambda: None)
+    idle = threading.Event()  # a round already under way has ended once the idle one runs
+    monkeypatch.setattr(_sharing._background, "_round", lambda: idle.set() or True)
+    _sharing._background.wake()
+    assert idle.wait(TIMEOUT), "the collector thread never came round"
     hooks = hooks_for(torch.device("openreg"))
     maps, open_handle = [], hooks.open_ipc_mem_handle
     monkeypatch.setattr(hooks, "open_ipc_mem_handle",
