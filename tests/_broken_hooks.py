@@ -55,6 +55,17 @@ class CloseKeepsMapping(OpenRegIpcHooks):
         return OpenedMemory(opened.ptr, opened.size, opened.device, lambda: None)
 
 
+class HandlesRepeat(OpenRegIpcHooks):
+    """Consumers may keep mappings, yet every allocation gets the same handle."""
+
+    def reusable_mappings(self):
+        return True
+
+    def get_ipc_mem_handle(self, ptr):
+        _, offset = super().get_ipc_mem_handle(ptr)
+        return bytes(64), offset
+
+
 class AlwaysDeviceZero(OpenRegIpcHooks):
     """Opened memory is said to be on device 0, whichever device holds it."""
 
@@ -70,5 +81,6 @@ class SupportsIpcRaises(OpenRegIpcHooks):
 
 BROKEN = {"offset": OffsetOffByOne, "no_event_wait": NoEventWait, "open_hangs": OpenHangs,
           "worker_share_hangs": WorkerShareHangs, "close_keeps_mapping": CloseKeepsMapping,
-          "always_device_zero": AlwaysDeviceZero, "supports_ipc_raises": SupportsIpcRaises}
+          "always_device_zero": AlwaysDeviceZero, "supports_ipc_raises": SupportsIpcRaises,
+          "handles_repeat": HandlesRepeat}
 register_ipc_hooks("openreg", BROKEN[os.environ["DEVIPC_BROKEN_HOOKS"]]())

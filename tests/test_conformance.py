@@ -129,6 +129,14 @@ def test_a_consumer_whose_close_never_unmaps_fails_the_release_check():
     assert "still maps" in run.stdout, run.stdout
 
 
+def test_hooks_that_keep_mappings_but_repeat_handles_fail_the_reusable_mappings_check():
+    run = kit("--hooks-module", "_broken_hooks", "-k", "optional.reusable_mappings",
+              DEVIPC_BROKEN_HOOKS="handles_repeat")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert table(run.stdout) == {"optional.reusable_mappings": "failed"}
+    assert "old allocation's handle" in run.stdout, run.stdout
+
+
 def test_hooks_that_always_say_device_0_fail_on_index_1():
     run = kit("--hooks-module", "_broken_hooks", "--index", "1", "-k", "roundtrip.views", "-k",
               "mp.dataloader", DEVIPC_BROKEN_HOOKS="always_device_zero")

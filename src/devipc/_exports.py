@@ -274,12 +274,19 @@ class Exports:
                           f"received", ResourceWarning, stacklevel=3)
         return ended
 
-    def _prune(self, export: Export, now: float) -> tuple[int, int, float]:
+    def _prune(self, export: Export, now: float, thorough: bool = True,
+               ) -> tuple[int, int, float]:
         """(Under the lock) drop the slots of `export` that ended: how many, and of those left
-        how many were never opened and when the oldest of them was sent (`now` if none)."""
+        how many were never opened and when the oldest of them was sent (`now` if none). Not
+        `thorough`: only slots released or revoked, a load each (a dead holder, a deadline
+        passed, cost a lock probe: the collection looks for those)."""
         live, unopened, oldest = [], 0, now
         for slot in export.slots:
-            state = self._live_state(*slot, now)
+            if thorough:
+                state = self._live_state(*slot, now)
+            else:
+                state = slot[0].counter.state(slot[1])
+                state = None if state in (RELEASED, REVOKED) else state
             if state is None:
                 slot[0].listed -= 1
                 continue
@@ -301,7 +308,7 @@ class Exports:
         now = time.monotonic()
         newest = list(itertools.islice(reversed(self._active.values()), NEWEST))
         for export in newest:
-            self._prune(export, now)
+            self._prune(export, now, thorough=False)
         if not any(export.finished() for export in newest):
             return []
         self._list_new_slots(now)  # a slot a peer just took keeps its export

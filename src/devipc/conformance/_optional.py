@@ -62,6 +62,50 @@ def copy_batch(kit: Kit) -> str:
     return f"{len(spans)} rows"
 
 
+@check("optional.reusable_mappings",
+       "where reusable_mappings says yes (consumers keep a mapping open after its last storage "
+       "for the next tensor on it), a handle names one allocation for good: an allocation "
+       "freed back to the device (its cache emptied) and made again gets a new handle")
+def reusable_mappings(kit: Kit) -> str:
+    says = getattr(kit.hooks, "reusable_mappings", None)
+    if says is None or not says():
+        raise Skip("the device closes a mapping with its last storage (reusable_mappings: no)")
+    module = _device.module_of(kit.device)
+    if getattr(module, "empty_cache", None) is None \
+            or getattr(module, "memory_reserved", None) is None:
+        raise Skip("the device's module has no empty_cache or memory_reserved: the kit cannot "
+                   "free an allocation and tell that it went")
+
+    def handle_of(tensor: torch.Tensor) -> bytes:
+        return devipc.hooks.IpcMemHandle.of(
+            kit.hooks.get_ipc_mem_handle(tensor.data_ptr())).handle
+
+    def emptied() -> int:
+        kit.synchronize()
+        module.empty_cache()
+        return int(module.memory_reserved(kit.device))
+
+    nbytes, freed, same_address = 64 << 20, 0, 0  # large: an allocation of its own
+    reserved = emptied()
+    tensor = torch.empty(nbytes, dtype=torch.uint8, device=kit.device)
+    address, first = tensor.data_ptr(), handle_of(tensor)
+    for _ in range(4):
+        del tensor
+        gone = emptied() <= reserved  # else it shares its allocation: nothing to compare
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=kit.device)
+        if gone:
+            freed += 1
+            same_address += tensor.data_ptr() == address
+            expect(handle_of(tensor) != first,
+                   "memory freed and allocated again has the old allocation's handle: a "
+                   "consumer would take its kept mapping of the old memory for it. Make handles "
+                   "unique per allocation, or have reusable_mappings say no")
+    del tensor
+    if not freed:
+        raise Skip(f"a {nbytes >> 20} MiB allocation was never given back by empty_cache")
+    return f"{freed} allocations made again after a free ({same_address} at the old address)"
+
+
 @check("optional.can_map_on",
        "can_map_on says yes for the owning device and no for the CPU or an index past the "
        "count, never raises, and devipc.open(..., device=) follows it")
