@@ -40,7 +40,7 @@ from ._refcount import (
 )
 
 LIMBO_WARN_BLOCKS = 1_000
-NEWEST = 4  # exports whose slots a new send looks at (`_end_newest`)
+NEWEST = 8  # exports whose slots a new send looks at (`_end_newest`): a pipeline's depth
 _log = logging.getLogger("devipc")
 
 
