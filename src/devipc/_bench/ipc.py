@@ -195,24 +195,24 @@ def _load_modules(worker: int) -> None:
 def dataloader(device: str, batches: int = 400, workers: int = 2, rounds: int = 3) -> dict:
     """{"device": batches/s, "objects": batches/s}: best of `rounds` passes of a DataLoader
     (`workers` spawned workers, `batches` items each pass) over batches made on `device` in the
-    workers, and over small objects; the consumer reads one element of each device batch."""
+    workers, and over small objects; the consumer reads one element of each device batch. The
+    two loaders' passes alternate (their workers persist): this machine's speed drifts."""
     modules = hook_modules([torch.device(device).type])
-    rates: dict[str, float] = {}
-    for name, where in (("objects", None), ("device", device)):
-        loader = torch.utils.data.DataLoader(
-            _Batches(batches, where, modules), batch_size=None, num_workers=workers,
-            multiprocessing_context="spawn", worker_init_fn=_load_modules,
-            persistent_workers=True, prefetch_factor=4)
-        best = 0.0
-        for round_ in range(rounds + 1):  # the first pass starts the workers: not timed
+    loaders = {name: torch.utils.data.DataLoader(
+        _Batches(batches, where, modules), batch_size=None, num_workers=workers,
+        multiprocessing_context="spawn", worker_init_fn=_load_modules,
+        persistent_workers=True, prefetch_factor=4)
+        for name, where in (("objects", None), ("device", device))}
+    rates = dict.fromkeys(loaders, 0.0)
+    for round_ in range(rounds + 1):  # the first pass starts the workers: not timed
+        for name, loader in loaders.items():
             start = time.perf_counter()
             for index, item in enumerate(loader):
-                got = item[0] if where is None else int(item[0, 0, 0, 0].item())
+                got = item[0] if name == "objects" else int(item[0, 0, 0, 0].item())
                 assert got == index, f"{name}: batch {index} read {got}"
             if round_:
-                best = max(best, batches / (time.perf_counter() - start))
-        rates[name] = best
-        del loader
+                rates[name] = max(rates[name], batches / (time.perf_counter() - start))
+    del loaders
     return rates
 
 
