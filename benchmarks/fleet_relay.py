@@ -26,7 +26,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from devipc._bench.common import replace_section
+from devipc._bench.common import Piped, replace_section
 
 NET = "10.231.0"
 TIMEOUT = 300
@@ -121,46 +121,16 @@ class Cluster:
         return int(out)
 
 
-class Process:
+class Process(Piped):
     """This script in another role, in a namespace, driven through two pipes."""
 
     def __init__(self, cluster: Cluster, host: str, role: str):
-        ours_in, theirs_out = os.pipe()
-        theirs_in, ours_out = os.pipe()
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
                "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", cluster.ns(host), sys.executable, os.path.abspath(__file__),
-             "--role", role, "--fds", str(theirs_in), str(theirs_out)],
-            pass_fds=(theirs_in, theirs_out), env=env)
-        os.close(theirs_in)
-        os.close(theirs_out)
-        self.commands, self.replies = Connection(ours_out), Connection(ours_in)
+        super().__init__(["ip", "netns", "exec", cluster.ns(host), sys.executable,
+                          os.path.abspath(__file__), "--role", role, "--fds"],
+                         host, TIMEOUT, env)
         self.host = host
-
-    def send(self, *command):
-        self.commands.send(command)
-
-    def reply(self):
-        if not self.replies.poll(TIMEOUT):
-            raise TimeoutError(f"no reply from the {self.host} process within {TIMEOUT} s")
-        answer = self.replies.recv()
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    def ask(self, *command):
-        self.send(*command)
-        return self.reply()
-
-    def stop(self):
-        with contextlib.suppress(OSError):
-            self.send("exit")
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(TIMEOUT)
 
 
 def trainer(commands: Connection, replies: Connection) -> None:
@@ -338,7 +308,7 @@ def main():
         command = "python benchmarks/fleet_relay.py" + "".join(
             f" {a}" for a in sys.argv[1:] if a != "--no-doc")
         replace_section(DOC, SECTION,
-                        f"{SECTION}\n\n{ABOUT}\n\n`sudo {command}`, one run:\n\n{text}\n")
+                        f"{ABOUT}\n\n`sudo {command}`, one run:\n\n{text}\n")
 
 
 def table(results, settings, nbytes, args) -> str:

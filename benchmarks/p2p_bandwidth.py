@@ -138,7 +138,7 @@ def main():
         command = "python benchmarks/p2p_bandwidth.py" + "".join(
             f" {a}" for a in sys.argv[1:] if a != "--no-doc")
         about = ABOUT.format(rounds=args.rounds, seconds=args.seconds)
-        replace_section(DOC, SECTION, f"{SECTION}\n\n{about}\n\n`{command}`, one run:\n\n"
+        replace_section(DOC, SECTION, f"{about}\n\n`{command}`, one run:\n\n"
                         f"{result}\n", NOTES)
 
 

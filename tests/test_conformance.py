@@ -121,20 +121,17 @@ def test_a_check_that_hangs_in_a_dataloader_worker_ends_with_the_worker_killed(t
                 os.kill(pid, signal.SIGKILL)  # an orphan of the kit under test: ours to end
 
 
-def test_a_consumer_whose_close_never_unmaps_fails_the_release_check():
-    run = kit("--hooks-module", "_broken_hooks", "-k", "lifetime.release",
-              DEVIPC_BROKEN_HOOKS="close_keeps_mapping")
+@pytest.mark.parametrize("broken, check, says", [
+    ("close_keeps_mapping", "lifetime.release", "still maps"),
+    ("handles_repeat", "optional.reusable_mappings", "old allocation's handle"),
+])
+def test_hooks_broken_in_one_way_fail_the_one_check_that_looks(broken, check, says):
+    """A consumer whose close never unmaps; hooks that let mappings be kept, yet give every
+    allocation the same handle."""
+    run = kit("--hooks-module", "_broken_hooks", "-k", check, DEVIPC_BROKEN_HOOKS=broken)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert table(run.stdout) == {"lifetime.release": "failed"}
-    assert "still maps" in run.stdout, run.stdout
-
-
-def test_hooks_that_keep_mappings_but_repeat_handles_fail_the_reusable_mappings_check():
-    run = kit("--hooks-module", "_broken_hooks", "-k", "optional.reusable_mappings",
-              DEVIPC_BROKEN_HOOKS="handles_repeat")
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert table(run.stdout) == {"optional.reusable_mappings": "failed"}
-    assert "old allocation's handle" in run.stdout, run.stdout
+    assert table(run.stdout) == {check: "failed"}
+    assert says in run.stdout, run.stdout
 
 
 def test_hooks_that_always_say_device_0_fail_on_index_1():

@@ -12,14 +12,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-from multiprocessing.connection import Connection
 
 import pytest
 import torch
-from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, recv, use_ucx_loopback
+from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, use_ucx_loopback
 
 import devipc
 from devipc import _publisher_remote, _wire
+from devipc._bench.common import Piped
 from devipc._relay import CARD_BYTES, Card, chain, chunk_size, host_key, progress_word
 
 NIXL = nixl_missing()
@@ -65,45 +65,19 @@ ENGINE = textwrap.dedent("""
 """)
 
 
-class Engine:
+class Engine(Piped):
     """An engine process driven through two pipes."""
 
     def __init__(self):
-        ours_in, theirs_out = os.pipe()
-        theirs_in, ours_out = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(theirs_in),
-                                      str(theirs_out)], pass_fds=(theirs_in, theirs_out))
-        os.close(theirs_in)
-        os.close(theirs_out)
-        self.commands, self.replies = Connection(ours_out), Connection(ours_in)
-
-    def send(self, *command):
-        self.commands.send(command)
-
-    def reply(self, timeout=FRESH_TIMEOUT):
-        answer = recv(self.replies, timeout)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    def ask(self, *command):
-        self.send(*command)
-        return self.reply()
+        super().__init__([sys.executable, "-c", ENGINE], "engine", FRESH_TIMEOUT)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def stop(self):
         with contextlib.suppress(OSError):
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.commands.send(("exit",))
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(TIMEOUT)
-        self.commands.close()
-        self.replies.close()
+            os.kill(self.proc.pid, signal.SIGCONT)  # a frozen one must hear "exit"
+        super().stop()
 
 
 @pytest.fixture(autouse=True)

@@ -427,7 +427,7 @@ class NixlSubscriber:
                                         self._heart)  # dropped unclosed: its agents go too
         try:
             self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
-            self._words, words_id = p2p.create_tensor((32,), torch.int64, "cpu")
+            self._words, words_id = p2p.create_tensor((_BEATS.stop,), torch.int64, "cpu")
             self._ids.append(words_id)
             self._local, local_id = p2p.create_tensor((self._held * nbytes,), torch.uint8,
                                                       self.device)

@@ -39,6 +39,7 @@ import torch
 from . import _wire, p2p
 from ._backoff import Backoff
 from ._errors import InvalidHandleError
+from ._received import synchronize
 
 __all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Relay", "chain", "chunk_size", "host_key"]
 
@@ -169,11 +170,11 @@ class _Upstream:
         """Reads of the chunks the upstream holds, AHEAD in flight; a chunk that landed is
         committed once a progress word read after it still names the generation."""
         relay, card, buffer, generation = self._relay, self._card, self._buffer, self._generation
-        in_flight: deque = deque()  # (chunk, its read), in order
+        in_flight: deque = deque()  # the reads, in chunk order
         landed = after = 0  # chunks landed and not yet committed; the next chunk to read
         backoff = Backoff(None, first=0.0001, longest=0.002)
         while not self.stopped:
-            while in_flight and in_flight[0][1].done():
+            while in_flight and in_flight[0].done():
                 in_flight.popleft()
                 landed += 1
             known = landed  # these landed before the word below is read
@@ -187,21 +188,21 @@ class _Upstream:
                         return
                     for index in range(self.done, self.done + known):
                         slot = (index % DEPTH) * relay.chunk
-                        relay.commit(generation, buffer, index, index + 1,
-                                     self._staging[slot:], "upstream")
+                        relay.commit(generation, buffer, index, self._staging[slot:],
+                                     "upstream")
                     if known:
                         self.done, self.news, landed = self.done + known, time.monotonic(), \
                             landed - known
                 if self.done == relay.chunks:
                     return
                 while after < chunks and after - self.done < AHEAD:
-                    low, high = relay.span(after, after + 1)
+                    low, high = relay.span(after)
                     slot = (after % DEPTH) * relay.chunk
-                    in_flight.append((after, self._connection.read_async(
-                        self._staging[slot:slot + high - low], card.buffers[buffer], low)))
+                    in_flight.append(self._connection.read_async(
+                        self._staging[slot:slot + high - low], card.buffers[buffer], low))
                     after += 1
             if in_flight:  # nothing to do before it lands: then a word read after it
-                _finish(in_flight[0][1], self._check)
+                _finish(in_flight[0], self._check)
                 continue
             if known:  # the upstream's next chunk is due soon: look again soon
                 backoff = Backoff(None, first=0.0001, longest=0.001)
@@ -310,9 +311,7 @@ class Relay:
             if done < self.chunks:
                 self.counts["bypassed"] += 1
                 self._avoided.add(upstream[0])
-                if self._upstream is not None:
-                    self._upstream[1].close()
-                    self._upstream = None
+                self._drop_upstream()
         if done < self.chunks:
             self._from_trainer(trainer_buffer, generation, buffer, done, check)
         return True
@@ -322,9 +321,7 @@ class Relay:
         None if it was bypassed before or cannot be reached."""
         if self._upstream is not None and self._upstream[0] == slot:
             return self._upstream
-        if self._upstream is not None:
-            self._upstream[1].close()
-            self._upstream = None
+        self._drop_upstream()
         if slot in self._avoided:
             return None
         try:
@@ -343,6 +340,11 @@ class Relay:
         self._upstream = (slot, connection, card)
         return self._upstream
 
+    def _drop_upstream(self) -> None:
+        if self._upstream is not None:
+            self._upstream[1].close()
+            self._upstream = None
+
     def _from_trainer(self, desc: bytes, generation: int, buffer: int, start: int,
                       check: Callable[[], None]) -> None:
         """Chunks `start`... from the trainer, DEPTH in flight, each exposed once it landed."""
@@ -355,7 +357,7 @@ class Relay:
         try:
             for index in range(start, self.chunks):
                 while after < self.chunks and len(in_flight) < DEPTH:
-                    low, high = self.span(after, after + 1)
+                    low, high = self.span(after)
                     slot = (after % DEPTH) * self.chunk
                     in_flight.append((slot, trainer.read_async(
                         self._staging[slot:slot + high - low], desc, low)))
@@ -363,26 +365,25 @@ class Relay:
                 slot, transfer = in_flight[0]
                 _finish(transfer, check)
                 in_flight.popleft()
-                self.commit(generation, buffer, index, index + 1, self._staging[slot:],
-                            "trainer")
+                self.commit(generation, buffer, index, self._staging[slot:], "trainer")
         finally:
             if in_flight:
                 self._aside()
 
-    def span(self, first: int, last: int) -> tuple[int, int]:
-        """The bytes of chunks [first, last)."""
-        return first * self.chunk, min(self.nbytes, last * self.chunk)
+    def span(self, index: int) -> tuple[int, int]:
+        """The bytes of chunk `index`."""
+        return index * self.chunk, min(self.nbytes, (index + 1) * self.chunk)
 
-    def commit(self, generation: int, buffer: int, first: int, last: int,
-               staged: torch.Tensor, source: str) -> None:
-        """Chunks [first, last), staged from the start of `staged`, into the buffer, then
-        exposed to the downstream."""
-        low, high = self.span(first, last)
+    def commit(self, generation: int, buffer: int, index: int, staged: torch.Tensor,
+               source: str) -> None:
+        """Chunk `index`, staged from the start of `staged`, into the buffer, then exposed to
+        the downstream."""
+        low, high = self.span(index)
         self.counts[source] += high - low
         base = buffer * self.nbytes
         self._buffers[base + low:base + high].copy_(staged[:high - low])
-        torch.get_device_module(self.device).synchronize(self.device)
-        self.progress[buffer] = progress_word(generation, last)
+        synchronize(self.device)
+        self.progress[buffer] = progress_word(generation, index + 1)
 
 
 def _finish(transfer: p2p.Transfer, check: Callable[[], object]) -> None:

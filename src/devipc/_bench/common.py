@@ -1,12 +1,19 @@
-"""What the benchmarks share: progress on stderr, Markdown tables, the PNG."""
+"""What the benchmarks share: progress on stderr, Markdown tables, the PNG, the doc's sections,
+and processes driven through pipes."""
+import contextlib
+import os
 import re
+import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .._tools import optional
 
-__all__ = ["Panel", "Progress", "human", "markdown", "plot", "require_plotting"]
+__all__ = ["Panel", "Piped", "Progress", "human", "markdown", "plot", "replace_section",
+           "require_plotting"]
 
 
 class Progress:
@@ -121,9 +128,11 @@ def plot(panels: list[Panel], path: str) -> None:
     pyplot.close(figure)
 
 
-def replace_section(path: str, section: str, text: str, notes: str | None = None) -> None:
-    """Replace the markdown section headed `section` in the file at `path` with `text` (or
-    append it), keeping the old section's lines from `notes` on (hand-written method notes)."""
+def replace_section(path: str, section: str, body: str, notes: str | None = None) -> None:
+    """Replace the markdown section headed `section` in the file at `path` with that heading
+    and `body` (or append them), keeping the old section's lines from `notes` on (hand-written
+    method notes)."""
+    text = f"{section}\n\n{body}"
     with open(path) as doc:
         content = doc.read()
     at = content.find(section)
@@ -138,3 +147,49 @@ def replace_section(path: str, section: str, text: str, notes: str | None = None
         content = content.rstrip("\n") + "\n\n" + text
     with open(path, "w") as doc:
         doc.write(content.rstrip("\n") + "\n")
+
+
+class Piped:
+    """A process running `argv` followed by the numbers of two pipe fds (its commands in, its
+    replies out), driven by tuples: `send`, `reply` (an exception it replies is raised here),
+    `ask`, and `stop` ("exit", then a kill after 10 s)."""
+
+    def __init__(self, argv: Sequence[str], name: str, timeout: float,
+                 env: dict[str, str] | None = None):
+        ours_in, theirs_out = os.pipe()
+        theirs_in, ours_out = os.pipe()
+        try:
+            self.proc = subprocess.Popen([*argv, str(theirs_in), str(theirs_out)],
+                                         pass_fds=(theirs_in, theirs_out), env=env)
+        finally:
+            os.close(theirs_in)
+            os.close(theirs_out)
+        self.commands, self.replies = Connection(ours_out), Connection(ours_in)
+        self.name, self.timeout = name, timeout
+
+    def send(self, *command: Any) -> None:
+        self.commands.send(command)
+
+    def reply(self, timeout: float | None = None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        if not self.replies.poll(timeout):
+            raise TimeoutError(f"no reply from the {self.name} process within {timeout} s")
+        answer = self.replies.recv()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def ask(self, *command: Any) -> Any:
+        self.send(*command)
+        return self.reply()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.send("exit")
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(self.timeout)
+        self.commands.close()
+        self.replies.close()
