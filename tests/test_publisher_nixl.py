@@ -450,8 +450,13 @@ def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loo
     pull's post), in a spawned child so that a crash fails the test."""
     import _publisher_nixl_workers
 
-    got = children.answer(_publisher_nixl_workers.interrupted_pull, 256 << 20)
-    assert got["latency"] is not None, "Ctrl-C did not interrupt the wait"
+    # A second child if the first was starved of the CPU meanwhile (a busy machine stalled one
+    # for 0.19 s, its pull 0.43 s): a wait for the pull to end fails both.
+    for _ in range(2):
+        got = children.answer(_publisher_nixl_workers.interrupted_pull, 256 << 20)
+        assert got["latency"] is not None, "Ctrl-C did not interrupt the wait"
+        if got["latency"] < got["pull"] / 4:
+            break
     assert got["latency"] < got["pull"] / 4, got  # not once the pull ended
     assert got["refused"], "tensors() handed out memory an interrupted pull may still write"
     assert got["generation"] == 1 and got["whole"], got
