@@ -20,7 +20,17 @@ from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, use_ucx_loopback
 import devipc
 from devipc import _publisher_remote, _wire
 from devipc._bench.common import Piped
-from devipc._relay import CARD_BYTES, Card, chain, chunk_size, host_key, progress_word
+from devipc._relay import (
+    CARD_BYTES,
+    Card,
+    Place,
+    chain,
+    chunk_size,
+    host_key,
+    progress_word,
+    share_key,
+    written,
+)
 
 NIXL = nixl_missing()
 pytestmark = pytest.mark.xdist_group("relay")  # one worker starts the engines, its tests share them
@@ -43,7 +53,7 @@ ENGINE = textwrap.dedent("""
         try:
             if command == "open":
                 _relay.RELAY_STALL = args[1]
-                sub = devipc.WeightSubscriber(args[0])
+                sub = devipc.WeightSubscriber(args[0], share=args[2])
                 replies.send(os.getpid())
             elif command == "take":
                 generation = sub.wait(timeout=60)
@@ -52,10 +62,11 @@ ENGINE = textwrap.dedent("""
                     digest.update(name.encode() + view.cpu().numpy().tobytes())
                 del view  # the engine's memory goes once it closed
                 sub.ack()
-                replies.send((generation, digest.hexdigest(), dict(sub._backend._relay.counts)))
+                replies.send((generation, digest.hexdigest(), sub._backend.counts()))
             elif command == "close":
                 sub.close()
                 sub = None
+                devipc.ipc_collect()  # what the relay's buffers were exported as
                 torch.accelerator.empty_cache()  # the allocator's cached segments: memfds
                 replies.send(fds())
             else:
@@ -136,8 +147,10 @@ def _step(weights: dict[str, torch.Tensor], seed: int) -> str:
     return digest.hexdigest()
 
 
-def _open(publisher, engines, stall=2.0) -> list[int]:
-    pids = [engine.ask("open", publisher.token(), stall) for engine in engines]
+def _open(publisher, engines, stall=2.0, share=False) -> list[int]:
+    """The engines subscribe; without `share` each holds a copy of its own, as engines of
+    distinct hosts do."""
+    pids = [engine.ask("open", publisher.token(), stall, share) for engine in engines]
     publisher.wait_subscribers(len(engines), timeout=TIMEOUT)
     return pids
 
@@ -270,8 +283,8 @@ def test_a_relayed_pull_that_overlapped_a_write_is_dropped(fleet, monkeypatch):
     (A's progress word names a newer generation) or the trainer did (`filling` moved)."""
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
-        a = devipc.WeightSubscriber(publisher.token())
-        b = devipc.WeightSubscriber(publisher.token())
+        a = devipc.WeightSubscriber(publisher.token(), share=False)
+        b = devipc.WeightSubscriber(publisher.token(), share=False)
         publisher.wait_subscribers(2, timeout=TIMEOUT)
         digest = _step(weights, 30)
         publisher.publish(wait=False)
@@ -295,8 +308,118 @@ def test_a_relayed_pull_that_overlapped_a_write_is_dropped(fleet, monkeypatch):
         monkeypatch.undo()
         publisher._backend._words[_publisher_remote._FILLING] = 0  # generation 0 stable again
         assert b.wait(timeout=TIMEOUT) == 0
-        assert b._backend._relay.counts["upstream"] > 0  # from A, not around it
+        assert b._backend.counts()["upstream"] > 0  # from A, not around it
         assert _digest(b.tensors()) == _digest(a.tensors()) == digest
+        a.ack()
+        b.ack()
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_engines_of_one_host_map_the_buffers_of_the_one_that_pulls(fleet, copy):
+    """Three engines of one host and device: the first pulls each generation from the trainer,
+    the other two read it in its buffers, mapped: no byte is pulled for them, and every byte
+    they read is exact."""
+    engines = fleet(3)
+    weights = _weights(copy)
+    with devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True) as publisher:
+        _open(publisher, engines, share=True)
+        for generation in range(3):
+            digest = _step(weights, 40 + generation)
+            for engine in engines:
+                engine.send("take")
+            assert publisher.publish(timeout=TIMEOUT) == generation
+            assert [(r["upstream"], r["leader"]) for r in publisher.subscribers().values()] \
+                == [(-1, -1), (-1, 0), (-1, 0)]
+            counts = []
+            for engine in engines:
+                got, found, pulled = engine.reply()
+                assert (got, found) == (generation, digest), (copy, generation)
+                counts.append(pulled)
+        padded = publisher._backend._nbytes
+        assert [c["trainer"] for c in counts] == [3 * padded, 0, 0]
+        assert [c["upstream"] + c["left"] + c["bypassed"] for c in counts] == [0, 0, 0]
+        assert [c["shared"] for c in counts] == [0, 3, 3]
+        fds_there = []
+        for again in range(2):  # subscribing again, twice: nothing grows the second time
+            fds_there.append([engine.ask("close") for engine in engines])
+            _open(publisher, engines, share=True)
+            if copy:  # late subscribers take the newest generation at once, each its own
+                _take(engines, 2 + again, digest)
+            digest = _step(weights, 43 + again)
+            publisher.publish(wait=False)
+            _take(engines, 3 + again, digest)
+            publisher.wait_acks(3 + again, timeout=TIMEOUT)
+        assert [engine.ask("close") for engine in engines] == fds_there[1]
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(fleet, monkeypatch,
+                                                                             how):
+    """A leads B and C (one host, one device). Once A is killed (its reads fail) or frozen (no
+    progress for RELAY_STALL, 1 s here), B and C pull the generation themselves, exact; A is
+    named once (ConsumerDiedError) and B then leads: C maps B's buffers."""
+    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    a, b, c = fleet(3)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        pids = _open(publisher, [a, b, c], stall=1.0, share=True)
+        digest = _step(weights, 50)
+        publisher.publish(wait=False)
+        _take([a, b, c], 0, digest)
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        if how == "killed":
+            a.proc.kill()
+            a.proc.wait(TIMEOUT)
+        else:
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            fleet.frozen.add(a.proc.pid)
+        digest = _step(weights, 51)
+        publisher.publish(wait=False)
+        counts = _take([b, c], 1, digest)
+        assert all(n["left"] == 1 and n["trainer"] > 0 for n in counts), counts
+        with pytest.raises(devipc.ConsumerDiedError, match=f"pid {pids[0]}\\)"):
+            publisher.wait_acks(1, timeout=TIMEOUT)
+        digest = _step(weights, 52)
+        for engine in (b, c):
+            engine.send("take")
+        assert publisher.publish(timeout=TIMEOUT) == 2  # named once: not waited for again
+        answers = [engine.reply() for engine in (b, c)]
+        assert [(g, d) for g, d, _ in answers] == [(2, digest)] * 2
+        places = publisher.subscribers()
+        assert [(places[i]["upstream"], places[i]["leader"]) for i in (1, 2)] == [(-1, -1),
+                                                                                 (-1, 1)]
+        assert answers[1][2]["shared"] == 2  # generation 0 in A's buffers, 2 in B's
+        for engine in (b, c):
+            engine.ask("close")
+
+
+def test_a_follower_reads_its_leaders_memory_and_drops_a_generation_it_overwrites(fleet):
+    """In this process, B follows A: B's tensors are A's memory (a write into one shows in the
+    other), B holds no buffer of its own, and B does not take a generation whose buffer A
+    began to overwrite (A's progress word names a newer one)."""
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        a = devipc.WeightSubscriber(publisher.token())
+        b = devipc.WeightSubscriber(publisher.token())
+        publisher.wait_subscribers(2, timeout=TIMEOUT)
+        digest = _step(weights, 60)
+        publisher.publish(wait=False)
+        assert a.wait(timeout=TIMEOUT) == 0
+        relay = a._backend._relay
+        held = int(relay.progress[0])
+        relay.progress[0] = progress_word(1, 0)  # A overwrites its buffer with generation 1
+        with pytest.raises(TimeoutError):
+            b.wait(timeout=0.5)
+        relay.progress[0] = held
+        assert b.wait(timeout=TIMEOUT) == 0
+        assert _digest(b.tensors()) == digest
+        assert b._backend._relay is None and b._backend.counts()["shared"] == 1
+        a.tensors()["proj"].fill_(3.0)
+        torch.accelerator.synchronize()
+        assert bool((b.tensors()["proj"] == 3.0).all())
         a.ack()
         b.ack()
         publisher.wait_acks(0, timeout=TIMEOUT)
@@ -311,13 +434,20 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def test_the_chain_groups_engines_by_host():
-    members = [(7, 0), (3, 1), (7, 2), (3, 3), (5, 4)]  # (host key, record)
-    upstreams = chain(members)
+def test_the_chain_groups_engines_by_host_and_shares_within_a_device():
+    members = [(7, 0, 0), (3, 0, 1), (7, 0, 2), (3, 0, 3), (5, 0, 4)]  # (host, share, record)
+    places = chain(members)
     order = [1, 3, 4, 0, 2]  # host 3's, host 5's, host 7's: each host entered once
-    assert [upstreams[i] for i in order] == [-1, *order[:-1]]
+    assert [places[i] for i in order] == [Place(up) for up in [-1, *order[:-1]]]
     assert chain([]) == {}
     assert host_key() == host_key() != 0
+    # host 3: records 1 and 3 share key 9, 5 has none (0); host 7: 0, 2 and 6 share key 8
+    members = [(7, 8, 0), (3, 9, 1), (7, 8, 2), (3, 9, 3), (3, 0, 5), (7, 8, 6)]
+    assert chain(members) == {5: Place(-1), 1: Place(5), 3: Place(-1, 1), 0: Place(1),
+                              2: Place(-1, 0), 6: Place(-1, 0)}
+    key = share_key(torch.device("cpu"))
+    assert key == share_key(torch.device("cpu")) != share_key(torch.device("openreg", 0))
+    assert key != 0
 
 
 def test_a_chunk_is_a_fraction_of_a_generation_within_bounds():
@@ -330,7 +460,9 @@ def test_a_chunk_is_a_fraction_of_a_generation_within_bounds():
 def test_a_card_reads_back_from_its_slot_and_damage_is_refused():
     card = Card(b"metadata", b"progress", (b"buffer 0", b"buffer 1"))
     slot = card.to_slot().ljust(CARD_BYTES, b"\0")
-    assert Card.from_slot(slot) == card
+    assert Card.from_slot(slot) == card and written(slot) and not written(bytes(CARD_BYTES))
+    shared = card._replace(local=b"ipc", local_progress=b"words", local_buffers=(b"0", b"1"))
+    assert Card.from_slot(shared.to_slot()) == shared
     for damaged in (bytes(CARD_BYTES), slot[:20], slot[:8] + b"x" + slot[9:],
                     (CARD_BYTES).to_bytes(8, "little") + slot[8:]):
         with pytest.raises(devipc.InvalidHandleError):

@@ -8,11 +8,14 @@ of int64 words:
     header: published generation | filling | the CRC-32s of the last two generations
             (generation | CRC-32, -1: none), each pair rewritten only once nobody holds its
             generation
-    record per subscriber: state | pid | host key | serial | acknowledged generation |
-            heartbeat | upstream (with relay: the record it pulls from, -1: the trainer)
+    record per subscriber: state | pid | host key | share key | serial |
+            acknowledged generation | heartbeat | upstream (with relay: the record it pulls
+            from, -1: the trainer) | leader (with relay: the record whose buffers it maps, -1:
+            none)
 
-With `relay=True` (`_relay`) the subscribers pass each generation on along a chain, and a third
-thing is registered: one slot per record where its subscriber writes how it is reached.
+With `relay=True` (`_relay`) the subscribers pass each generation on along a chain, engines of
+one host and device map the buffers of the one among them that pulls, and a third thing is
+registered: one slot per record where its subscriber writes how it is reached.
 
 A token carries the endpoint's metadata, the descriptors of the header, of the subscriber's
 record and of the weights, and the table (names, dtypes, shapes, offsets: fixed for the
@@ -42,7 +45,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from . import _handles, p2p
+from . import _handles, _relay, p2p
 from ._arena import Calls, counted
 from ._backoff import Backoff
 from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
@@ -70,7 +73,18 @@ from ._readers import (
     label,
     unacknowledged,
 )
-from ._relay import CARD_BYTES, Relay, chain, chunk_size, host_key
+from ._relay import (
+    CARD_BYTES,
+    Follower,
+    Moved,
+    Relay,
+    chain,
+    chunk_size,
+    chunks_of,
+    host_key,
+    share_key,
+    written,
+)
 from ._table import ALIGNMENT, Table
 from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
 from .p2p._descriptor import Descriptor, Metadata
@@ -88,14 +102,14 @@ _METADATA_BYTES = 1 << 20  # a NIXL agent's metadata
 _SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
 _PUBLISHED, _FILLING, _SUMS = 0, 1, 2  # header words; from _SUMS, the CRC-32s (`_checksum`)
 _HEADER = _SUMS + SUM_WORDS  # words
-# a record: what its subscriber writes (state, pid, host key, ack, heartbeat), what the publisher
-# writes (serial, the upstream in the relay's chain: a record's index, -1 for the trainer)
-_STATE, _PID, _HOST, _SERIAL, _ACK, _BEAT, _UP = range(7)
-_FIELDS = 7
+# a record: what its subscriber writes (state, pid, host key, share key, ack, heartbeat), what
+# the publisher writes (serial; the relay's upstream and leader: a record's index, or -1)
+_STATE, _PID, _HOST, _SHARE, _SERIAL, _ACK, _BEAT, _UP, _LEADER = range(9)
+_FIELDS = 9
 _WORDS = _HEADER + MAX_READERS * _FIELDS
 # a subscriber's words: where the header and its record land, what it writes
 _HEAD, _RECORD = slice(0, _HEADER), slice(_HEADER, _HEADER + _FIELDS)
-_CLAIM = slice(_HEADER + _FIELDS, _HEADER + _FIELDS + 3)  # state, pid and host key
+_CLAIM = slice(_HEADER + _FIELDS, _HEADER + _FIELDS + 4)  # state, pid, host and share keys
 _ACKED, _BEATS = slice(_CLAIM.stop, _CLAIM.stop + 1), slice(_CLAIM.stop + 1, _CLAIM.stop + 2)
 
 
@@ -238,26 +252,27 @@ class NixlPublisher:
             raise ValueError(f"a publisher across hosts has at most {MAX_READERS} tokens "
                              f"open or unopened: close subscribers, or make a new publisher")
         index, serial = free[0], next(self._serials)
-        for field, value in ((_PID, 0), (_HOST, 0), (_SERIAL, serial), (_ACK, -1), (_BEAT, 0),
-                             (_UP, -1), (_STATE, PENDING)):
+        for field, value in ((_PID, 0), (_HOST, 0), (_SHARE, 0), (_SERIAL, serial), (_ACK, -1),
+                             (_BEAT, 0), (_UP, -1), (_LEADER, -1), (_STATE, PENDING)):
             self._words[_word(index, field)] = value
         if self.relay:
             self._cards[index * CARD_BYTES:(index + 1) * CARD_BYTES] = 0
         control = (self._header, self._control(_word(index, _STATE), _FIELDS),
-                   self._control(_word(index, _STATE), 3), self._control(_word(index, _ACK), 1),
+                   self._control(_word(index, _STATE), 4), self._control(_word(index, _ACK), 1),
                    self._control(_word(index, _BEAT), 1), self._cards_desc)
         return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial, index,
                            self._chunk, control, tuple(self._data), self._table).to_bytes()
 
     def _arrange(self) -> None:
-        """The relay's chain for the next generation, over the subscribers attached now (one
+        """The relay's places for the next generation, over the subscribers attached now (one
         that attaches later pulls it from the trainer)."""
         words = self._words.tolist()
-        members = [(words[_word(i, _HOST)], i) for i in range(MAX_READERS)
-                   if words[_word(i, _STATE)] == ATTACHED]
-        for index, upstream in chain(members).items():
-            if words[_word(index, _UP)] != upstream:
-                self._words[_word(index, _UP)] = upstream
+        members = [(words[_word(i, _HOST)], words[_word(i, _SHARE)], i)
+                   for i in range(MAX_READERS) if words[_word(i, _STATE)] == ATTACHED]
+        for index, place in chain(members).items():
+            for field, value in ((_UP, place.upstream), (_LEADER, place.leader)):
+                if words[_word(index, field)] != value:
+                    self._words[_word(index, field)] = value
 
     @counted
     def publish(self, *, wait: bool = True, timeout: float | None = None,
@@ -363,8 +378,9 @@ class NixlPublisher:
             backoff.pause()
 
     def subscribers(self) -> dict[int, dict]:
-        """As for one host; with relay also each one's `upstream` in the chain of the newest
-        generation (a record's index; -1: the trainer)."""
+        """As for one host; with relay also each one's place for the newest generation: its
+        `upstream` in the chain (a record's index; -1: the trainer) and its `leader`, the record
+        whose buffers it maps instead of pulling (-1: none)."""
         words = self._words.tolist()
         found = {i: {"state": label(state),
                      "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
@@ -372,6 +388,7 @@ class NixlPublisher:
         if self.relay:
             for index, record in found.items():
                 record["upstream"] = words[_word(index, _UP)]
+                record["leader"] = words[_word(index, _LEADER)]
         return found
 
     def close(self) -> None:
@@ -396,14 +413,14 @@ class NixlSubscriber:
     `wait` under way there with ValueError (within a poll, or once the pull under way ended)."""
 
     def __init__(self, token: bytes | bytearray | memoryview,
-                 device: torch.device | str | int | None = None):
+                 device: torch.device | str | int | None = None, share: bool = True):
         metadata, publisher_device, nbytes, serial, index, chunk, control, data, self._table = \
             RemoteToken.from_bytes(token)
         header, record, claim, ack, beat, self._cards = control
         self._buffers, self._data = len(data), list(data)
         cards = [(self._cards, MAX_READERS * CARD_BYTES)] if chunk else []
         _check_descriptors(metadata, [*zip((header, record, claim, ack, beat, *self._data), (
-            8 * _HEADER, 8 * _FIELDS, 24, 8, 8, *[nbytes] * self._buffers)), *cards])
+            8 * _HEADER, 8 * _FIELDS, 32, 8, 8, *[nbytes] * self._buffers)), *cards])
         self.device = torch.device(publisher_device if device is None else device)
         if self.device.type == "cpu":
             self.device = torch.device("cpu")  # as torch names it
@@ -413,11 +430,16 @@ class NixlSubscriber:
         self._torn = False  # a pull into `_local` started and did not end (Ctrl-C)
         self._header_seen: list[int] = []  # the header at the last poll
         self._checksum: int | None = None  # published with the held generation
-        self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._header, self._record, self._claim, self._ack = header, record, claim, ack
-        self._nbytes, self._index = nbytes, index
-        self._relay: Relay | None = None
-        self._held = self._buffers if chunk else 1  # buffers of this process's memory
+        self._nbytes, self._index, self._chunk, self._metadata = nbytes, index, chunk, metadata
+        # where the held generation lies: this process's memory, or its leader's (relay); the
+        # views of the places it lay (by address: each keeps its memory)
+        self._held_at = torch.empty(0, dtype=torch.uint8)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._relay: Relay | None = None  # made when this subscriber first pulls (`_own_relay`)
+        self._follower: Follower | None = None
+        # engines of one share key map the buffers of the one that pulls (0: this one pulls)
+        self._share = share_key(self.device) if chunk and share else 0
         self._ids: list[int] = []
         self._stop = threading.Event()
         self._heart: list[threading.Thread] = []
@@ -429,23 +451,24 @@ class NixlSubscriber:
             self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
             self._words, words_id = p2p.create_tensor((_BEATS.stop,), torch.int64, "cpu")
             self._ids.append(words_id)
-            self._local, local_id = p2p.create_tensor((self._held * nbytes,), torch.uint8,
-                                                      self.device)
-            self._ids.append(local_id)
+            self._local = torch.empty(0, dtype=torch.uint8)  # one-hop pulls land here
+            if not chunk:
+                self._local, local_id = p2p.create_tensor((nbytes,), torch.uint8, self.device)
+                self._ids.append(local_id)
             _, _, state = self._poll()
             if state != PENDING or int(self._words[_RECORD][_SERIAL]) != serial:
                 raise InvalidHandleError("this weight token was already opened (one token per "
                                          "subscriber), or its record was reused")
-            if chunk:  # the card first: a downstream may read it once the claim is seen
-                relay = self._relay = self._remote(lambda: Relay(
-                    self._endpoints[0], metadata, self._local, local_id, self._buffers, nbytes,
-                    chunk, self._ids, self._endpoints))
-                slot = relay.card.to_slot()
-                relay.card_slot[:len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
-                self._remote(lambda: self._connection.write(
-                    relay.card_slot[:len(slot)], self._cards, index * CARD_BYTES))
+            if chunk:
+                self._card, card_id = p2p.create_tensor((CARD_BYTES,), torch.uint8, "cpu")
+                self._ids.append(card_id)
+                if self._share:
+                    self._follower = Follower(self._endpoints, self._buffers, nbytes,
+                                              chunks_of(nbytes, chunk))
+                else:  # its card first: a downstream may read it once the claim is seen
+                    self._own_relay()
             self._words[_CLAIM] = torch.tensor([ATTACHED, os.getpid(),
-                                                host_key() if chunk else 0])
+                                                host_key() if chunk else 0, self._share])
             self._remote(lambda: self._connection.write(self._words[_CLAIM], claim))
             self._heart.append(threading.Thread(
                 target=_heartbeat, daemon=True, name="devipc-weights-heartbeat",
@@ -483,23 +506,15 @@ class NixlSubscriber:
         return words[_PUBLISHED], words[_FILLING], words[_HEADER + _STATE]
 
     def _pull(self, generation: int) -> bool:
-        """A generation into this process's memory, through the relay (False if its upstream
-        has a newer one) or with one NIXL read, waited for in slices (another thread's close()
-        ends the wait). A read cut short (Ctrl-C) may still write into its memory: the next one
+        """A generation held here: through the relay (False if its upstream or leader has a
+        newer one) or with one NIXL read, waited for in slices (another thread's close() ends
+        the wait). A read cut short (Ctrl-C) may still write into its memory: the next one
         goes into new memory, the old one going once NIXL is done with it (the relay sets its
         staging area aside instead)."""
         data = self._data[generation % self._buffers]
-        if self._relay is not None:
-            upstream = int(self._words[_RECORD][_UP])
-            slot = None
-            if 0 <= upstream < MAX_READERS and upstream != self._index:
-                card = self._relay.card_slot
-                self._remote(lambda: self._connection.read(card, self._cards,
-                                                           upstream * CARD_BYTES))
-                slot = bytes(card.numpy())
+        if self._chunk:
             self._torn = True
-            relay = self._relay
-            pulled = self._remote(lambda: relay.pull(generation, data, slot, self._calls.check))
+            pulled = self._relayed(generation, data)
             self._torn = False
             return pulled
         if self._torn:
@@ -517,7 +532,73 @@ class NixlSubscriber:
             except TimeoutError:
                 self._calls.check()
         self._torn = False
+        self._held_at = self._local
         return True
+
+    def _relayed(self, generation: int, data: bytes) -> bool:
+        """`generation` in its leader's buffer, mapped (where the publisher named one and it
+        holds the generation in time), else pulled into this process's buffers from its
+        upstream and the trainer."""
+        upstream, leader = (int(self._words[_RECORD][field]) for field in (_UP, _LEADER))
+        if self._follower is not None and self._other(leader):
+            slot = self._card_of(leader)
+            if slot is not None:
+                try:
+                    held = self._follower.take(generation, slot, self._calls.check)
+                except Moved:
+                    return False
+                if held is not None:
+                    self._held_at = held
+                    return True
+            upstream = -1  # the leader was left: this generation from the trainer
+        relay = self._own_relay()
+        slot = self._card_of(upstream) if self._other(upstream) else None
+        if not self._remote(lambda: relay.pull(generation, data, slot, self._calls.check)):
+            return False
+        buffer = generation % self._buffers
+        self._held_at = relay.buffers[buffer * self._nbytes:(buffer + 1) * self._nbytes]
+        return True
+
+    def _other(self, record: int) -> bool:
+        """Whether `record` names another subscriber's record."""
+        return 0 <= record < MAX_READERS and record != self._index
+
+    def _card_of(self, record: int) -> bytes | None:
+        """The card in `record`'s slot, once its subscriber wrote it (it does before it first
+        pulls); None if it did not within RELAY_STALL seconds."""
+        card, backoff = self._card, Backoff(_relay.RELAY_STALL, first=0.0001, longest=0.002)
+        while True:
+            self._remote(lambda: self._connection.read(card, self._cards, record * CARD_BYTES))
+            slot = bytes(card.numpy())
+            if written(slot):
+                return slot
+            if backoff.expired():
+                return None
+            self._calls.check()
+            backoff.pause()
+
+    def _own_relay(self) -> Relay:
+        """This subscriber's own buffers, and its card in its slot, made when it first pulls a
+        generation itself: an engine that only maps its leader's buffers holds no copy."""
+        if self._relay is None:
+            relay = Relay(self._endpoints[0], self._metadata, self.device, self._buffers,
+                          self._nbytes, self._chunk, self._ids, self._endpoints,
+                          bool(self._share))
+            slot = relay.card.to_slot()
+            self._card[:len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
+            self._remote(lambda: self._connection.write(self._card[:len(slot)], self._cards,
+                                                        self._index * CARD_BYTES))
+            self._relay = relay
+        return self._relay
+
+    def counts(self) -> dict[str, int]:
+        """What this subscriber's relay did: bytes pulled from the trainer and from upstreams,
+        upstreams bypassed, generations read in a leader's buffers, leaders left."""
+        found = {"trainer": 0, "upstream": 0, "bypassed": 0, "shared": 0, "left": 0}
+        for part in (self._relay, self._follower):
+            if part is not None:
+                found.update(part.counts)
+        return found
 
     def __len__(self) -> int:
         return len(self._table)
@@ -571,11 +652,13 @@ class NixlSubscriber:
         if self._torn:
             raise ValueError("the last wait() was cut short while it pulled a generation into "
                              "this memory: wait() again")
-        buffer = self.generation % self._held
-        views = self._views.get(buffer)
+        held = self._held_at
+        views = self._views.get(held.data_ptr())
         if views is None:
-            views = self._views[buffer] = self._table.views(self._local.untyped_storage(),
-                                                            shift=buffer * self._nbytes)
+            if len(self._views) >= 4:  # places of generations held before
+                self._views.clear()
+            views = self._views[held.data_ptr()] = self._table.views(
+                held.untyped_storage(), shift=int(held.storage_offset()))
         return views
 
     @counted
@@ -592,8 +675,8 @@ class NixlSubscriber:
                 raise ValueError("the last wait() was cut short while it pulled a generation "
                                  "into this memory: wait() again")
             torch.get_device_module(self.device).synchronize(self.device)
-            found = crc32(self._local.untyped_storage(),
-                          (self.generation % self._held) * self._nbytes, self._nbytes)
+            held = self._held_at
+            found = crc32(held.untyped_storage(), int(held.storage_offset()), self._nbytes)
             if found != self._checksum:
                 raise ChecksumError(f"generation {self.generation} holds other bytes here than "
                                     f"the WeightPublisher published (CRC-32 {found:08x}, "
@@ -626,8 +709,10 @@ class NixlSubscriber:
     def _release(self) -> None:
         self._let_go()
         self._views.clear()
-        self._words = self._local = torch.empty(0)  # the registered memory goes with them
+        self._words = self._local = self._held_at = torch.empty(0)  # the memory goes with them
         self._relay = None
+        if self._follower is not None:
+            self._follower.drop()
 
 
 def _let_go(endpoints: list[p2p.Endpoint], ids: list[int], stop: threading.Event | None = None,

@@ -39,9 +39,12 @@ import torch
 from . import _wire, p2p
 from ._backoff import Backoff
 from ._errors import InvalidHandleError
+from ._hooks import sharing_hooks
+from ._memfd import host_identity
 from ._received import synchronize
 
-__all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Relay", "chain", "chunk_size", "host_key"]
+__all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Follower", "Moved", "Place", "Relay", "chain",
+           "chunk_size", "chunks_of", "host_key", "progress_word", "share_key", "written"]
 
 RELAY_STALL = 2.0  # seconds without a new chunk from an upstream, after which it is gone around
 CARD_BYTES = 16 << 10  # a card's slot in the publisher's memory
@@ -68,6 +71,21 @@ def host_key() -> int:
     return int.from_bytes(digest, "little") >> 2 | 1
 
 
+def share_key(device: torch.device) -> int:
+    """The engines that may map each other's buffers: same host and PID namespace (devipc's
+    same-host path reaches them), same device; 0 (none) for a device whose memory other
+    processes cannot map (no IPC hooks)."""
+    if device.type != "cpu" and sharing_hooks(device.type) is None:
+        return 0
+    try:
+        namespace = os.readlink("/proc/self/ns/net")
+    except OSError:
+        namespace = ""
+    digest = hashlib.blake2b(host_identity() + f"|{namespace}|{device}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2 | 1
+
+
 def chunk_size(nbytes: int) -> int:
     """The relay's chunk for a generation of `nbytes`: about 1/128 of it (each hop of a chain
     adds about a chunk's time, and a little per chunk), 256 KiB to 16 MiB, in whole pages."""
@@ -75,33 +93,63 @@ def chunk_size(nbytes: int) -> int:
     return min(-(-chunk // 4096) * 4096, max(nbytes, 1))
 
 
-def chain(members: Iterable[tuple[int, int]]) -> dict[int, int]:
-    """Each member's upstream (-1: the trainer), the members given as (host key, record index):
-    grouped by host, so that a host's link carries a generation in once and out at most once."""
-    upstreams, previous = {}, -1
-    for _, index in sorted(members):
-        upstreams[index] = previous
+class Place(NamedTuple):
+    """A subscriber's place in the relay: the record it pulls from (-1: the trainer), or the
+    record whose buffers it maps instead (its leader; -1: none, it pulls)."""
+
+    upstream: int
+    leader: int = -1
+
+
+def chain(members: Iterable[tuple[int, int, int]]) -> dict[int, Place]:
+    """Each member's place, the members given as (host key, share key, record index): grouped by
+    host, so that a host's link carries a generation in once and out at most once; of those that
+    may map each other's buffers (one share key, not 0), the first pulls and the others map its
+    buffers."""
+    places: dict[int, Place] = {}
+    leaders: dict[tuple[int, int], int] = {}
+    previous = -1
+    for host, share, index in sorted(members):
+        leader = leaders.get((host, share), -1) if share else -1
+        if leader >= 0:
+            places[index] = Place(-1, leader)
+            continue
+        leaders[(host, share)] = index
+        places[index] = Place(previous)
         previous = index
-    return upstreams
+    return places
 
 
 def progress_word(generation: int, chunks: int) -> int:
     return (generation + 1) * _CHUNKS + chunks
 
 
+def chunks_of(nbytes: int, chunk: int) -> int:
+    """How many chunks a generation of `nbytes` moves in."""
+    return max(1, -(-nbytes // chunk))
+
+
 class Card(NamedTuple):
-    """How a downstream reaches a subscriber: its endpoint, its progress words, its buffers."""
+    """How a downstream reaches a subscriber: its endpoint, its progress words, its buffers;
+    and how an engine of its host and device maps them (an endpoint of devipc's same-host path
+    and its descriptors of the same words and buffers; empty where they cannot be mapped)."""
 
     metadata: bytes
     progress: bytes
     buffers: tuple[bytes, ...]
+    local: bytes = b""
+    local_progress: bytes = b""
+    local_buffers: tuple[bytes, ...] = ()
 
     def to_slot(self) -> bytes:
         """The card as its slot holds it: its length (8 bytes), then the card."""
-        writer = _wire.Writer(_wire.RELAY_CARD).bytes(self.metadata, CARD_BYTES)
-        writer.bytes(self.progress, CARD_BYTES).int(len(self.buffers))
-        for desc in self.buffers:
-            writer.bytes(desc, CARD_BYTES)
+        writer = _wire.Writer(_wire.RELAY_CARD)
+        for part in (self.metadata, self.progress, self.local, self.local_progress):
+            writer.bytes(part, CARD_BYTES)
+        for descs in (self.buffers, self.local_buffers):
+            writer.int(len(descs))
+            for desc in descs:
+                writer.bytes(desc, CARD_BYTES)
         data = writer.done()
         if len(data) > CARD_BYTES - 8:
             raise ValueError(f"this subscriber's relay card takes {len(data)} bytes, more than "
@@ -115,17 +163,26 @@ class Card(NamedTuple):
         if not 0 < length <= len(slot) - 8:
             raise InvalidHandleError(f"no relay card in this slot (length {length})")
         reader = _wire.Reader(bytes(slot[8:8 + length]), (_wire.RELAY_CARD,), "relay card")
-        metadata = reader.bytes("endpoint metadata", CARD_BYTES)
-        progress = reader.bytes("progress descriptor", CARD_BYTES)
-        buffers = tuple(reader.bytes("buffer descriptor", CARD_BYTES)
-                        for _ in range(reader.int("buffer count", 1, 2)))
+        metadata, progress, local, local_progress = (
+            reader.bytes(what, CARD_BYTES) for what in (
+                "endpoint metadata", "progress descriptor", "same-host endpoint metadata",
+                "same-host progress descriptor"))
+        buffers, local_buffers = (tuple(reader.bytes("buffer descriptor", CARD_BYTES)
+                                        for _ in range(reader.int("buffer count", low, 2)))
+                                  for low in (1, 0))
         reader.end()
-        return cls(metadata, progress, buffers)
+        return cls(metadata, progress, buffers, local, local_progress, local_buffers)
 
 
-class _Moved(Exception):
-    """The upstream overwrites the buffer with a newer generation: this one is no longer the
-    newest, the pull is dropped."""
+def written(slot: bytes | bytearray | memoryview) -> bool:
+    """Whether a card slot holds anything yet (its subscriber writes it before it first
+    pulls)."""
+    return int.from_bytes(slot[:8], "little") != 0
+
+
+class Moved(Exception):
+    """The upstream (or leader) overwrites the buffer with a newer generation: this one is no
+    longer the newest, the pull is dropped."""
 
 
 class _Stopped(Exception):
@@ -156,7 +213,7 @@ class _Upstream:
     def _run(self) -> None:
         try:
             self._pull()
-        except _Moved:
+        except Moved:
             self.moved = True
         except Exception:  # noqa: BLE001 - the upstream failed (died, closed): bypassed
             pass
@@ -181,7 +238,7 @@ class _Upstream:
             self._read(self._word, card.progress, buffer * 8)
             held, chunks = divmod(int(self._word[0]), _CHUNKS)
             if held - 1 > generation:
-                raise _Moved
+                raise Moved
             if held - 1 == generation:
                 with self.lock:
                     if self.stopped:
@@ -234,22 +291,28 @@ class Relay:
     behind). Its registrations are added to `ids`, the endpoints it makes to `endpoints` (ended
     with the subscriber's)."""
 
-    def __init__(self, endpoint: p2p.Endpoint, trainer: bytes, buffers: torch.Tensor,
-                 buffers_id: int, count: int, nbytes: int, chunk: int, ids: list[int],
-                 endpoints: list[p2p.Endpoint]):
+    def __init__(self, endpoint: p2p.Endpoint, trainer: bytes, device: torch.device,
+                 count: int, nbytes: int, chunk: int, ids: list[int],
+                 endpoints: list[p2p.Endpoint], share: bool):
         if chunk <= 0:
             raise ValueError(f"a relay's chunk is positive, not {chunk}")
-        self._buffers, self._ids, self._endpoints = buffers, ids, endpoints
+        self._ids, self._endpoints = ids, endpoints
         self.count, self.nbytes, self.chunk = count, nbytes, chunk
-        self.chunks = max(1, -(-nbytes // chunk))
-        self.device = buffers.device
+        self.chunks = chunks_of(nbytes, chunk)
+        self.device = torch.device(device)
+        self.buffers, buffers_id = p2p.create_tensor((count * nbytes,), torch.uint8, device)
+        ids.append(buffers_id)
         self.progress = self._tensor((count,), torch.int64, "cpu").zero_()
-        self.card_slot = self._tensor((CARD_BYTES,), torch.uint8, "cpu")
         self._staging, self._word = self._new_staging()
         self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # reads may land there
         self.card = Card(endpoint.metadata(), endpoint.advertise(self.progress),
-                         tuple(endpoint.advertise(buffers_id, b * nbytes, nbytes)
-                               for b in range(count)))
+                         self._advertised(endpoint, buffers_id))
+        if share:  # engines of this host and device map the buffers (`Follower`)
+            local = p2p.Endpoint(transport="ipc")
+            endpoints.append(local)
+            self.card = self.card._replace(local=local.metadata(),
+                                           local_progress=local.advertise(self.progress),
+                                           local_buffers=self._advertised(local, buffers_id))
         self._trainer_metadata = trainer
         self._reader: p2p.Endpoint | None = None  # reads from the trainer and upstreams
         self._trainer: p2p.Connection | None = None
@@ -258,6 +321,10 @@ class Relay:
         self._avoided: set[bytes] = set()  # cards of upstreams bypassed
         # what this process pulled: bytes from the trainer, from upstreams; upstreams bypassed
         self.counts = {"trainer": 0, "upstream": 0, "bypassed": 0}
+
+    def _advertised(self, endpoint: p2p.Endpoint, buffers_id: int) -> tuple[bytes, ...]:
+        return tuple(endpoint.advertise(buffers_id, b * self.nbytes, self.nbytes)
+                     for b in range(self.count))
 
     def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device | str) -> torch.Tensor:
@@ -381,9 +448,102 @@ class Relay:
         low, high = self.span(index)
         self.counts[source] += high - low
         base = buffer * self.nbytes
-        self._buffers[base + low:base + high].copy_(staged[:high - low])
+        self.buffers[base + low:base + high].copy_(staged[:high - low])
         synchronize(self.device)
         self.progress[buffer] = progress_word(generation, index + 1)
+
+
+_Leader = tuple[bytes, p2p.Connection, Card, list[torch.Tensor]]  # card slot, its use, mapped
+
+
+class Follower:
+    """A subscriber's way to hold generations without pulling them: it maps the buffers of its
+    leader (an engine of its host and device that pulls each generation), waits until the
+    leader's progress word says the generation is whole there, and reads it in place. A leader
+    that died or closed, whose card cannot be mapped, or that brings no new chunk for
+    RELAY_STALL seconds is left (`take` returns None: the subscriber pulls that generation
+    itself), and is not mapped again until the publisher names another."""
+
+    def __init__(self, endpoints: list[p2p.Endpoint], count: int, nbytes: int, chunks: int):
+        self._endpoint = p2p.Endpoint(transport="ipc")
+        endpoints.append(self._endpoint)
+        self._count, self._nbytes, self._chunks = count, nbytes, chunks
+        self._word = torch.zeros(1, dtype=torch.int64)
+        # the leader followed now: its card slot, its connection, its card, its mapped buffers
+        self._leader: _Leader | None = None
+        self._avoided: set[bytes] = set()  # cards of leaders left
+        self.counts = {"shared": 0, "left": 0}  # generations read in place; leaders left
+
+    def take(self, generation: int, slot: bytes, check: Callable[[], None]) -> torch.Tensor | None:
+        """`generation`'s buffer in the leader's memory (its card in `slot`), once the leader
+        holds it whole; None if this subscriber is to pull it itself. Moved if the leader
+        overwrites that buffer with a newer generation. `check()` runs between looks."""
+        leader = self._connect(slot)
+        if leader is None:
+            return None
+        _, connection, card, buffers = leader
+        buffer = generation % self._count
+        whole, seen = progress_word(generation, self._chunks), -1
+        news = time.monotonic()
+        backoff = Backoff(None, first=0.0001, longest=0.002)
+        while True:
+            check()
+            try:
+                connection.read(self._word, card.local_progress, buffer * 8)
+            except Exception:  # noqa: BLE001 - the leader died or closed: left
+                self._leave(slot)
+                return None
+            word = int(self._word[0])
+            if word == whole:
+                self.counts["shared"] += 1
+                return buffers[buffer]
+            if word // _CHUNKS - 1 > generation:
+                raise Moved
+            if word != seen:
+                seen, news = word, time.monotonic()
+                backoff = Backoff(None, first=0.0001, longest=0.002)
+            elif time.monotonic() - news > RELAY_STALL:
+                self._leave(slot)
+                return None
+            backoff.pause()
+
+    def _connect(self, slot: bytes) -> _Leader | None:
+        """The leader whose card `slot` holds, its buffers mapped, kept while it stays the same;
+        None if it was left before or cannot be mapped."""
+        if self._leader is not None and self._leader[0] == slot:
+            return self._leader
+        self.drop()
+        if slot in self._avoided:
+            return None
+        try:
+            card = Card.from_slot(slot)
+            if len(card.local_buffers) != self._count:
+                raise InvalidHandleError(f"a leader's card maps {len(card.local_buffers)} "
+                                         f"buffers where this subscriber holds {self._count}")
+            connection = self._endpoint.connect(card.local)
+            try:
+                buffers = [connection.map(desc) for desc in card.local_buffers]
+                if any(b.nbytes != self._nbytes for b in buffers):
+                    raise InvalidHandleError("a leader's buffers are not this publisher's size")
+            except BaseException:
+                connection.close()
+                raise
+        except Exception:  # noqa: BLE001 - a card unreadable, a leader gone: left
+            self._avoided.add(slot)
+            return None
+        self._leader = (slot, connection, card, buffers)
+        return self._leader
+
+    def _leave(self, slot: bytes) -> None:
+        self.counts["left"] += 1
+        self._avoided.add(slot)
+        self.drop()
+
+    def drop(self) -> None:
+        """Let go of the leader followed now (views handed out keep what they map)."""
+        if self._leader is not None:
+            self._leader[1].close()
+            self._leader = None
 
 
 def _finish(transfer: p2p.Transfer, check: Callable[[], object]) -> None:

@@ -239,6 +239,38 @@ def test_a_freed_remote_tensor_raises_and_its_mapping_is_closed(owner, peer, dev
     _owner_idle(owner)
 
 
+@both_modes
+@pytest.mark.parametrize("device", ["openreg", "cpu"])
+def test_a_mapped_range_is_the_owners_memory_and_outlives_its_free(owner, peer, device):
+    """`map` gives the advertised range itself, no copy: writes cross both ways; once the owner
+    freed the tensor the mapping still holds the memory (reads through the connection are
+    refused), and it lets go when its tensor dies."""
+    _settle()
+    _owner_idle(owner)
+    mapped, maps, shm_maps = devipc.stats()["mapped"], foreign_memfd_maps(), _shm_maps()
+    tensor_id, _ = owner.call("create", torch.arange(64, dtype=torch.float32), device)
+    part = owner.call("advertise", tensor_id, 16, 32)  # floats 4..11
+    view = peer.map(part)
+    assert (view.dtype, view.nbytes, view.device.type) == (torch.uint8, 32, device)
+    floats = view.view(torch.float32)
+    assert floats.cpu().tolist() == list(range(4, 12))
+    floats[:2] = -1.0  # this process writes, the owner sees it
+    torch.accelerator.synchronize()
+    assert owner.call("get", tensor_id)[2:8].tolist() == [2, 3, -1, -1, 6, 7]
+    peer.write(torch.full((8,), 9.0, device=device), part)  # the owner's memory changes
+    assert floats.cpu().tolist() == [9.0] * 8
+    owner.call("drop", tensor_id)
+    with pytest.raises(p2p.RemoteTensorFreedError):
+        peer.read(torch.zeros(8, device=device), part)
+    assert floats.cpu().tolist() == [9.0] * 8  # still mapped, still the last bytes
+    del view, floats
+    _settle()
+    _owner_idle(owner)
+    assert devipc.stats()["mapped"] <= mapped
+    assert _shm_maps() == shm_maps
+    assert foreign_memfd_maps() <= maps
+
+
 @pytest.mark.parametrize("liveness", ["lifeline", "pidfd"])
 def test_the_owner_killed_gives_a_clear_error_and_leaves_nothing(children, monkeypatch, liveness):
     """Peers learn the owner's death from its lifeline word, or from its pidfd where the owner's

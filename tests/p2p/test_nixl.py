@@ -219,6 +219,8 @@ def test_bad_input_is_a_clear_error(owner):
             connection.read(torch.zeros(64), forged)
     with pytest.raises(ValueError, match="contiguous"):
         connection.read(torch.zeros(64, 2)[:, 0], whole)
+    with pytest.raises(ValueError, match="cannot map"):  # across hosts: read a copy
+        connection.map(whole)
     with p2p.Endpoint() as ipc, p2p.Endpoint(transport="nixl") as nixl:
         with pytest.raises(ValueError, match="transport"):  # a NIXL peer, an IPC endpoint
             ipc.connect(nixl.metadata())

@@ -243,6 +243,18 @@ class Connection:
         self._prepared.add(prepared)
         return prepared
 
+    def map(self, remote: Remote) -> torch.Tensor:
+        """The remote range itself, mapped into this process: a uint8 tensor over the owner's
+        memory, no copy (same host, `transport="ipc"`). It sees the owner's writes, and keeps
+        that memory for as long as it lives, also once the owner freed its tensor or exited.
+        ValueError for a transport that cannot map (NIXL: `read` a copy)."""
+        link = self._open_link()
+        map_range = getattr(link, "map", None)
+        if map_range is None:
+            raise ValueError(f"transport {self._endpoint.transport!r} cannot map a peer's "
+                             f"memory into this process: read a copy instead")
+        return map_range(self._descriptor(remote))
+
     def mapped(self) -> int:
         """How many of the peer's registrations this connection holds open."""
         link = self._link

@@ -97,6 +97,10 @@ class IpcLink:
     def close(self) -> None:
         self._peer.close()
 
+    def map(self, desc: Descriptor) -> torch.Tensor:
+        self._peer.check_alive()
+        return self._peer.map(desc)
+
     def prepare(self, op: str, locals_: list, descs: list) -> "IpcPrepared":
         return IpcPrepared(self._peer, op, locals_, descs)
 

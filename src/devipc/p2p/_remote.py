@@ -354,6 +354,20 @@ class Peer:
         return index
 
     def _open_cpu(self, desc: Descriptor) -> RemoteEntry:
+        fd = self._open_fd(desc)
+        try:
+            mapping = MappedFile(fd, desc.storage_bytes)
+        finally:
+            os.close(fd)
+        if not self._is_live(desc.reg_id, desc.slot):  # the fd may have been reused meanwhile
+            mapping.close()
+            raise self._freed(desc.reg_id)
+        buffer = (ctypes.c_uint8 * desc.storage_bytes).from_address(mapping.address)
+        return RemoteEntry(desc, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
+
+    def _open_fd(self, desc: Descriptor) -> int:
+        """An fd of the shared file of the CPU registration `desc` names, checked to be that
+        file (its inode and size)."""
         path = f"/proc/{self.pid}/fd/{desc.fd}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -375,14 +389,31 @@ class Peer:
                     raise self._freed(desc.reg_id)
                 raise InvalidHandleError(f"{path} is not the shared file this descriptor names "
                                          f"(stale or forged)")
-            mapping = MappedFile(fd, stat.st_size)
-        finally:
+        except BaseException:
             os.close(fd)
-        if not self._is_live(desc.reg_id, desc.slot):  # the fd may have been reused meanwhile
-            mapping.close()
-            raise self._freed(desc.reg_id)
-        buffer = (ctypes.c_uint8 * desc.storage_bytes).from_address(mapping.address)
-        return RemoteEntry(desc, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
+            raise
+        return fd
+
+    def map(self, desc: Descriptor) -> torch.Tensor:
+        """The range `desc` names, as a uint8 tensor over the owner's memory that keeps what it
+        maps (the connection's `map`): a device storage opened with a ref-counter slot of its
+        own, host memory mapped again by a storage of its own. Neither is the cache's, so no
+        sweep or close unmaps it under the tensor's views."""
+        if desc.kind == DEVICE:
+            data = self._open_device(desc).data
+            assert data is not None
+        else:
+            fd = self._open_fd(desc)
+            try:
+                storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True,
+                                                         desc.storage_bytes)
+            finally:
+                os.close(fd)
+            if not self._is_live(desc.reg_id, desc.slot):
+                raise self._freed(desc.reg_id)
+            data = torch.empty(0, dtype=torch.uint8)
+            data.set_(storage, 0, (desc.storage_bytes,))  # type: ignore[call-overload]
+        return data[desc.offset:desc.offset + desc.nbytes]
 
     # -- copies pin the entries they use: a pinned entry is unmapped only once unpinned --
     def pin_live(self, entries: list[RemoteEntry]) -> bool:
