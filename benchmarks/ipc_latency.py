@@ -6,7 +6,8 @@ consumer reads one element of it and replies. Four ways, measured in one run:
   cpu-shm     torch's own CPU tensor already in shared memory (fd passing)
   via-cpu     copy through the host: .cpu(), the queue, .to("openreg") in the consumer
 
-Then a DataLoader (2 spawned workers) of batches made on openreg in the workers against the
+Then the floor of any message in the reduction's shape (devipc's pickled reduction, rebuilt by
+nothing), and a DataLoader (2 spawned workers) of batches made on openreg in the workers against the
 same loader over small Python objects.
 
 The measuring is devipc's own (`devipc bench ipc`, any device); this script runs it on openreg,
@@ -44,6 +45,10 @@ def main():
           f"over its own small message (<= 1.1; in raw us "
           f"{large['devipc-new'] / small['devipc-new']:.2f}); re-sent 4 KiB / message = "
           f"{small['devipc'] / small['message']:.2f} (<= 1.2)")
+    shaped, message = ipc.reduction_floor("openreg", count=50 if args.quick else 400)
+    print(f"the reduction's own message (4 KiB), unpickled without opening anything: "
+          f"{shaped / message:.2f} of its small message ({shaped:.0f} / {message:.0f} us): the "
+          f"floor of any tensor sent in torch's 15-argument shape")
     rates = ipc.dataloader("openreg", 100 if args.quick else 400)
     print(f"DataLoader, 2 spawned workers: batches of {ipc.BATCH_SHAPE} float32 made on openreg "
           f"{rates['device']:.0f}/s, small Python objects {rates['objects']:.0f}/s: "

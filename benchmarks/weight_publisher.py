@@ -8,7 +8,7 @@
                    once, as engines do; then one alone), against a 1-thread host memcpy of the
                    same bytes
   (d) 1,000        share_tensors (copy=True, 7 MiB) opened by a consumer, against 1,000 per-tensor
-                   devipc handles through a Queue (put, get: opened)
+                   devipc handles through a Queue (put, get: opened); new tensors each time
   (e) nixl         WeightPublisher(transport="nixl"), 64 MiB packed weights: a subscriber in its
                    own process (and PID namespace, where `unshare` works) pulls each generation
                    (wait: generation word, one read of the whole range, generation word again),
@@ -322,10 +322,11 @@ def main():
                      f"memcpy {memcpy:.2f} GB/s", f"{together / memcpy:.2f}x of memcpy"])
 
         note("(d) 1,000 tensors, 7 MiB: one bucket against per-tensor handles")
-        tensors = {f"t{i}": torch.randn(1835, device="openreg:0") for i in range(1000)}
         runs = {"bucket": [], "per-tensor": []}
         for round_ in range(6):  # alternating; the first of each is untimed
             for how, times in runs.items():
+                # new tensors each time, as a trainer's new snapshot (made before the clock)
+                tensors = {f"t{i}": torch.randn(1835, device="openreg:0") for i in range(1000)}
                 seconds = many_tensors(inbox, done, tensors, how)
                 if round_:
                     times.append(seconds)

@@ -10,6 +10,10 @@ consumer reads one element of it and replies. Four ways, measured in one run, be
   cpu-shm     torch's own CPU tensor already in shared memory (fd passing)
   via-cpu     copy through the host: .cpu(), the queue, .to(device) in the consumer
 
+`reduction_floor` is the floor of any message in the reduction's shape: devipc's pickled
+reduction of a tensor (the 15 arguments of torch's rebuild, as frameworks expect them), rebuilt by
+a function that opens nothing, against the small message.
+
 `dataloader` compares a DataLoader whose spawned workers make each batch on the device with the
 same loader whose workers make a small Python object per batch.
 
@@ -31,7 +35,7 @@ from .._tools import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
 __all__ = ["METHODS", "SIZES", "dataloader", "measure", "panel", "phase_table", "phases",
-           "table"]
+           "reduction_floor", "table"]
 
 TIMEOUT = 120
 WARM_UP = 10  # untimed round trips per mode and size
@@ -106,6 +110,53 @@ def _paired_medians_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], An
                       _round_trip(inbox, outbox, "message", lambda: 7)))
     mode_times, message_times = zip(*times[WARM_UP:])
     return statistics.median(mode_times) * 1e6, statistics.median(message_times) * 1e6
+
+
+def _seven(*_args: Any) -> int:
+    """What a `_ReductionShaped` message unpickles to: nothing is opened."""
+    return 7
+
+
+class _ReductionShaped:
+    """A message pickled as devipc's reduction of a tensor is (the rebuild's 15 arguments), that
+    unpickles to 7 without opening anything."""
+
+    def __init__(self, tensor: torch.Tensor):
+        from .._reductions import reduce_tensor
+        from .._sharing import revoke
+
+        _, args = reduce_tensor(tensor)
+        revoke(tensor)  # the send it made is never opened
+        self.args = tuple(_plain(arg) for arg in args)
+
+    def __reduce__(self) -> tuple:
+        return (_seven, self.args)
+
+
+def _plain(arg: Any) -> Any:
+    """An argument as bytes where it is a memoryview (pickled as bytes either way)."""
+    return bytes(arg) if isinstance(arg, memoryview) else arg
+
+
+def reduction_floor(device: str, nbytes: int = 4 << 10, count: int = 200) -> tuple[float, float]:
+    """(us, small message us): round trips of a message in the shape of devipc's reduction of a
+    tensor of `nbytes` on `device`, opened by nothing, alternating with the small message."""
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    modules = hook_modules([torch.device(device).type])
+    proc = ctx.Process(target=consumer, args=(inbox, outbox, device, modules), daemon=True)
+    proc.start()
+    try:
+        shaped = _ReductionShaped(torch.full((nbytes // 4,), 7, dtype=torch.int32,
+                                             device=device))
+        found = _paired_medians_us(inbox, outbox, "message", _returns(shaped), count)
+        inbox.put(None)
+        proc.join(TIMEOUT)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(TIMEOUT)
+    return found
 
 
 def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
