@@ -581,9 +581,9 @@ class NixlSubscriber:
         """This subscriber's own buffers, and its card in its slot, made when it first pulls a
         generation itself: an engine that only maps its leader's buffers holds no copy."""
         if self._relay is None:
-            relay = Relay(self._endpoints[0], self._metadata, self.device, self._buffers,
-                          self._nbytes, self._chunk, self._ids, self._endpoints,
-                          bool(self._share))
+            relay = self._remote(lambda: Relay(
+                self._endpoints[0], self._metadata, self.device, self._buffers, self._nbytes,
+                self._chunk, self._ids, self._endpoints, bool(self._share)))
             slot = relay.card.to_slot()
             self._card[:len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
             self._remote(lambda: self._connection.write(self._card[:len(slot)], self._cards,

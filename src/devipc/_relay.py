@@ -21,9 +21,16 @@ rest of the generation comes from the trainer, and that upstream is not used aga
 publisher names another. Whichever way the chunks came, the subscriber's own look at the
 trainer's header after the pull says whether the trainer overwrote the generation meanwhile.
 
+Engines of one host and device (`share_key`) hold one copy: the first of them in the chain
+pulls (its leader), the others (`Follower`) map its buffers through devipc's same-host path and
+read each generation there once the leader's progress word says it is whole. They leave a leader
+as a relay leaves an upstream (dead, closed, or RELAY_STALL without progress) and pull that
+generation themselves. An engine makes buffers of its own only when it first pulls.
+
 A subscriber's card (its endpoint's metadata, the descriptors of its progress words and of its
-buffers) lies in a slot of the publisher's registered memory, written before its claim and read
-by its downstream at each generation it pulls from it.
+buffers, for NIXL and for the same-host path) lies in a slot of the publisher's registered
+memory, written before it first pulls and read by its downstream and its followers at each
+generation they take from it.
 """
 import hashlib
 import os
@@ -163,15 +170,19 @@ class Card(NamedTuple):
         if not 0 < length <= len(slot) - 8:
             raise InvalidHandleError(f"no relay card in this slot (length {length})")
         reader = _wire.Reader(bytes(slot[8:8 + length]), (_wire.RELAY_CARD,), "relay card")
-        metadata, progress, local, local_progress = (
-            reader.bytes(what, CARD_BYTES) for what in (
-                "endpoint metadata", "progress descriptor", "same-host endpoint metadata",
-                "same-host progress descriptor"))
-        buffers, local_buffers = (tuple(reader.bytes("buffer descriptor", CARD_BYTES)
-                                        for _ in range(reader.int("buffer count", low, 2)))
-                                  for low in (1, 0))
+        metadata, progress, local, local_progress = [reader.bytes(what, CARD_BYTES) for what in (
+            "endpoint metadata", "progress descriptor", "same-host endpoint metadata",
+            "same-host progress descriptor")]
+        buffers = _descriptors(reader, "buffer", 1)
+        local_buffers = _descriptors(reader, "same-host buffer", 0)
         reader.end()
         return cls(metadata, progress, buffers, local, local_progress, local_buffers)
+
+
+def _descriptors(reader: _wire.Reader, what: str, least: int) -> tuple[bytes, ...]:
+    """A card's count of buffer descriptors (`least` to 2), then the descriptors."""
+    count = reader.int(f"{what} count", least, 2)
+    return tuple(reader.bytes(f"{what} descriptor", CARD_BYTES) for _ in range(count))
 
 
 def written(slot: bytes | bytearray | memoryview) -> bool:
