@@ -147,6 +147,16 @@ def _step(weights: dict[str, torch.Tensor], seed: int) -> str:
     return digest.hexdigest()
 
 
+def _stop(fleet, engine: Engine, how: str) -> None:
+    """Kill the engine (SIGKILL) or freeze it (SIGSTOP: the fleet replaces it later)."""
+    if how == "killed":
+        engine.proc.kill()
+        engine.proc.wait(TIMEOUT)
+    else:
+        os.kill(engine.proc.pid, signal.SIGSTOP)
+        fleet.frozen.add(engine.proc.pid)
+
+
 def _open(publisher, engines, stall=2.0, share=False) -> list[int]:
     """The engines subscribe; without `share` each holds a copy of its own, as engines of
     distinct hosts do."""
@@ -167,6 +177,25 @@ def _take(engines, generation, digest):
     return counts
 
 
+def _three_generations(publisher, weights, engines, seed, places):
+    """Generations 0, 1 and 2, each taken by every engine while `publish` waits for their
+    acknowledgements, every byte checked, each engine at its place ((upstream, leader) by
+    record). The last digest, and what each engine's relay pulled from where."""
+    for generation in range(3):
+        digest = _step(weights, seed + generation)
+        for engine in engines:
+            engine.send("take")
+        assert publisher.publish(timeout=TIMEOUT) == generation  # every engine acked
+        assert [(r["upstream"], r["leader"]) for r in publisher.subscribers().values()] \
+            == places
+        counts = []
+        for engine in engines:
+            got, found, pulled = engine.reply()
+            assert (got, found) == (generation, digest)
+            counts.append(pulled)
+    return digest, counts
+
+
 @pytest.mark.parametrize("copy", [False, True])
 def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
     engines = fleet(3)
@@ -174,17 +203,8 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
     nbytes = sum(t.nbytes for t in weights.values())
     with devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True) as publisher:
         _open(publisher, engines)
-        for generation in range(3):
-            digest = _step(weights, generation)
-            for engine in engines:
-                engine.send("take")
-            assert publisher.publish(timeout=TIMEOUT) == generation  # every engine acked
-            assert [r["upstream"] for r in publisher.subscribers().values()] == [-1, 0, 1]
-            counts = []
-            for engine in engines:
-                got, found, pulled = engine.reply()
-                assert (got, found) == (generation, digest), (copy, generation)
-                counts.append(pulled)
+        digest, counts = _three_generations(publisher, weights, engines, 0,
+                                            [(-1, -1), (0, -1), (1, -1)])
         # the trainer's memory was read once a generation, by the head of the chain
         padded = publisher._backend._nbytes
         assert padded >= nbytes and chunk_size(padded) < padded // 4  # several chunks
@@ -222,12 +242,7 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
         digest = _step(weights, 11)
         publisher.publish(wait=False)
         _take([a, b], 1, digest)
-        if how == "killed":
-            b.proc.kill()
-            b.proc.wait(TIMEOUT)
-        else:
-            os.kill(b.proc.pid, signal.SIGSTOP)
-            fleet.frozen.add(b.proc.pid)
+        _stop(fleet, b, how)
         [counts] = _take([c], 1, digest)
         assert counts["bypassed"] == 1 and counts["trainer"] > 0
         publisher.wait_acks(1, timeout=TIMEOUT)  # B acknowledged before it stopped
@@ -285,16 +300,7 @@ def test_a_relayed_pull_that_overlapped_a_write_is_dropped(fleet, monkeypatch):
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         a = devipc.WeightSubscriber(publisher.token(), share=False)
         b = devipc.WeightSubscriber(publisher.token(), share=False)
-        publisher.wait_subscribers(2, timeout=TIMEOUT)
-        digest = _step(weights, 30)
-        publisher.publish(wait=False)
-        assert a.wait(timeout=TIMEOUT) == 0
-        relay = a._backend._relay
-        held = int(relay.progress[0])
-        relay.progress[0] = progress_word(1, 0)  # A overwrites its buffer with generation 1
-        with pytest.raises(TimeoutError):
-            b.wait(timeout=0.5)
-        relay.progress[0] = held  # A holds generation 0 whole again
+        digest = _b_waits_while_a_overwrites(publisher, weights, a, b)
         pull = b._backend._pull
 
         def overlapped(generation):
@@ -326,18 +332,8 @@ def test_engines_of_one_host_map_the_buffers_of_the_one_that_pulls(fleet, copy):
     weights = _weights(copy)
     with devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True) as publisher:
         _open(publisher, engines, share=True)
-        for generation in range(3):
-            digest = _step(weights, 40 + generation)
-            for engine in engines:
-                engine.send("take")
-            assert publisher.publish(timeout=TIMEOUT) == generation
-            assert [(r["upstream"], r["leader"]) for r in publisher.subscribers().values()] \
-                == [(-1, -1), (-1, 0), (-1, 0)]
-            counts = []
-            for engine in engines:
-                got, found, pulled = engine.reply()
-                assert (got, found) == (generation, digest), (copy, generation)
-                counts.append(pulled)
+        digest, counts = _three_generations(publisher, weights, engines, 40,
+                                            [(-1, -1), (-1, 0), (-1, 0)])
         padded = publisher._backend._nbytes
         assert [c["trainer"] for c in counts] == [3 * padded, 0, 0]
         assert [c["upstream"] + c["left"] + c["bypassed"] for c in counts] == [0, 0, 0]
@@ -370,12 +366,7 @@ def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(fle
         publisher.publish(wait=False)
         _take([a, b, c], 0, digest)
         publisher.wait_acks(0, timeout=TIMEOUT)
-        if how == "killed":
-            a.proc.kill()
-            a.proc.wait(TIMEOUT)
-        else:
-            os.kill(a.proc.pid, signal.SIGSTOP)
-            fleet.frozen.add(a.proc.pid)
+        _stop(fleet, a, how)
         digest = _step(weights, 51)
         publisher.publish(wait=False)
         counts = _take([b, c], 1, digest)
@@ -404,16 +395,7 @@ def test_a_follower_reads_its_leaders_memory_and_drops_a_generation_it_overwrite
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         a = devipc.WeightSubscriber(publisher.token())
         b = devipc.WeightSubscriber(publisher.token())
-        publisher.wait_subscribers(2, timeout=TIMEOUT)
-        digest = _step(weights, 60)
-        publisher.publish(wait=False)
-        assert a.wait(timeout=TIMEOUT) == 0
-        relay = a._backend._relay
-        held = int(relay.progress[0])
-        relay.progress[0] = progress_word(1, 0)  # A overwrites its buffer with generation 1
-        with pytest.raises(TimeoutError):
-            b.wait(timeout=0.5)
-        relay.progress[0] = held
+        digest = _b_waits_while_a_overwrites(publisher, weights, a, b)
         assert b.wait(timeout=TIMEOUT) == 0
         assert _digest(b.tensors()) == digest
         assert b._backend._relay is None and b._backend.counts()["shared"] == 1
@@ -425,6 +407,22 @@ def test_a_follower_reads_its_leaders_memory_and_drops_a_generation_it_overwrite
         publisher.wait_acks(0, timeout=TIMEOUT)
         a.close()
         b.close()
+
+
+def _b_waits_while_a_overwrites(publisher, weights, a, b) -> str:
+    """Generation 0 published and taken by A; B does not take it while A's progress word says
+    A overwrites that buffer with generation 1; then A holds 0 whole again. Its digest."""
+    publisher.wait_subscribers(2, timeout=TIMEOUT)
+    digest = _step(weights, 30)
+    publisher.publish(wait=False)
+    assert a.wait(timeout=TIMEOUT) == 0
+    relay = a._backend._relay
+    held = int(relay.progress[0])
+    relay.progress[0] = progress_word(1, 0)
+    with pytest.raises(TimeoutError):
+        b.wait(timeout=0.5)
+    relay.progress[0] = held
+    return digest
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:

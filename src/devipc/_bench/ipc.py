@@ -22,9 +22,10 @@ the handle), the consumer's unpickling (the open: slot held, memory mapped, stor
 release of the tensor received before, which a drop leaves pending until then), its read of one
 element, and the drop.
 """
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -141,22 +142,27 @@ def _plain(arg: Any) -> Any:
 def reduction_floor(device: str, nbytes: int = 4 << 10, count: int = 200) -> tuple[float, float]:
     """(us, small message us): round trips of a message in the shape of devipc's reduction of a
     tensor of `nbytes` on `device`, opened by nothing, alternating with the small message."""
+    shaped = _ReductionShaped(torch.full((nbytes // 4,), 7, dtype=torch.int32, device=device))
+    with _consumer(device) as (inbox, outbox):
+        return _paired_medians_us(inbox, outbox, "message", _returns(shaped), count)
+
+
+@contextlib.contextmanager
+def _consumer(device: str) -> Iterator[tuple[Any, Any]]:
+    """A spawned `consumer` of `device`'s tensors: (inbox, outbox); it ends with the block."""
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     modules = hook_modules([torch.device(device).type])
     proc = ctx.Process(target=consumer, args=(inbox, outbox, device, modules), daemon=True)
     proc.start()
     try:
-        shaped = _ReductionShaped(torch.full((nbytes // 4,), 7, dtype=torch.int32,
-                                             device=device))
-        found = _paired_medians_us(inbox, outbox, "message", _returns(shaped), count)
+        yield inbox, outbox
         inbox.put(None)
         proc.join(TIMEOUT)
     finally:
         if proc.is_alive():
             proc.kill()
             proc.join(TIMEOUT)
-    return found
 
 
 def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
@@ -166,13 +172,8 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
     small message's round trips, alternating with devipc's and devipc-new's."""
     progress = progress or Progress("ipc", lines=True)
     progress.start(len(sizes) * len(METHODS))
-    ctx = mp.get_context("spawn")
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    modules = hook_modules([torch.device(device).type])
-    proc = ctx.Process(target=consumer, args=(inbox, outbox, device, modules), daemon=True)
-    proc.start()
     rows = []
-    try:
+    with _consumer(device) as (inbox, outbox), contextlib.closing(progress):
         for nbytes in sizes:
             n = nbytes // 4
             on_device = torch.full((n,), 7, dtype=torch.int32, device=device)
@@ -192,13 +193,6 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
                 progress.step(f"{human(nbytes)} {mode} {row[mode]:.0f} us")
             rows.append(row)
             del on_device, host
-        inbox.put(None)
-        proc.join(TIMEOUT)
-    finally:
-        progress.close()
-        if proc.is_alive():
-            proc.kill()
-            proc.join(TIMEOUT)
     return rows
 
 
