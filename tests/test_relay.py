@@ -52,9 +52,11 @@ ENGINE = textwrap.dedent("""
         command, *args = commands.recv()
         try:
             if command == "open":
-                _relay.RELAY_STALL = args[1]
-                sub = devipc.WeightSubscriber(args[0], share=args[2])
+                sub = devipc.WeightSubscriber(args[0], share=args[1])
                 replies.send(os.getpid())
+            elif command == "stall":
+                _relay.RELAY_STALL = args[0]
+                replies.send(None)
             elif command == "take":
                 generation = sub.wait(timeout=60)
                 digest = hashlib.sha256()
@@ -157,10 +159,12 @@ def _stop(fleet, engine: Engine, how: str) -> None:
         fleet.frozen.add(engine.proc.pid)
 
 
-def _open(publisher, engines, stall=2.0, share=False) -> list[int]:
+def _open(publisher, engines, share=False) -> list[int]:
     """The engines subscribe; without `share` each holds a copy of its own, as engines of
     distinct hosts do."""
-    pids = [engine.ask("open", publisher.token(), stall, share) for engine in engines]
+    for engine in engines:  # none goes around an engine that is only slow on a busy machine
+        engine.ask("stall", 30.0)
+    pids = [engine.ask("open", publisher.token(), share) for engine in engines]
     publisher.wait_subscribers(len(engines), timeout=TIMEOUT)
     return pids
 
@@ -234,7 +238,7 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
     a, b, c = fleet(3)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
-        pids = _open(publisher, [a, b, c], stall=1.0)
+        pids = _open(publisher, [a, b, c])
         digest = _step(weights, 10)
         publisher.publish(wait=False)
         _take([a, b, c], 0, digest)
@@ -242,9 +246,11 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
         digest = _step(weights, 11)
         publisher.publish(wait=False)
         _take([a, b], 1, digest)
+        c.ask("stall", 1.0)  # once B is stopped: around it after 1 s
         _stop(fleet, b, how)
         [counts] = _take([c], 1, digest)
         assert counts["bypassed"] == 1 and counts["trainer"] > 0
+        c.ask("stall", 30.0)  # B stays bypassed: no wait on it again
         publisher.wait_acks(1, timeout=TIMEOUT)  # B acknowledged before it stopped
         digest = _step(weights, 12)
         publisher.publish(wait=False)
@@ -361,16 +367,20 @@ def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(fle
     a, b, c = fleet(3)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
-        pids = _open(publisher, [a, b, c], stall=1.0, share=True)
+        pids = _open(publisher, [a, b, c], share=True)
         digest = _step(weights, 50)
         publisher.publish(wait=False)
         _take([a, b, c], 0, digest)
         publisher.wait_acks(0, timeout=TIMEOUT)
+        for engine in (b, c):
+            engine.ask("stall", 1.0)  # once A is stopped: leave it after 1 s
         _stop(fleet, a, how)
         digest = _step(weights, 51)
         publisher.publish(wait=False)
         counts = _take([b, c], 1, digest)
         assert all(n["left"] == 1 and n["trainer"] > 0 for n in counts), counts
+        for engine in (b, c):
+            engine.ask("stall", 30.0)  # A stays left
         with pytest.raises(devipc.ConsumerDiedError, match=f"pid {pids[0]}\\)"):
             publisher.wait_acks(1, timeout=TIMEOUT)
         digest = _step(weights, 52)
