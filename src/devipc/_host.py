@@ -21,8 +21,8 @@ from ._errors import InvalidHandleError, UnsupportedDeviceError
 from ._hooks import sharing_hooks
 from ._memfd import open_peer_fd, reach_tag
 
-__all__ = ["HostSend", "as_host", "host_addressable", "not_host_memory", "share_host",
-           "shared_host_storage"]
+__all__ = ["HostSend", "as_host", "host_addressable", "map_shared_file", "not_host_memory",
+           "share_host", "shared_host_storage"]
 
 
 def shared_host_storage(nbytes: int) -> torch.UntypedStorage:
@@ -100,14 +100,20 @@ class HostSend:
             if (status.st_dev, status.st_ino) != self.inode or status.st_size < self.nbytes:
                 raise InvalidHandleError(f"fd {self.fd} of process {self.pid} is not the memory "
                                          f"this {what} names (it is stale or forged)")
-            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, self.nbytes)
-            assert isinstance(storage, torch.UntypedStorage)
-            return storage
+            return map_shared_file(fd, self.nbytes)
         finally:
             os.close(fd)
 
     def __repr__(self) -> str:
         return f"<HostSend {self.nbytes} bytes of process {self.pid}>"
+
+
+def map_shared_file(fd: int, nbytes: int) -> torch.UntypedStorage:
+    """The first `nbytes` of the shared file `fd` (opened here), mapped by a CPU storage that owns
+    its mapping: writes cross both ways, and it outlives the fd and the file's other holders."""
+    storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, nbytes)
+    assert isinstance(storage, torch.UntypedStorage)
+    return storage
 
 
 def host_addressable(device: torch.device) -> bool:

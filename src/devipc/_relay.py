@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -59,6 +59,7 @@ DEPTH = 4  # chunks in flight from the trainer (and staging slots)
 # chunks in flight from an upstream: one; two in parallel share the link and each lands later
 # (measured: 8 engines on 8 emulated hosts, 1.85 s a generation with one, 1.98 with three)
 AHEAD = 1
+_Peer = TypeVar("_Peer", bound=tuple[Any, ...])  # (card slot, connection, ...)
 _CHUNKS = 1 << 24  # a progress word is (generation + 1) * _CHUNKS + the chunks held; 0: none
 _SLICE = 0.01  # seconds: reads are waited for in slices, so that close() ends the wait
 
@@ -189,6 +190,42 @@ def written(slot: bytes | bytearray | memoryview) -> bool:
     """Whether a card slot holds anything yet (its subscriber writes it before it first
     pulls)."""
     return int.from_bytes(slot[:8], "little") != 0
+
+
+class _ByCard(Generic[_Peer]):
+    """The peer whose card a slot holds, opened by `get`'s `open_(slot)` (a tuple: the slot,
+    its connection, what else the opener keeps) and kept while the slot the publisher names
+    stays the same; a slot whose card could not be opened, or whose peer failed (`avoid`), is
+    not opened again until the publisher names another. (The opener is not kept: its owner
+    would be in a reference cycle, its memory freed only by the garbage collector.)"""
+
+    def __init__(self) -> None:
+        self.held: _Peer | None = None
+        self._avoided: set[bytes] = set()
+
+    def get(self, slot: bytes, open_: Callable[[bytes], _Peer]) -> _Peer | None:
+        if self.held is not None and self.held[0] == slot:
+            return self.held
+        self.drop()
+        if slot in self._avoided:
+            return None
+        try:
+            self.held = open_(slot)
+        except Exception:  # noqa: BLE001 - a card unreadable, a peer unreachable: avoided
+            self._avoided.add(slot)
+            return None
+        return self.held
+
+    def avoid(self, slot: bytes) -> None:
+        """The peer of `slot` failed: let go of it, and do not open it again."""
+        self._avoided.add(slot)
+        self.drop()
+
+    def drop(self) -> None:
+        """Let go of the peer held now (its connection closed)."""
+        if self.held is not None:
+            self.held[1].close()
+            self.held = None
 
 
 class Moved(Exception):
@@ -328,8 +365,7 @@ class Relay:
         self._reader: p2p.Endpoint | None = None  # reads from the trainer and upstreams
         self._trainer: p2p.Connection | None = None
         self._fresh_reader()
-        self._upstream: tuple[bytes, p2p.Connection, Card] | None = None
-        self._avoided: set[bytes] = set()  # cards of upstreams bypassed
+        self._upstream: _ByCard[tuple[bytes, p2p.Connection, Card]] = _ByCard()  # and bypassed
         # what this process pulled: bytes from the trainer, from upstreams; upstreams bypassed
         self.counts = {"trainer": 0, "upstream": 0, "bypassed": 0}
 
@@ -371,7 +407,8 @@ class Relay:
         buffer = generation % self.count
         self.progress[buffer] = progress_word(generation, 0)  # before the buffer is written
         done = 0
-        upstream = None if upstream_slot is None else self._connect(upstream_slot)
+        upstream = None if upstream_slot is None \
+            else self._upstream.get(upstream_slot, self._connect)
         if upstream is not None:
             job = _Upstream(self, upstream[1], upstream[2], generation, buffer)
             try:
@@ -381,47 +418,29 @@ class Relay:
             finally:
                 if job.stop(self._reader):  # still waiting on the upstream: reads may land
                     self._aside()
-                    self._reader = self._trainer = self._upstream = None
+                    self._reader = self._trainer = self._upstream.held = None
             if job.moved:  # so is its downstream's, which reads this word
                 self.progress[buffer] = progress_word(generation + self.count, 0)
                 return False
             done = job.done
             if done < self.chunks:
                 self.counts["bypassed"] += 1
-                self._avoided.add(upstream[0])
-                self._drop_upstream()
+                self._upstream.avoid(upstream[0])
         if done < self.chunks:
             self._from_trainer(trainer_buffer, generation, buffer, done, check)
         return True
 
-    def _connect(self, slot: bytes) -> tuple[bytes, p2p.Connection, Card] | None:
-        """A connection to the upstream whose card `slot` holds, kept while it stays the same;
-        None if it was bypassed before or cannot be reached."""
-        if self._upstream is not None and self._upstream[0] == slot:
-            return self._upstream
-        self._drop_upstream()
-        if slot in self._avoided:
-            return None
-        try:
-            card = Card.from_slot(slot)
-            if len(card.buffers) != self.count:
-                raise InvalidHandleError(f"an upstream card of {len(card.buffers)} buffers "
-                                         f"where this relay has {self.count}")
-            if self._reader is None:
-                self._fresh_reader()
-            assert self._reader is not None
-            # an upstream's registrations live as long as its endpoint
-            connection = self._reader.connect(card.metadata, liveness=False)
-        except Exception:  # noqa: BLE001 - a card unreadable, a peer unreachable: bypassed
-            self._avoided.add(slot)
-            return None
-        self._upstream = (slot, connection, card)
-        return self._upstream
-
-    def _drop_upstream(self) -> None:
-        if self._upstream is not None:
-            self._upstream[1].close()
-            self._upstream = None
+    def _connect(self, slot: bytes) -> tuple[bytes, p2p.Connection, Card]:
+        """A connection to the upstream whose card `slot` holds (`_ByCard` keeps it)."""
+        card = Card.from_slot(slot)
+        if len(card.buffers) != self.count:
+            raise InvalidHandleError(f"an upstream card of {len(card.buffers)} buffers where "
+                                     f"this relay has {self.count}")
+        if self._reader is None:
+            self._fresh_reader()
+        assert self._reader is not None
+        # an upstream's registrations live as long as its endpoint
+        return slot, self._reader.connect(card.metadata, liveness=False), card
 
     def _from_trainer(self, desc: bytes, generation: int, buffer: int, start: int,
                       check: Callable[[], None]) -> None:
@@ -480,16 +499,15 @@ class Follower:
         endpoints.append(self._endpoint)
         self._count, self._nbytes, self._chunks = count, nbytes, chunks
         self._word = torch.zeros(1, dtype=torch.int64)
-        # the leader followed now: its card slot, its connection, its card, its mapped buffers
-        self._leader: _Leader | None = None
-        self._avoided: set[bytes] = set()  # cards of leaders left
+        # the leader followed now (its card slot, connection, card, mapped buffers); those left
+        self._leader: _ByCard[_Leader] = _ByCard()
         self.counts = {"shared": 0, "left": 0}  # generations read in place; leaders left
 
     def take(self, generation: int, slot: bytes, check: Callable[[], None]) -> torch.Tensor | None:
         """`generation`'s buffer in the leader's memory (its card in `slot`), once the leader
         holds it whole; None if this subscriber is to pull it itself. Moved if the leader
         overwrites that buffer with a newer generation. `check()` runs between looks."""
-        leader = self._connect(slot)
+        leader = self._leader.get(slot, self._connect)
         if leader is None:
             return None
         _, connection, card, buffers = leader
@@ -518,43 +536,29 @@ class Follower:
                 return None
             backoff.pause()
 
-    def _connect(self, slot: bytes) -> _Leader | None:
-        """The leader whose card `slot` holds, its buffers mapped, kept while it stays the same;
-        None if it was left before or cannot be mapped."""
-        if self._leader is not None and self._leader[0] == slot:
-            return self._leader
-        self.drop()
-        if slot in self._avoided:
-            return None
+    def _connect(self, slot: bytes) -> _Leader:
+        """The leader whose card `slot` holds, its buffers mapped (`_ByCard` keeps it)."""
+        card = Card.from_slot(slot)
+        if len(card.local_buffers) != self._count:
+            raise InvalidHandleError(f"a leader's card maps {len(card.local_buffers)} buffers "
+                                     f"where this subscriber holds {self._count}")
+        connection = self._endpoint.connect(card.local)
         try:
-            card = Card.from_slot(slot)
-            if len(card.local_buffers) != self._count:
-                raise InvalidHandleError(f"a leader's card maps {len(card.local_buffers)} "
-                                         f"buffers where this subscriber holds {self._count}")
-            connection = self._endpoint.connect(card.local)
-            try:
-                buffers = [connection.map(desc) for desc in card.local_buffers]
-                if any(b.nbytes != self._nbytes for b in buffers):
-                    raise InvalidHandleError("a leader's buffers are not this publisher's size")
-            except BaseException:
-                connection.close()
-                raise
-        except Exception:  # noqa: BLE001 - a card unreadable, a leader gone: left
-            self._avoided.add(slot)
-            return None
-        self._leader = (slot, connection, card, buffers)
-        return self._leader
+            buffers = [connection.map(desc) for desc in card.local_buffers]
+            if any(b.nbytes != self._nbytes for b in buffers):
+                raise InvalidHandleError("a leader's buffers are not this publisher's size")
+        except BaseException:
+            connection.close()
+            raise
+        return slot, connection, card, buffers
 
     def _leave(self, slot: bytes) -> None:
         self.counts["left"] += 1
-        self._avoided.add(slot)
-        self.drop()
+        self._leader.avoid(slot)
 
     def drop(self) -> None:
         """Let go of the leader followed now (views handed out keep what they map)."""
-        if self._leader is not None:
-            self._leader[1].close()
-            self._leader = None
+        self._leader.drop()
 
 
 def _finish(transfer: p2p.Transfer, check: Callable[[], object]) -> None:

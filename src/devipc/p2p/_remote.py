@@ -28,6 +28,7 @@ from .._errors import (
     RemoteTensorFreedError,
 )
 from .._hooks import get_ipc_hooks, hooks_for
+from .._host import map_shared_file
 from .._lifeline import TID_MASK as LIFELINE_TID
 from .._memfd import MappedFile, open_shared_file, pid_alive
 from .._refcount import open_counter_file
@@ -405,8 +406,7 @@ class Peer:
         else:
             fd = self._open_fd(desc)
             try:
-                storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True,
-                                                         desc.storage_bytes)
+                storage = map_shared_file(fd, desc.storage_bytes)
             finally:
                 os.close(fd)
             if not self._is_live(desc.reg_id, desc.slot):
