@@ -18,7 +18,7 @@ import torch
 from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, use_ucx_loopback
 
 import devipc
-from devipc import _publisher_remote, _wire
+from devipc import _publisher_remote, _relay, _wire
 from devipc._bench.common import Piped
 from devipc._relay import (
     CARD_BYTES,
@@ -417,6 +417,48 @@ def test_a_follower_reads_its_leaders_memory_and_drops_a_generation_it_overwrite
         publisher.wait_acks(0, timeout=TIMEOUT)
         a.close()
         b.close()
+
+
+TRAINER = textwrap.dedent("""
+    import sys
+    from multiprocessing.connection import Connection
+    import torch, devipc, devipc_openreg
+
+    commands, replies = Connection(int(sys.argv[1])), Connection(int(sys.argv[2]))
+    weights = devipc.pack({"w": torch.ones(1 << 18, device="openreg")})
+    publisher = devipc.WeightPublisher(weights, transport="nixl", relay=True)
+    replies.send([publisher.token() for _ in range(2)])
+    commands.recv()
+    publisher.wait_subscribers(2, timeout=60)
+    replies.send(publisher.publish(wait=False))
+    commands.recv()
+""")
+
+
+def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(fleet, monkeypatch):
+    """In this process, B follows A, which does not pull; B leaves A (RELAY_STALL, 0.5 s here)
+    and makes its own relay to pull generation 0 from the trainer, which was killed meanwhile:
+    PeerGoneError, as every way an engine learns of a dead trainer, not NIXL's failure to
+    load its metadata (InvalidHandleError)."""
+    monkeypatch.setattr(_relay, "RELAY_STALL", 0.5)
+    trainer = Piped([sys.executable, "-c", TRAINER], "trainer", FRESH_TIMEOUT)
+    try:
+        a, b = (devipc.WeightSubscriber(token) for token in trainer.reply())
+        assert trainer.ask("publish") == 0
+        own_relay = b._backend._own_relay
+
+        def trainer_killed_first():
+            trainer.proc.kill()
+            trainer.proc.wait(TIMEOUT)
+            return own_relay()
+
+        monkeypatch.setattr(b._backend, "_own_relay", trainer_killed_first)
+        with pytest.raises(devipc.PeerGoneError, match="cannot be reached"):
+            b.wait(timeout=TIMEOUT)
+        a.close()
+        b.close()
+    finally:
+        trainer.stop()
 
 
 def _b_waits_while_a_overwrites(publisher, weights, a, b) -> str:

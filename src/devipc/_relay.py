@@ -45,7 +45,7 @@ import torch
 
 from . import _wire, p2p
 from ._backoff import Backoff
-from ._errors import InvalidHandleError
+from ._errors import InvalidHandleError, PeerGoneError
 from ._hooks import sharing_hooks
 from ._memfd import host_identity
 from ._received import synchronize
@@ -384,10 +384,16 @@ class Relay:
                 self._tensor((1,), torch.int64, "cpu"))
 
     def _fresh_reader(self) -> None:
-        """An endpoint to read through, and its connection to the trainer."""
+        """An endpoint to read through, and its connection to the trainer. The trainer's
+        metadata reached it when the subscriber opened its token: NIXL failing to load it now
+        says that the trainer is gone."""
         self._reader = p2p.Endpoint(transport="nixl")
         self._endpoints.append(self._reader)
-        self._trainer = self._reader.connect(self._trainer_metadata)
+        try:
+            self._trainer = self._reader.connect(self._trainer_metadata)
+        except InvalidHandleError as error:
+            raise PeerGoneError(f"the trainer's endpoint cannot be reached any more ({error})"
+                                ) from None
 
     def staging(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The staging area (chunks, a progress word) for reads now."""
