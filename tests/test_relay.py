@@ -65,6 +65,16 @@ ENGINE = textwrap.dedent("""
                 del view  # the engine's memory goes once it closed
                 sub.ack()
                 replies.send((generation, digest.hexdigest(), sub._backend.counts()))
+            elif command == "hold":  # the next generation, not acknowledged
+                replies.send(sub.wait(timeout=60))
+            elif command == "copy":  # the held one into the engine's own tensors, then ack
+                own = {name: torch.empty_like(view) for name, view in sub.tensors().items()}
+                sub.copy_into(own)
+                sub.ack()
+                digest = hashlib.sha256()
+                for name, tensor in sorted(own.items()):
+                    digest.update(name.encode() + tensor.cpu().numpy().tobytes())
+                replies.send((sub.generation, digest.hexdigest()))
             elif command == "close":
                 sub.close()
                 sub = None
@@ -415,6 +425,76 @@ def test_a_follower_reads_its_leaders_memory_and_drops_a_generation_it_overwrite
         a.ack()
         b.ack()
         publisher.wait_acks(0, timeout=TIMEOUT)
+        a.close()
+        b.close()
+
+
+def test_a_follower_paused_past_liveness_refuses_the_bytes_its_leader_overwrote(fleet,
+                                                                                 monkeypatch):
+    """F follows A and holds generation 0 when it is frozen (SIGSTOP) past LIVENESS (2 s here):
+    the publisher names it dead and publishes 1, which A pulls into the buffer F maps. Resumed,
+    F's copy_into raises PeerGoneError rather than hand out generation 1's bytes as 0's (and
+    nothing is acknowledged)."""
+    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    a, f = fleet(2)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        pids = _open(publisher, [a, f], share=True)
+        digest = _step(weights, 70)
+        publisher.publish(wait=False)
+        _take([a], 0, digest)
+        assert f.ask("hold") == 0
+        _stop(fleet, f, "frozen")
+        with pytest.raises(devipc.ConsumerDiedError, match=f"pid {pids[1]}\\)"):
+            publisher.wait_acks(0, timeout=TIMEOUT)
+        publisher.wait_acks(0, timeout=TIMEOUT)  # named once: the trainer may write
+        digest = _step(weights, 71)
+        publisher.publish(wait=False)
+        [counts] = _take([a], 1, digest)
+        assert counts["trainer"] > 0  # A pulled 1 into its one buffer (copy=False)
+        os.kill(f.proc.pid, signal.SIGCONT)
+        fleet.frozen.discard(f.proc.pid)
+        with pytest.raises(devipc.PeerGoneError, match="generation 0 was overwritten"):
+            f.ask("copy")
+        with pytest.raises(devipc.PeerGoneError, match="dropped this subscriber"):
+            f.ask("take")
+        f.ask("close")
+        a.ask("close")
+
+
+def test_a_follower_looks_at_its_leaders_word_after_the_bytes_were_read(fleet, monkeypatch):
+    """In this process, B follows A and holds generation 0; A then overwrites that buffer (its
+    progress word first, as its pull of a newer generation does) after B's tensors() were
+    handed and before B's copy reads them: copy_into raises PeerGoneError (a look before the
+    copy would have passed), and so do the end of weights(), tensors(), verify() and ack()."""
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        a = devipc.WeightSubscriber(publisher.token())
+        b = devipc.WeightSubscriber(publisher.token())
+        publisher.wait_subscribers(2, timeout=TIMEOUT)
+        digest = _step(weights, 60)
+        publisher.publish(wait=False, checksum=True)
+        assert a.wait(timeout=TIMEOUT) == b.wait(timeout=TIMEOUT) == 0
+        assert b._backend.counts()["shared"] == 1
+        own = {name: torch.empty_like(view) for name, view in b.tensors().items()}
+        b.copy_into(own)  # A still holds 0
+        assert _digest(own) == digest and dict(b.weights()).keys() == own.keys()
+        b.verify()
+        copy_into = devipc._publisher.copy_into
+
+        def overwritten_first(source, *args, **kwargs):
+            relay = a._backend._relay
+            relay.progress[0] = progress_word(1, 0)
+            relay.buffers.fill_(7)
+            copy_into(source, *args, **kwargs)
+
+        monkeypatch.setattr(devipc._publisher, "copy_into", overwritten_first)
+        with pytest.raises(devipc.PeerGoneError, match="generation 0 was overwritten"):
+            b.copy_into(own)
+        assert _digest(own) != digest  # what the copy read: not generation 0
+        for read in (lambda: list(b.weights()), b.tensors, b.verify, b.ack):
+            with pytest.raises(devipc.PeerGoneError, match="generation 0 was overwritten"):
+                read()
         a.close()
         b.close()
 

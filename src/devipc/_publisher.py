@@ -156,7 +156,13 @@ class WeightSubscriber:
         """(name, tensor) of each tensor of the held generation, for an engine's own loader
         (`model.load_weights(subscriber.weights())`, which may rename, fuse and shard as it
         copies); the tensors are `tensors()`'s, valid as long."""
-        return iter(self._backend.tensors().items())
+        return self._handed(self._backend.tensors())
+
+    def _handed(self, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`weights()`'s pairs, then (once the loader took them all) the look that says they
+        were all of the held generation."""
+        yield from tensors.items()
+        self._backend.check_held()
 
     def copy_into(self, module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
                   names: Names = None) -> None:
@@ -167,6 +173,7 @@ class WeightSubscriber:
         copies go as one device operation where the hooks batch copies, and each pair of dtypes
         converts in one."""
         copy_into(self._backend.tensors(), module_or_state_dict, names)
+        self._backend.check_held()  # the bytes copied were all of the held generation
 
     async def wait_async(self, timeout: float | None = None) -> int:
         """`wait()` for an asyncio loop (an engine's own): awaits the next generation without a

@@ -73,6 +73,7 @@ from ._readers import (
     label,
     unacknowledged,
 )
+from ._received import synchronize
 from ._relay import (
     CARD_BYTES,
     Follower,
@@ -432,9 +433,10 @@ class NixlSubscriber:
         self._checksum: int | None = None  # published with the held generation
         self._header, self._record, self._claim, self._ack = header, record, claim, ack
         self._nbytes, self._index, self._chunk, self._metadata = nbytes, index, chunk, metadata
-        # where the held generation lies: this process's memory, or its leader's (relay); the
-        # views of the places it lay (by address: each keeps its memory)
+        # where the held generation lies: this process's memory, or its leader's (relay:
+        # `_in_leader`); the views of the places it lay (by address: each keeps its memory)
         self._held_at = torch.empty(0, dtype=torch.uint8)
+        self._in_leader = False
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._relay: Relay | None = None  # made when this subscriber first pulls (`_own_relay`)
         self._follower: Follower | None = None
@@ -548,7 +550,7 @@ class NixlSubscriber:
                 except Moved:
                     return False
                 if held is not None:
-                    self._held_at = held
+                    self._held_at, self._in_leader = held, True
                     return True
             upstream = -1  # the leader was left: this generation from the trainer
         relay = self._own_relay()
@@ -557,6 +559,7 @@ class NixlSubscriber:
             return False
         buffer = generation % self._buffers
         self._held_at = relay.buffers[buffer * self._nbytes:(buffer + 1) * self._nbytes]
+        self._in_leader = False
         return True
 
     def _other(self, record: int) -> bool:
@@ -659,7 +662,31 @@ class NixlSubscriber:
                 self._views.clear()
             views = self._views[held.data_ptr()] = self._table.views(
                 held.untyped_storage(), shift=int(held.storage_offset()))
+        self._still_held(read=False)
         return views
+
+    def check_held(self) -> None:
+        """Once the held generation's bytes were read (`copy_into`, the end of `weights()`):
+        PeerGoneError if they may be another generation's."""
+        self._still_held(read=True)
+
+    def _still_held(self, read: bool) -> None:
+        """PeerGoneError if the leader whose buffer holds this generation (relay) began to
+        overwrite it with a newer one: it may only once the publisher dropped this subscriber
+        (its heartbeat stood still for LIVENESS: a pause, SIGSTOP, a debugger). Looked at after
+        the bytes were `read` (their device work waited for first), as a seqlock's second look:
+        a leader marks a buffer before it writes there."""
+        if not self._in_leader:
+            return
+        assert self._follower is not None
+        if read:
+            synchronize(self.device)
+        if not self._follower.holds():
+            raise PeerGoneError(
+                f"generation {self.generation} was overwritten in its leader's memory while "
+                f"this subscriber held it, as happens only once the publisher dropped it (its "
+                f"heartbeat stood still for {LIVENESS} s: a pause, SIGSTOP, a debugger): what "
+                f"was read of it since wait() may be of a newer generation; open a new token")
 
     @counted
     def verify(self) -> None:
@@ -677,6 +704,7 @@ class NixlSubscriber:
             torch.get_device_module(self.device).synchronize(self.device)
             held = self._held_at
             found = crc32(held.untyped_storage(), int(held.storage_offset()), self._nbytes)
+            self._still_held(read=True)
             if found != self._checksum:
                 raise ChecksumError(f"generation {self.generation} holds other bytes here than "
                                     f"the WeightPublisher published (CRC-32 {found:08x}, "
@@ -688,6 +716,7 @@ class NixlSubscriber:
         if self.generation < 0:
             raise ValueError("no generation to acknowledge: wait() first")
         with self._turns:
+            self._still_held(read=True)  # what the engine read since wait() was of it
             self._words[_ACKED] = self.generation
             self._remote(lambda: self._connection.write(self._words[_ACKED], self._ack))
 
@@ -710,7 +739,7 @@ class NixlSubscriber:
         self._let_go()
         self._views.clear()
         self._words = self._local = self._held_at = torch.empty(0)  # the memory goes with them
-        self._relay = None
+        self._relay, self._in_leader = None, False
         if self._follower is not None:
             self._follower.drop()
 

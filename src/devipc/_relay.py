@@ -25,7 +25,11 @@ Engines of one host and device (`share_key`) hold one copy: the first of them in
 pulls (its leader), the others (`Follower`) map its buffers through devipc's same-host path and
 read each generation there once the leader's progress word says it is whole. They leave a leader
 as a relay leaves an upstream (dead, closed, or RELAY_STALL without progress) and pull that
-generation themselves. An engine makes buffers of its own only when it first pulls.
+generation themselves. An engine makes buffers of its own only when it first pulls. A leader
+overwrites a buffer only for a newer generation, which is published only once its followers
+acknowledged what they hold there or were named dead (a follower paused past LIVENESS): a
+follower looks at the leader's progress word again after the bytes were read (`Follower.holds`),
+and refuses them if the word moved meanwhile, as a seqlock does.
 
 A subscriber's card (its endpoint's metadata, the descriptors of its progress words and of its
 buffers, for NIXL and for the same-host path) lies in a slot of the publisher's registered
@@ -489,7 +493,8 @@ class Relay:
         self.progress[buffer] = progress_word(generation, index + 1)
 
 
-_Leader = tuple[bytes, p2p.Connection, Card, list[torch.Tensor]]  # card slot, its use, mapped
+# a leader: its card slot, the connection, its card, its buffers and progress words mapped
+_Leader = tuple[bytes, p2p.Connection, Card, list[torch.Tensor], torch.Tensor]
 
 
 class Follower:
@@ -501,6 +506,9 @@ class Follower:
     itself), and is not mapped again until the publisher names another."""
 
     def __init__(self, endpoints: list[p2p.Endpoint], count: int, nbytes: int, chunks: int):
+        # what `take` returned last: its leader's progress words (mapped), the buffer, the word
+        # that says the buffer holds the generation whole
+        self._held: tuple[torch.Tensor, int, int] | None = None
         self._endpoint = p2p.Endpoint(transport="ipc")
         endpoints.append(self._endpoint)
         self._count, self._nbytes, self._chunks = count, nbytes, chunks
@@ -516,7 +524,7 @@ class Follower:
         leader = self._leader.get(slot, self._connect)
         if leader is None:
             return None
-        _, connection, card, buffers = leader
+        _, connection, card, buffers, progress = leader
         buffer = generation % self._count
         whole, seen = progress_word(generation, self._chunks), -1
         news = time.monotonic()
@@ -531,6 +539,7 @@ class Follower:
             word = int(self._word[0])
             if word == whole:
                 self.counts["shared"] += 1
+                self._held = (progress, buffer, whole)
                 return buffers[buffer]
             if word // _CHUNKS - 1 > generation:
                 raise Moved
@@ -551,12 +560,24 @@ class Follower:
         connection = self._endpoint.connect(card.local)
         try:
             buffers = [connection.map(desc) for desc in card.local_buffers]
-            if any(b.nbytes != self._nbytes for b in buffers):
+            progress = connection.map(card.local_progress)
+            if any(b.nbytes != self._nbytes for b in buffers) \
+                    or progress.nbytes != 8 * self._count:
                 raise InvalidHandleError("a leader's buffers are not this publisher's size")
         except BaseException:
             connection.close()
             raise
-        return slot, connection, card, buffers
+        return slot, connection, card, buffers, progress.view(torch.int64)
+
+    def holds(self) -> bool:
+        """Whether the leader's buffer that `take` returned last still holds that generation
+        whole: its progress word, mapped (it outlives the leader), still names it. A leader
+        names the newer generation in that word before it writes the buffer, so this look,
+        after the bytes were read (their device work done), says whether they were all of the
+        generation taken."""
+        assert self._held is not None, "holds() before take() returned a buffer"
+        progress, buffer, whole = self._held
+        return int(progress[buffer]) == whole
 
     def _leave(self, slot: bytes) -> None:
         self.counts["left"] += 1
@@ -565,6 +586,7 @@ class Follower:
     def drop(self) -> None:
         """Let go of the leader followed now (views handed out keep what they map)."""
         self._leader.drop()
+        self._held = None
 
 
 def _finish(transfer: p2p.Transfer, check: Callable[[], object]) -> None:
