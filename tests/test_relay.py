@@ -32,6 +32,9 @@ from devipc._relay import (
     written,
 )
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import relay_soak  # noqa: E402
+
 NIXL = nixl_missing()
 pytestmark = pytest.mark.xdist_group("relay")  # one worker starts the engines, its tests share them
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -605,6 +608,21 @@ def test_a_card_reads_back_from_its_slot_and_damage_is_refused():
 def test_relay_is_refused_on_one_host():
     with pytest.raises(ValueError, match="transport='nixl'"):
         devipc.WeightPublisher(devipc.pack({"w": torch.zeros(4)}), relay=True)
+
+
+def test_the_relay_soak_smoke_run_holds_every_engines_bytes_under_pauses_and_kills(
+        monkeypatch):
+    """benchmarks/relay_soak.py, bounded: 4 engines (a leader, two followers, a copy) take 30
+    generations while engines are paused within and past LIVENESS (1.5 s), killed and joined;
+    every engine's copy of each generation it took is checked, none is wrong, and no engine
+    fails other than with PeerGoneError."""
+    if NIXL is not None:
+        pytest.skip(f"NIXL is not installed ({NIXL})")
+    use_ucx_loopback(monkeypatch)
+    result = relay_soak.run(engines=4, generations=30, seed=1, every=0.5)
+    assert result["wrong"] == [] and result["errors"] == [], result
+    assert result["checked"] >= 30 and result["events"], result
+    assert _publisher_remote.LIVENESS == 10.0  # the run's own, given back
 
 
 def _no_cluster() -> str | None:
