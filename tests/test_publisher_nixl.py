@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 
 import _workers
 import pytest
+import torch
 from _support import (
     TIMEOUT,
     UCX_LOOPBACK,
@@ -308,14 +309,16 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
         late.close()
 
 
-def _rewritten(token: bytes, nbytes: int | None = None, data=None) -> bytes:
-    """The token with its buffer size replaced (`nbytes`) or each weights descriptor passed
-    through `data`: the bytes a damaged (or forged) token carries."""
+def _rewritten(token: bytes, nbytes: int | None = None, data=None, device=None) -> bytes:
+    """The token with its buffer size (`nbytes`) or its publisher's device replaced, or each
+    weights descriptor passed through `data`: the bytes a damaged (or forged) token carries."""
     from devipc._publisher_remote import RemoteToken
 
     record = RemoteToken.from_bytes(token)
     if nbytes is not None:
         record = record._replace(nbytes=nbytes)
+    if device is not None:
+        record = record._replace(device=torch.device(device))
     if data is not None:
         record = record._replace(data=tuple(map(data, record.data)))
     return record.to_bytes()
@@ -335,6 +338,9 @@ def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
                  for at in (12, 40, 90, -40, -3)]  # descriptor fields, its NIXL part, digest
         forged = [_rewritten(token, nbytes=1 << 60), _rewritten(token, nbytes=4 << 30)]
         forged += [_rewritten(token, data=flip) for flip in flips]
+        # issue 53: a device index (or type) this host lacks, by damage
+        forged += [_rewritten(token, device=device) for device in (
+            f"openreg:{torch.openreg.device_count()}", "openreg:127", "cuda:0")]
         made = []
         create = p2p.create_tensor
         monkeypatch.setattr(p2p, "create_tensor", lambda *a: made.append(a) or create(*a))
@@ -349,6 +355,44 @@ def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
             subscriber.copy_into(_workers.TinyGPT())
             subscriber.ack()
             publisher.wait_acks(0, timeout=TIMEOUT)
+
+
+def test_a_token_of_a_device_this_host_lacks_is_refused_until_device_says_where(
+        loopback, children, monkeypatch):
+    """Issue 53, item 2: a trainer on openreg:2 of a host with 3 devices, an engine on a host
+    with 2. Without device= the token is refused as InvalidHandleError, before anything is
+    allocated, naming the publisher's device, this host's count and device=; the same token
+    then opens with device="openreg:0" and gets the weights."""
+    import _publisher_nixl_workers
+
+    from devipc import p2p
+
+    count = torch.openreg.device_count()  # read here before the child's environment is set
+    monkeypatch.setenv("OPENREG_DEVICE_COUNT", str(count + 1))
+    _, conn = children.start_piped(_publisher_nixl_workers.publisher_on_the_last_device)
+    monkeypatch.delenv("OPENREG_DEVICE_COUNT")
+    token = recv(conn)
+    made = []
+    create = p2p.create_tensor
+    monkeypatch.setattr(p2p, "create_tensor", lambda *a: made.append(a) or create(*a))
+    with pytest.raises(devipc.InvalidHandleError) as refused:
+        devipc.WeightSubscriber(token)
+    assert made == [], "a refused token allocated memory"
+    for words in (f"publisher is on openreg:{count}", f"this host has {count} openreg device(s)",
+                  "WeightSubscriber(token, device=...)", "device='openreg:0'"):
+        assert words in str(refused.value)
+    with pytest.raises(ValueError, match=rf"device='openreg:{count + 5}': this host has {count}"):
+        devipc.WeightSubscriber(token, device=f"openreg:{count + 5}")
+    assert made == []
+    with devipc.WeightSubscriber(token, device="openreg:0") as subscriber:
+        conn.send("publish")
+        assert subscriber.wait(timeout=TIMEOUT) == recv(conn) == 0
+        weights = subscriber.tensors()["w"]
+        assert weights.device == torch.device("openreg", 0)
+        assert torch.equal(weights.cpu(), torch.arange(1024, dtype=torch.float32))
+        subscriber.ack()
+    conn.send("stop")
+    children.join_ok()
 
 
 def test_publishes_from_two_threads_take_turns(loopback):

@@ -142,6 +142,7 @@ def _bench_problem(args: argparse.Namespace) -> str:
     import torch
 
     from ._bench import ipc
+    from ._devices import count_of, present
     from ._tools import device_types
 
     which = BENCHMARKS if args.which == "all" else (args.which,)
@@ -163,9 +164,9 @@ def _bench_problem(args: argparse.Namespace) -> str:
         if device.type not in device_types():
             return (f"--device {args.device}: {device.type} has no IPC hooks here (devices with "
                     f"hooks: {', '.join(device_types()) or 'none'})")
-        count = getattr(torch.get_device_module(device.type), "device_count", lambda: 1)()
-        if device.index is not None and device.index >= count:
-            return f"--device {args.device}: {device.type} has {count} device(s) here"
+        if not present(device):
+            return (f"--device {args.device}: {device.type} has {count_of(device.type)} "
+                    f"device(s) here")
     if args.plot is not None:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if os.path.isdir(args.plot) or not os.path.isdir(folder) \

@@ -87,7 +87,15 @@ from ._relay import (
     written,
 )
 from ._table import ALIGNMENT, Table
-from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
+from ._weights import (
+    ACK_TIMEOUT,
+    InPlace,
+    engine_device,
+    fill,
+    named_weights,
+    token_reader,
+    token_writer,
+)
 from .p2p._descriptor import Descriptor, Metadata
 from .p2p._nixl_wire import Remote, agent_metadata_from_bytes
 
@@ -422,9 +430,7 @@ class NixlSubscriber:
         cards = [(self._cards, MAX_READERS * CARD_BYTES)] if chunk else []
         _check_descriptors(metadata, [*zip((header, record, claim, ack, beat, *self._data), (
             8 * _HEADER, 8 * _FIELDS, 32, 8, 8, *[nbytes] * self._buffers)), *cards])
-        self.device = torch.device(publisher_device if device is None else device)
-        if self.device.type == "cpu":
-            self.device = torch.device("cpu")  # as torch names it
+        self.device = engine_device(publisher_device, device)
         self.generation = -1
         self._calls = Calls("WeightSubscriber")
         self._turns = threading.Lock()

@@ -19,7 +19,7 @@ import torch
 
 from . import _memory, _statspage, _wire
 from ._background import Background
-from ._devices import name_of
+from ._devices import count_of, name_of, present
 from ._errors import (
     DevIpcError,
     InvalidHandleError,
@@ -293,14 +293,14 @@ def local_device(device: torch.device | str | int, device_type: str) -> torch.de
 def empty_storage(device: torch.device) -> torch.UntypedStorage:
     """The storage of an empty tensor a handle names: it travels without memory, but its device
     must exist here."""
+    if not present(device):
+        raise InvalidHandleError(f"this empty tensor's handle names {device}, which this process "
+                                 f"does not see ({count_of(device.type)} {device.type} devices "
+                                 f"visible)")
     try:
-        count = torch.get_device_module(device.type).device_count()
-        if device.index is None or 0 <= device.index < count:
-            return torch.UntypedStorage(0, device=device)
-    except (AttributeError, RuntimeError) as error:
+        return torch.UntypedStorage(0, device=device)
+    except RuntimeError as error:
         raise InvalidHandleError(f"this empty tensor's handle names {device}: {error}") from None
-    raise InvalidHandleError(f"this empty tensor's handle names {device}, which this process does "
-                             f"not see ({count} {device.type} devices visible)")
 
 
 def check_grad(dtype: object, requires_grad: object) -> None:

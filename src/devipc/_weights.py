@@ -1,7 +1,8 @@
 """What both weight publishers share (one host: `_publisher_local`; across hosts:
 `_publisher_remote`): the weights as named tensors, packing a module, the copy=False check that
 they still lie where they were published, the token's first field that says which kind it is,
-and copying a generation into an engine's tensors."""
+the device an engine reads on (a token's checked against this host's), and copying a generation
+into an engine's tensors."""
 from collections.abc import Callable, Mapping
 from operator import attrgetter
 
@@ -9,11 +10,12 @@ import torch
 
 from . import _handles, _wire
 from ._copies import copy_pairs
+from ._devices import count_of, present
 from ._errors import InvalidHandleError
 from ._table import Table
 
-__all__ = ["ACK_TIMEOUT", "TRANSPORTS", "InPlace", "Names", "copy_into", "fill", "named_weights",
-           "pack_module", "token_reader", "token_writer"]
+__all__ = ["ACK_TIMEOUT", "TRANSPORTS", "InPlace", "Names", "copy_into", "engine_device", "fill",
+           "named_weights", "pack_module", "token_reader", "token_writer"]
 
 ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
 
@@ -129,6 +131,25 @@ def token_reader(token: bytes | bytearray | memoryview,
         raise InvalidHandleError(f"a WeightPublisher token of transport {found!r}, "
                                  f"not {transport!r}")
     return found, reader
+
+
+def engine_device(publisher: torch.device,
+                  device: torch.device | str | int | None) -> torch.device:
+    """Where a subscriber pulls each generation: `device`, or the publisher's where None. The
+    publisher's comes from the token, numbered by its host (or damaged bytes): one this process
+    lacks is refused as InvalidHandleError, before anything is allocated, saying how to choose
+    another; a `device` it lacks, as ValueError."""
+    chosen = torch.device(publisher if device is None else device)
+    if present(chosen):
+        return torch.device("cpu") if chosen.type == "cpu" else chosen  # as torch names it
+    count = count_of(chosen.type)
+    here = f"this host has {count} {chosen.type} device(s)"
+    if device is not None:
+        raise ValueError(f"device={device!r}: {here}")
+    example = f"{chosen.type}:0" if count else "cpu"
+    raise InvalidHandleError(f"this weight token's publisher is on {publisher} and {here}: "
+                             f"choose where to read its weights with WeightSubscriber(token, "
+                             f"device=...), e.g. device={example!r}")
 
 
 # How `copy_into` names a published tensor in the engine: a dict of renames (names it leaves
