@@ -225,6 +225,64 @@ def test_info_refuses_a_forged_page_in_one_line(kind, capsys):
     assert err.count("\n") == 1 and f"process {forger.pid}" in err, err
 
 
+REWRITTEN_PAGE = """
+import os, sys
+fd = os.memfd_create("devipc-STAT-" + "ab" * 16, os.MFD_CLOEXEC)
+os.ftruncate(fd, 4096)
+print("ready", flush=True)
+for line in sys.stdin:  # each a page's bytes in hex, written over the last
+    os.pwrite(fd, bytes.fromhex(line), 0)
+    print("written", flush=True)
+"""
+_WRONG_TYPES = (None, "3", [3], {"n": 3}, True, 1.5, 10**400, float("nan"))
+
+
+def _page_mutations(page: dict):
+    """(what, mutated page, whether devipc could have written it) for each key of `page` and of
+    its stats: the key dropped, or its value of each other type."""
+    paths = [(key,) for key in page] + [("stats", key) for key in page["stats"] or {}]
+    for path in paths:
+        *parents, key = path
+        mutated = json.loads(json.dumps(page))
+        del (mutated[parents[0]] if parents else mutated)[key]
+        yield f"{'.'.join(path)} dropped", mutated, False
+        for value in _WRONG_TYPES:
+            mutated = json.loads(json.dumps(page))
+            parent = mutated[parents[0]] if parents else mutated
+            original, parent[key] = parent[key], value
+            valid = (path == ("stats",) and value is None  # no numbers yet
+                     or path[-1] == "error" and isinstance(value, str)
+                     or type(original) is float and value == 1.5)
+            yield f"{'.'.join(path)} = {repr(value)[:12]}", mutated, valid
+
+
+def test_info_fuzzed_page_keys_give_one_line_never_a_traceback(capsys):
+    """Issue 53, item 3: every key of a page (and of its stats) is untrusted: dropped, or of
+    another type, it gives one line and exit 1 (a traceback, say a KeyError of an `unopened`
+    count without `oldest_unopened_s`, fails the test); what devipc could have written is shown."""
+    from devipc import _sharing, _statspage
+
+    now = time.time()
+    numbers = {key: 3 for key in _sharing._page_numbers()} | {"oldest_unopened_s": 1.5}
+    assert set(numbers) == {*_statspage._COUNTS, *_statspage._SECONDS}  # what a page is read as
+    pages = [{"pid": 7, "started": now - 60.0, "updated": now - 1.0, "stats": stats}
+             for stats in (numbers, {"error": "5000 bytes do not fit"}, None)]
+    with _holding([sys.executable, "-c", REWRITTEN_PAGE]) as forger:
+        for page in pages:
+            for what, mutated, valid in _page_mutations(page):
+                forger.stdin.write(_page_bytes(json.dumps(mutated).encode()).hex() + "\n")
+                forger.stdin.flush()
+                assert forger.stdout.readline() == "written\n"
+                code = _cli.main(["info", "--pid", str(forger.pid)])
+                out, err = capsys.readouterr()
+                if valid:
+                    assert code == 0 and f"pid {forger.pid}: " in out and not err, (what, err)
+                else:
+                    assert code == 1 and not out, (what, out)
+                    assert err.count("\n") == 1 and f"process {forger.pid} holds" in err, \
+                        (what, err)
+
+
 def test_plain_info_reports_the_others_beside_a_forged_page(capsys):
     with _holding([sys.executable, "-c", FORGED_PAGE, FORGED["a list"].hex()]) as forger, \
             _holding([sys.executable, "-c", SENDER], env=fresh_env()) as sender:

@@ -8,6 +8,7 @@ round that finds none left; a send or an open never touches it. The page dies wi
 """
 import functools
 import json
+import math
 import os
 import re
 import stat
@@ -195,12 +196,35 @@ def _parse(fd: int) -> tuple[dict, str]:
     return {}, "it kept changing while read; try again"
 
 
+# What a page's stats hold (`devipc.stats()` and the torch threads): counts, and one age in
+# seconds. A page of a newer devipc may hold more; every one of these must be there.
+_COUNTS = ("exports", "sent", "unopened", "counter_files", "mapped", "mapped_idle",
+           "mapped_counter_files", "pending_releases", "buckets_shared", "bucket_tensors_shared",
+           "torch_threads")
+_SECONDS = ("oldest_unopened_s",)
+
+
+def _number(value: object, count: bool = False) -> bool:
+    """Whether a JSON value is a number devipc writes: finite (an int that fits a float), not a
+    bool; a `count` is also a whole number, not negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or count and not isinstance(value, int):
+        return False  # (JSON's true is a Python int)
+    try:
+        return math.isfinite(value) and (value >= 0 or not count)
+    except OverflowError:  # an int no float holds
+        return False
+
+
 def _shape_error(page: object) -> str:
-    """What in a parsed page is not as devipc writes it, or ""."""
+    """What in a parsed page is not as devipc writes it, or "": every key is read from bytes
+    any process of the user could have written."""
     if not isinstance(page, dict):
         return f"a JSON {type(page).__name__}, not an object"
-    for key, kind in (("pid", int), ("started", (int, float)), ("updated", (int, float))):
-        if not isinstance(page.get(key), kind):
+    if not _number(page.get("pid"), count=True):
+        return "no number 'pid'"
+    for key in ("started", "updated"):
+        if not _number(page.get(key)):
             return f"no number {key!r}"
     if "stats" not in page:
         return "no 'stats'"
@@ -211,9 +235,10 @@ def _shape_error(page: object) -> str:
         return "'stats' is not an object"
     if set(stats) == {"error"} and isinstance(stats["error"], str):
         return ""
-    for key, value in stats.items():
-        if not isinstance(value, (int, float)):
-            return f"stats {key!r} is not a number"
+    for keys, count in ((_COUNTS, True), (_SECONDS, False)):
+        for key in keys:
+            if not _number(stats.get(key), count):
+                return f"stats {key!r} is {'missing' if key not in stats else 'not a number'}"
     return ""
 
 
