@@ -9,14 +9,15 @@ from _support import TIMEOUT, after_large_posts, keyboard_interrupts
 import devipc
 
 
-def publisher_on_the_last_device(conn) -> None:
-    """A trainer on the last openreg device of its host (the test sets OPENREG_DEVICE_COUNT):
-    sends its token, then publishes each time it is asked, until told to stop."""
+def publisher_on_the_last_device(conn, relay: bool) -> None:
+    """A trainer on the last openreg device of its host (the test sets OPENREG_DEVICE_COUNT),
+    with or without `relay`: sends its token, then publishes each time it is asked, until told
+    to stop."""
     import devipc_openreg  # noqa: F401 - the device, also where autoload is off
 
     last = torch.openreg.device_count() - 1  # type: ignore[attr-defined]
     weights = {"w": torch.arange(1024, dtype=torch.float32, device=f"openreg:{last}")}
-    with devipc.WeightPublisher(weights, copy=True, transport="nixl") as publisher:
+    with devipc.WeightPublisher(weights, copy=True, transport="nixl", relay=relay) as publisher:
         conn.send(publisher.token())
         while conn.recv() == "publish":
             conn.send(publisher.publish(wait=False))

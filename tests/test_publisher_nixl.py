@@ -357,19 +357,20 @@ def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
             publisher.wait_acks(0, timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize("relay", [False, True])
 def test_a_token_of_a_device_this_host_lacks_is_refused_until_device_says_where(
-        loopback, children, monkeypatch):
+        loopback, children, monkeypatch, relay):
     """Issue 53, item 2: a trainer on openreg:2 of a host with 3 devices, an engine on a host
     with 2. Without device= the token is refused as InvalidHandleError, before anything is
     allocated, naming the publisher's device, this host's count and device=; the same token
-    then opens with device="openreg:0" and gets the weights."""
+    then opens with device="openreg:0" and gets the weights (through a relay too)."""
     import _publisher_nixl_workers
 
     from devipc import p2p
 
     count = torch.openreg.device_count()  # read here before the child's environment is set
     monkeypatch.setenv("OPENREG_DEVICE_COUNT", str(count + 1))
-    _, conn = children.start_piped(_publisher_nixl_workers.publisher_on_the_last_device)
+    _, conn = children.start_piped(_publisher_nixl_workers.publisher_on_the_last_device, relay)
     monkeypatch.delenv("OPENREG_DEVICE_COUNT")
     token = recv(conn)
     made = []
