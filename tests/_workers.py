@@ -1,4 +1,5 @@
 """Module-level child-process bodies for the multi-process tests (spawn must import them)."""
+import hashlib
 import os
 import pickle
 import signal
@@ -460,6 +461,37 @@ def weight_subscriber(conn, token, generations, into, device=None, engine_device
         conn.send((generation, {name: t.cpu().tolist() for name, t in seen.items()}))
         subscriber.ack()
     subscriber.close()
+    conn.send("closed")
+
+
+def digest(tensors) -> str:
+    """What a generation's bytes come to, name by name: one line through a pipe."""
+    found = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        found.update(name.encode() + tensor.cpu().contiguous().view(torch.uint8).numpy()
+                     .tobytes())
+    return found.hexdigest()
+
+
+def weight_subscribers(conn, tokens, generations, stall=None, options=None):
+    """Subscribes once per token, with `options` (a dict: several engines in one process, as a fleet
+    larger than its processes), then for each generation each engine in turn waits, reports the
+    digest of what it holds, and acknowledges. `stall`: the relay's RELAY_STALL here (a busy
+    machine's engines are slow, not stalled)."""
+    if stall is not None:
+        from devipc import _relay
+
+        _relay.RELAY_STALL = stall
+    subscribers = [devipc.WeightSubscriber(token, **(options or {})) for token in tokens]
+    conn.send("subscribed")
+    for _ in range(generations):
+        seen = []
+        for subscriber in subscribers:
+            seen.append((subscriber.wait(timeout=TIMEOUT), digest(subscriber.tensors())))
+            subscriber.ack()
+        conn.send(seen)
+    for subscriber in subscribers:
+        subscriber.close()
     conn.send("closed")
 
 

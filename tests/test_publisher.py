@@ -11,7 +11,7 @@ import threading
 import _workers
 import pytest
 import torch
-from _support import TIMEOUT, open_fds, recv, use_ucx_loopback, wait_until
+from _support import FRESH_TIMEOUT, TIMEOUT, open_fds, recv, use_ucx_loopback, wait_until
 
 import devipc
 
@@ -111,6 +111,39 @@ def test_two_subscribers_see_every_generation_exactly(children, copy):
     wait_until(lambda: devipc.stats()["exports"] <= exports, "the packed memory let go",
                collect=True)
     assert open_fds() < fds
+
+
+def _new_values(weights, seed):
+    """What a training step writes: other values every time. Their digest."""
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in weights.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    return _workers.digest(weights)
+
+
+def test_one_publisher_serves_more_than_64_subscribers_every_byte_exact(children):
+    """The cap was 64 subscribers a publisher: 66 here, 33 in each of two processes."""
+    weights = devipc.pack({"embed": torch.empty(64, 256, device="openreg"),
+                           "bias": torch.empty(256, device="openreg")})
+    with devipc.WeightPublisher(weights) as publisher:
+        groups = [children.start_piped(_workers.weight_subscribers,
+                                       [publisher.token() for _ in range(33)], 3)[1]
+                  for _ in range(2)]
+        for conn in groups:  # 33 subscribers opened one after the other
+            assert recv(conn, 2 * FRESH_TIMEOUT) == "subscribed"
+        publisher.wait_subscribers(66, timeout=TIMEOUT)
+        for generation in range(3):
+            expected = _new_values(weights, generation)
+            assert publisher.publish(timeout=TIMEOUT) == generation  # all 66 acknowledged
+            for conn in groups:
+                assert recv(conn) == [(generation, expected)] * 33
+        for conn in groups:
+            assert recv(conn) == "closed"
+        children.join_ok()
+        assert [s["state"] for s in publisher.subscribers().values()] == ["closed"] * 66
+    children.reap()
+    del weights, publisher
+    _drain()
 
 
 def test_with_copy_the_trainer_writes_at_once_and_subscribers_never_see_it(children):

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import textwrap
 
+import _workers
 import pytest
 import torch
-from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, use_ucx_loopback
+from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, recv, use_ucx_loopback
 
 import devipc
 from devipc import _publisher_remote, _relay, _wire
@@ -542,6 +543,38 @@ def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(fleet,
         b.close()
     finally:
         trainer.stop()
+
+
+def test_one_publisher_relays_to_more_than_64_subscribers_every_byte_exact(children,
+                                                                          monkeypatch):
+    """The cap was 64 subscribers a publisher: 66 here, 33 in each of two processes, each
+    with buffers of its own (as on hosts of their own), the chain running through all of them,
+    its card slots and records past the 64th."""
+    if NIXL is not None:
+        pytest.skip(f"NIXL is not installed ({NIXL})")
+    use_ucx_loopback(monkeypatch)
+    weights = devipc.pack({"embed": torch.empty(64, 256, device="openreg"),
+                           "bias": torch.empty(256, device="openreg")})
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        groups = [children.start_piped(_workers.weight_subscribers,
+                                       [publisher.token() for _ in range(33)], 3, 30.0,
+                                       {"share": False})[1]
+                  for _ in range(2)]
+        for conn in groups:  # 33 subscribers opened one after the other
+            assert recv(conn, 2 * FRESH_TIMEOUT) == "subscribed"
+        publisher.wait_subscribers(66, timeout=TIMEOUT)
+        for generation in range(3):
+            _step(weights, generation)
+            expected = _workers.digest(weights)
+            assert publisher.publish(timeout=TIMEOUT) == generation  # all 66 acknowledged
+            for conn in groups:
+                assert recv(conn) == [(generation, expected)] * 33
+        places = [r["upstream"] for r in publisher.subscribers().values()]
+        assert places == list(range(-1, 65))  # one chain, through every record
+        for conn in groups:
+            assert recv(conn) == "closed"
+        children.join_ok()
+    children.reap()
 
 
 def _b_waits_while_a_overwrites(publisher, weights, a, b) -> str:

@@ -265,8 +265,9 @@ class Arena:
         self._records = _Records(self._control.buffer)
         self._records.set_filling(-1)
         self._records.set_published(-1)
+        self._used = 0  # records handed out so far (the first ones): those the scans look at
         self._scanned = Records(self._records.state, self._records.ack, self._records.pid,
-                                self._died)
+                                self._died, lambda: self._used)
         for generation in (-2, -1):
             self._records.set_checksum(generation, NO_SUM)
         self._token = secrets.token_bytes(16)
@@ -307,7 +308,7 @@ class Arena:
         attachment nobody opened whose send ended (revoked, or its deadline passed). Taken
         under the record's lock, so no consumer is opening it meanwhile."""
         records = self._records
-        for index in range(MAX_READERS):
+        for index in range(self._used):
             state = records.state(index)
             if state == ATTACHED:
                 self._died(index)  # a dead consumer's record is free once marked
@@ -328,6 +329,9 @@ class Arena:
                     return index
             finally:
                 _locks.unlock(self._control.fd, start, length)
+        if self._used < MAX_READERS:  # none to reuse: the next record, never used (FREE)
+            self._used += 1
+            return self._used - 1
         words = self._words
         raise ValueError(f"at most {MAX_READERS} {words.readers} attached at a time to one "
                          f"{words.producer}: close one first (every {words.token} handed out "
@@ -449,7 +453,7 @@ class Arena:
         """Each consumer record in use: state, last acknowledged generation, pid."""
         return {i: {"state": label(s), "acknowledged": self._records.ack(i),
                     "pid": self._records.pid(i)}
-                for i in range(MAX_READERS) if (s := self._records.state(i)) != FREE}
+                for i in range(self._used) if (s := self._records.state(i)) != FREE}
 
     def close(self) -> None:
         """Take back unopened sends and drop the producer's references: the memory is freed once

@@ -206,6 +206,7 @@ class NixlPublisher:
         self._serials = itertools.count(1)
         self._beats: dict[int, tuple[int, int, float]] = {}  # record -> (serial, beat, seen at)
         self._adopted: dict[int, int] = {}  # record -> serial of the subscriber seen attached
+        self._used = 0  # records handed out so far (the first ones): those the scans look at
         self.relay = bool(relay)
         self._endpoint = p2p.Endpoint(transport="nixl")
         self._ids: list[int] = []  # registrations this publisher made, ended by close()
@@ -230,8 +231,8 @@ class NixlPublisher:
             if self.relay:  # one slot per record, where its subscriber writes its card
                 self._cards, cards = p2p.create_tensor((MAX_READERS * CARD_BYTES,),
                                                        torch.uint8, "cpu")
-                self._ids.append(cards)
-                self._cards.zero_()
+                self._ids.append(cards)  # new fd-backed memory: zeros, untouched until a
+                # token's slot is cleared for it (sparse: 16 KiB per subscriber, not 16 MiB)
                 self._cards_desc = self._endpoint.advertise(cards)
         except BaseException:
             self._release()
@@ -252,15 +253,17 @@ class NixlPublisher:
             return self._token()
 
     def _token(self) -> bytes:
-        words = self._words.tolist()
+        words = self._known()
+        states = [words[_word(i, _STATE)] for i in range(self._used)]
         # a record of a dead subscriber last: one that was only frozen may still write into it
-        free = sorted((i for i in range(MAX_READERS)
-                       if words[_word(i, _STATE)] in (FREE, CLOSED, GONE)),
-                      key=lambda i: words[_word(i, _STATE)] == GONE)
+        free = [i for i, state in enumerate(states) if state in (FREE, CLOSED)] \
+            or [self._used] * (self._used < MAX_READERS) \
+            or [i for i, state in enumerate(states) if state == GONE]
         if not free:
             raise ValueError(f"a publisher across hosts has at most {MAX_READERS} tokens "
                              f"open or unopened: close subscribers, or make a new publisher")
         index, serial = free[0], next(self._serials)
+        self._used = max(self._used, index + 1)
         for field, value in ((_PID, 0), (_HOST, 0), (_SHARE, 0), (_SERIAL, serial), (_ACK, -1),
                              (_BEAT, 0), (_UP, -1), (_LEADER, -1), (_STATE, PENDING)):
             self._words[_word(index, field)] = value
@@ -272,12 +275,16 @@ class NixlPublisher:
         return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial, index,
                            self._chunk, control, tuple(self._data), self._table).to_bytes()
 
+    def _known(self) -> list[int]:
+        """The control words up to the last record handed out, read once."""
+        return self._words[:_word(self._used, 0)].tolist()
+
     def _arrange(self) -> None:
         """The relay's places for the next generation, over the subscribers attached now (one
         that attaches later pulls it from the trainer)."""
-        words = self._words.tolist()
+        words = self._known()
         members = [(words[_word(i, _HOST)], words[_word(i, _SHARE)], i)
-                   for i in range(MAX_READERS) if words[_word(i, _STATE)] == ATTACHED]
+                   for i in range(self._used) if words[_word(i, _STATE)] == ATTACHED]
         for index, place in chain(members).items():
             for field, value in ((_UP, place.upstream), (_LEADER, place.leader)):
                 if words[_word(index, field)] != value:
@@ -346,16 +353,17 @@ class NixlPublisher:
                 self._words[_word(index, _STATE)] = GONE
             return True
 
+        used = (len(words) - _HEADER) // _FIELDS
         return Records(lambda i: words[_word(i, _STATE)], lambda i: words[_word(i, _ACK)],
-                       lambda i: words[_word(i, _PID)], died)
+                       lambda i: words[_word(i, _PID)], died, lambda: used)
 
     def _adopt(self) -> list[int]:
         """The control words, once every subscriber that attached since the last look is no
         longer waited for a generation it cannot get: with copy=False, the published one once
         the trainer may write it. (It acknowledges nothing newer before that is published.)"""
-        words = self._words.tolist()
+        words = self._known()
         published, filling = words[_PUBLISHED], words[_FILLING]
-        for i in range(MAX_READERS):
+        for i in range(self._used):
             serial = words[_word(i, _SERIAL)]
             if words[_word(i, _STATE)] != ATTACHED or self._adopted.get(i) == serial:
                 continue
@@ -379,7 +387,7 @@ class NixlPublisher:
         backoff = Backoff(timeout, first=0.0001, longest=0.01)
         while True:
             self._calls.check()
-            now = attached(self._records(self._words.tolist()))
+            now = attached(self._records(self._known()))
             if now >= count:
                 return
             if backoff.expired():
@@ -390,10 +398,10 @@ class NixlPublisher:
         """As for one host; with relay also each one's place for the newest generation: its
         `upstream` in the chain (a record's index; -1: the trainer) and its `leader`, the record
         whose buffers it maps instead of pulling (-1: none)."""
-        words = self._words.tolist()
+        words = self._known()
         found = {i: {"state": label(state),
                      "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
-                 for i in range(MAX_READERS) if (state := words[_word(i, _STATE)]) != FREE}
+                 for i in range(self._used) if (state := words[_word(i, _STATE)]) != FREE}
         if self.relay:
             for index, record in found.items():
                 record["upstream"] = words[_word(index, _UP)]

@@ -12,7 +12,10 @@ __all__ = ["ARENA_WORDS", "ATTACHED", "CLOSED", "FREE", "GONE", "MAX_READERS", "
            "PUBLISHER_WORDS", "ReaderState", "Records", "Words", "acks_timeout", "attach_timeout",
            "attached", "label", "unacknowledged"]
 
-MAX_READERS = 64
+# the most records one publisher keeps: its files are sized for them at construction, sparse
+# (a record's memory is touched once handed out), and its scans look only at the records handed
+# out so far (`Records.used`), so a publisher of a few engines pays for a few
+MAX_READERS = 1024
 
 
 class ReaderState(enum.IntEnum):
@@ -59,12 +62,13 @@ class Records(NamedTuple):
     ack: Callable[[int], int]  # the newest generation it acknowledged
     pid: Callable[[int], int]
     died: Callable[[int], bool]  # whether an attached reader is dead (marked GONE once it is)
+    used: Callable[[], int]  # how many records were handed out so far: the first ones
 
 
 def unacknowledged(records: Records, generation: int, words: Words) -> list[int]:
     """The readers a wait for `generation` still waits for: attached, an older one acknowledged.
     ConsumerDiedError names those of them found dead (GONE from then on: named once)."""
-    waiting = [i for i in range(MAX_READERS)
+    waiting = [i for i in range(records.used())
                if records.state(i) == ATTACHED and records.ack(i) < generation]
     dead = [(i, records.pid(i)) for i in waiting if records.died(i)]
     if dead:
@@ -74,7 +78,7 @@ def unacknowledged(records: Records, generation: int, words: Words) -> list[int]
 
 def attached(records: Records) -> int:
     """How many readers opened what they were given and live."""
-    return sum(records.state(i) == ATTACHED and not records.died(i) for i in range(MAX_READERS))
+    return sum(records.state(i) == ATTACHED and not records.died(i) for i in range(records.used()))
 
 
 def attach_timeout(attached: int, count: int, timeout: float, readers: str) -> TimeoutError:
