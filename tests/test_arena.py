@@ -256,6 +256,7 @@ def test_a_reader_opening_late_starts_after_the_refilled_buffers():
     _drain()
 
 
+@pytest.mark.filterwarnings("ignore:devipc. .* sends were never opened")  # 1,024 of them
 def test_records_of_closed_and_revoked_attachments_are_reused():
     with devipc.Arena(1024, "openreg") as arena:
         for _ in range(3 * 64):  # attach/open/close cycles: each record freed for the next
