@@ -56,7 +56,7 @@ ENGINE = textwrap.dedent("""
         command, *args = commands.recv()
         try:
             if command == "open":
-                sub = devipc.WeightSubscriber(args[0], share=args[1])
+                sub = devipc.WeightSubscriber(args[0], share=args[1], prefetch=args[2:] == [True])
                 replies.send(os.getpid())
             elif command == "stall":
                 _relay.RELAY_STALL = args[0]
@@ -543,6 +543,40 @@ def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(fleet,
         b.close()
     finally:
         trainer.stop()
+
+
+def test_an_engine_late_to_wait_with_prefetch_does_not_hold_up_the_chain(fleet):
+    """prefetch=True: the head of the chain pulls and passes on a generation while its owner is
+    busy elsewhere (it has not called wait()); the engine behind it gets it from it, not from
+    the trainer once its upstream stalled, and the late owner's wait() then returns it."""
+    late, behind = engines = fleet(2)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        for engine in engines:  # without prefetch: 30 s of stall, then the trainer
+            engine.ask("stall", 30.0)
+        late.ask("open", publisher.token(), False, True)
+        behind.ask("open", publisher.token(), False)
+        publisher.wait_subscribers(2, timeout=TIMEOUT)
+        digest = _step(weights, 0)
+        for engine in engines:
+            engine.send("take")
+        assert publisher.publish(timeout=TIMEOUT) == 0
+        before = [engine.reply()[2] for engine in engines]
+        assert [p["upstream"] for p in publisher.subscribers().values()] == [-1, 0]
+        digest = _step(weights, 1)
+        behind.send("take")  # the late engine's owner is busy: no wait()
+        assert publisher.publish(wait=False) == 1
+        got, found, pulled = behind.reply()
+        assert (got, found) == (1, digest)
+        padded = publisher._backend._nbytes
+        assert (pulled["trainer"], pulled["bypassed"]) == (before[1]["trainer"], 0)
+        assert pulled["upstream"] == before[1]["upstream"] + padded  # from the late engine
+        got, found, pulled = late.ask("take")  # prefetched: handed over at once
+        assert (got, found) == (1, digest)
+        assert pulled["trainer"] == before[0]["trainer"] + padded
+        publisher.wait_acks(1, timeout=TIMEOUT)
+        for engine in engines:
+            engine.ask("close")
 
 
 def test_one_publisher_relays_to_more_than_64_subscribers_every_byte_exact(children,

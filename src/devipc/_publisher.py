@@ -120,19 +120,24 @@ class WeightSubscriber:
     another thread ends a `wait` under way there with ValueError."""
 
     def __init__(self, token: bytes | bytearray | memoryview,
-                 device: torch.device | str | int | None = None, *, share: bool = True):
+                 device: torch.device | str | int | None = None, *, share: bool = True,
+                 prefetch: bool = False):
         """`device`: where to read the tensors (None: the publisher's device type, the local
         device that holds the memory). "cpu" for a CPU engine: on one host zero-copy where the
         publisher's memory is host memory (a CPU trainer, a device whose hooks say "DRAM"),
         else refused with the copy to make; across hosts each generation is pulled there.
         `share` (a relay's subscribers): map the buffers of the engine of this host and device
-        that pulls each generation, rather than hold a copy of one's own; False for a copy."""
+        that pulls each generation, rather than hold a copy of one's own; False for a copy.
+        `prefetch` (across hosts): once the engine acknowledged what it holds, the next
+        generation is pulled, and passed on down a relay's chain, in the background as soon as
+        it is published; `wait()` then returns it at once. On one host there is nothing to
+        pull: `wait()` returns as soon as a generation is published either way."""
         transport, _ = token_reader(token)
         if transport == "nixl":
             from ._publisher_remote import NixlSubscriber
 
             self._backend: LocalSubscriber | NixlSubscriber = NixlSubscriber(token, device,
-                                                                             share)
+                                                                             share, prefetch)
         else:
             self._backend = LocalSubscriber(token, device)
 
@@ -148,8 +153,8 @@ class WeightSubscriber:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held generation's tensors by name. On one host zero-copy views, valid until
         `ack()` (clone what must outlive it); across hosts this process's copy, valid until the
-        next `wait()`, or with a relay's `share` views of the buffers of an engine of this
-        host, valid until `ack()` as on one host."""
+        next `wait()` (with `prefetch`, until `ack()`), or with a relay's `share` views of the
+        buffers of an engine of this host, valid until `ack()` as on one host."""
         return self._backend.tensors()
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:

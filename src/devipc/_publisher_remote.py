@@ -424,13 +424,16 @@ class NixlPublisher:
 
 class NixlSubscriber:
     """A WeightSubscriber of a `transport="nixl"` publisher: each generation is pulled into this
-    process's memory, so `tensors()` stay valid until the next `wait()`, not only until `ack()`.
+    process's memory, so `tensors()` stay valid until the next `wait()`, not only until `ack()`
+    (with `prefetch`, until `ack()`: a thread then pulls the next generation in the background,
+    once the engine acknowledged the one it holds).
 
     Thread-safe: its calls from several threads take turns; `close()` from another thread ends a
     `wait` under way there with ValueError (within a poll, or once the pull under way ended)."""
 
     def __init__(self, token: bytes | bytearray | memoryview,
-                 device: torch.device | str | int | None = None, share: bool = True):
+                 device: torch.device | str | int | None = None, share: bool = True,
+                 prefetch: bool = False):
         metadata, publisher_device, nbytes, serial, index, chunk, control, data, self._table = \
             RemoteToken.from_bytes(token)
         header, record, claim, ack, beat, self._cards = control
@@ -445,6 +448,9 @@ class NixlSubscriber:
         self._torn = False  # a pull into `_local` started and did not end (Ctrl-C)
         self._header_seen: list[int] = []  # the header at the last poll
         self._checksum: int | None = None  # published with the held generation
+        self._acked = -1  # the newest generation the engine acknowledged
+        # (generation, its checksum) pulled by the prefetch thread, not yet handed to wait()
+        self._prefetched: tuple[int, int | None] | None = None
         self._header, self._record, self._claim, self._ack = header, record, claim, ack
         self._nbytes, self._index, self._chunk, self._metadata = nbytes, index, chunk, metadata
         # where the held generation lies: this process's memory, or its leader's (relay:
@@ -490,6 +496,11 @@ class NixlSubscriber:
                 target=_heartbeat, daemon=True, name="devipc-weights-heartbeat",
                 args=(beats, self._words[_BEATS], beat, self._stop)))
             self._heart[0].start()
+            if prefetch:
+                self._heart.append(threading.Thread(
+                    target=_prefetching, daemon=True, name="devipc-weights-prefetch",
+                    args=(weakref.ref(self), self._stop)))
+                self._heart[1].start()
         except BaseException:
             self._release()
             raise
@@ -630,32 +641,62 @@ class NixlSubscriber:
             return self._wait(timeout)
 
     def _wait(self, timeout: float | None) -> int:
+        if self._prefetched is not None:  # pulled while the engine was busy
+            (self.generation, self._checksum), self._prefetched = self._prefetched, None
+            return self.generation
         backoff = Backoff(timeout, first=0.0001, longest=0.002)
         while True:
             self._calls.check()
-            published, filling, state = self._poll()
-            if state != ATTACHED:
-                raise PeerGoneError(f"the weight publisher dropped this subscriber (its "
-                                    f"heartbeat stopped for {LIVENESS} s): open a new token")
-            # a pull the relay dropped (its upstream has a newer one) is looked at again after
-            # a pause, as one that found nothing
-            if published > self.generation and filling < published + self._buffers \
-                    and self._pull(published):
-                if self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
-                    self.generation = published
-                    self._checksum = published_sum(self._header_seen[_SUMS:], published)
-                    return published
-                continue
+            fetched = self._fetch()
+            if fetched is not None:
+                self.generation, self._checksum = fetched
+                return self.generation
             if backoff.expired():
                 raise TimeoutError(f"no new generation within {timeout} s (the newest is "
-                                   f"{published})")
+                                   f"{self._header_seen[_PUBLISHED]})")
             backoff.pause()
+
+    def _fetch(self) -> tuple[int, int | None] | None:
+        """A generation newer than the one held, pulled here whole (and passed on, with a
+        relay), with its checksum; None if there is none yet, or the pull was dropped (its
+        upstream has a newer one, the trainer wrote meanwhile): looked at again after a pause.
+        PeerGoneError if the publisher dropped this subscriber."""
+        published, filling, state = self._poll()
+        if state != ATTACHED:
+            raise PeerGoneError(f"the weight publisher dropped this subscriber (its heartbeat "
+                                f"stopped for {LIVENESS} s): open a new token")
+        if published > self.generation and filling < published + self._buffers \
+                and self._pull(published) \
+                and self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
+            return published, published_sum(self._header_seen[_SUMS:], published)
+        return None
+
+    def _prefetch(self) -> bool | None:
+        """One look of the prefetch thread (`_prefetching`): whether it pulled a generation;
+        None once it should end (closed, or an error, which the engine's own `wait()` meets
+        and says)."""
+        try:
+            self._calls.enter()
+        except ValueError:
+            return None
+        try:
+            with self._turns:
+                if self._prefetched is not None or self._acked != self.generation:
+                    return False  # the engine holds one
+                self._prefetched = self._fetch()
+                return self._prefetched is not None
+        except Exception:
+            return None
+        finally:
+            self._calls.leave()
 
     @counted
     def ready(self) -> bool:
         """Whether `wait()` would pull a generation (or raise) at once: one read of the
         publisher's words."""
         with self._turns:
+            if self._prefetched is not None:
+                return True
             published, filling, state = self._poll()
         return state != ATTACHED or (published > self.generation
                                      and filling < published + self._buffers)
@@ -733,6 +774,7 @@ class NixlSubscriber:
             self._still_held(read=True)  # what the engine read since wait() was of it
             self._words[_ACKED] = self.generation
             self._remote(lambda: self._connection.write(self._words[_ACKED], self._ack))
+            self._acked = self.generation
 
     def close(self) -> None:
         """Unsubscribe (the publisher stops waiting for this engine), end the endpoint and the
@@ -804,6 +846,21 @@ def _connect(endpoints: list[p2p.Endpoint], metadata: bytes) -> p2p.Connection:
         raise InvalidHandleError(f"this weight token does not reach its publisher: it closed or "
                                  f"exited, or the token is damaged ({error}); ask the publisher "
                                  f"for a new token") from None
+
+
+def _prefetching(subscriber: "weakref.ref[NixlSubscriber]", stop: threading.Event) -> None:
+    """With prefetch: once the engine acknowledged the generation it holds, the next one is
+    pulled (and passed on down the relay's chain) as soon as it is published, whether or not
+    the engine is in `wait()`, which then hands it over at once. Polls as `wait()` does, until
+    the subscriber closes or is dropped."""
+    backoff = Backoff(None, first=0.0001, longest=0.002)
+    while not stop.wait(backoff.next_pause()):
+        found = (sub := subscriber()) and sub._prefetch()
+        del sub  # a subscriber dropped unclosed goes (its finalizer stops this thread)
+        if found is None:
+            return
+        if found:
+            backoff = Backoff(None, first=0.0001, longest=0.002)
 
 
 def _heartbeat(connection: p2p.Connection, word: torch.Tensor, desc: bytes,
