@@ -1,10 +1,13 @@
 """The child of test_publisher_nixl.py's Ctrl-C case: a NIXL publisher and its subscriber in one
 process (two endpoints reach each other as across hosts), so a crash is the child's exit code."""
+import functools
+import os
 import signal
+import threading
 import time
 
 import torch
-from _support import TIMEOUT, after_large_posts, keyboard_interrupts
+from _support import TIMEOUT, after_large_posts, keyboard_interrupts, wait_until
 
 import devipc
 
@@ -65,3 +68,57 @@ def interrupted_pull(conn, nbytes: int) -> None:
     publisher.close()
     conn.send({"pull": pull, "latency": latency, "refused": refused, "generation": generation,
                "whole": whole})
+
+
+def _sigint_later(after: float, sent: list, timers: list, state) -> None:
+    """At the first large post: a process-directed SIGINT (as a terminal's Ctrl-C) `after`
+    seconds later, its time put into `sent`."""
+    def sigint():
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    if not timers:
+        timers.append(threading.Timer(after, sigint))
+        timers[0].start()
+
+
+def interrupted_pulls(conn, nbytes: int, runs: int, after: float) -> None:
+    """Issue 53, item 1: `runs` generations of `nbytes` (CPU), each pull interrupted `after`
+    seconds into its transfer; then the same subscriber's next wait() takes that generation,
+    checked against its checksum. One set-up for all runs; the latencies and how many more
+    NIXL registrations the subscriber's endpoint holds afterwards are sent back."""
+    keyboard_interrupts()
+    weights = {"w": torch.zeros(nbytes // 4)}
+    publisher = devipc.WeightPublisher(weights, copy=True, transport="nixl")
+    subscriber = devipc.WeightSubscriber(publisher.token())
+    publisher.publish(wait=False, checksum=True)
+    started = time.monotonic()
+    subscriber.wait(timeout=TIMEOUT)  # the first pull (fresh pages): not interrupted
+    pull = time.monotonic() - started
+    subscriber.ack()
+    transport = subscriber._backend._endpoints[0]._transport
+    ranges = len(transport._ranges)
+    results = []
+    for run in range(1, runs + 1):
+        weights["w"].fill_(float(run))
+        generation = publisher.publish(wait=False, checksum=True)
+        sent: list[float] = []
+        timers: list[threading.Timer] = []
+        latency = None
+        with after_large_posts(nbytes, functools.partial(_sigint_later, after, sent, timers)):
+            try:
+                subscriber.wait(timeout=TIMEOUT)
+                timers[0].join()  # the pull ended first: the signal lands here, not in wait()
+            except KeyboardInterrupt:
+                latency = time.monotonic() - sent[0] if sent else None
+        timers[0].join()
+        got = subscriber.wait(timeout=TIMEOUT)
+        subscriber.verify()  # ChecksumError unless the bytes are those published
+        subscriber.ack()
+        results.append({"latency": latency, "generation": got, "expected": generation})
+    wait_until(lambda: not transport.in_flight,  # the heartbeat's write may be under way
+               lambda: f"{len(transport.in_flight)} NIXL requests still held")
+    grown = len(transport._ranges) - ranges
+    subscriber.close()
+    publisher.close()
+    conn.send({"pull": pull, "runs": results, "grown": grown})

@@ -507,6 +507,27 @@ def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loo
     assert got["generation"] == 1 and got["whole"], got
 
 
+def test_ctrl_c_lands_within_half_a_second_of_a_512_mib_pull_and_the_next_is_exact(
+        loopback, children):
+    """Issue 53, item 1: a 512 MiB pull over NIXL (TCP loopback) interrupted 50 ms into its
+    transfer raises KeyboardInterrupt within 0.5 s (a poll of NIXL may take seconds there: the
+    wait must not sit in one), 10 runs of 10, in a spawned child (a crash is its exit code); the
+    same subscriber then gets each generation exact (its checksum), and the interrupted reads
+    leave no request or registration behind."""
+    import _publisher_nixl_workers
+
+    got = children.answer(_publisher_nixl_workers.interrupted_pulls, 512 << 20, 10, 0.05)
+    assert got is not None, "the child died"
+    for run, result in enumerate(got["runs"], 1):
+        assert result["latency"] is not None, (
+            f"run {run}: the pull ended before the interrupt ({got['pull']:.2f} s for the "
+            f"first pull): no Ctrl-C during a pull was measured")
+        assert result["latency"] < 0.5, f"run {run}: KeyboardInterrupt {result['latency']:.2f} " \
+                                        f"s after SIGINT; {got}"
+        assert result["generation"] == result["expected"], (run, result)
+    assert got["grown"] == 0, f"{got['grown']} more NIXL registrations than before the runs"
+
+
 def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record(loopback):
     from devipc._publisher_remote import RemoteToken
     from devipc._weights import token_reader

@@ -22,9 +22,14 @@ SHARE = 0.05  # of the time, at most, that rounds take
 
 
 class Background:
-    def __init__(self, name: str, round_: Callable[[], bool]):
-        """`round_` does one round of work and says whether more is pending."""
+    def __init__(self, name: str, round_: Callable[[], bool], interval: float = INTERVAL,
+                 share: float | None = SHARE):
+        """`round_` does one round of work and says whether more is pending; rounds are
+        `interval` seconds apart at least, and spaced out to take at most `share` of the time
+        (None: never spaced out, for rounds that wait on others' work rather than do their
+        own)."""
         self._name, self._round = name, round_
+        self._interval, self._share = interval, share
         self._lock = threading.RLock()  # `wake` may run in a finalizer, inside `wake`
         self._stop = threading.Event()
         self._running = False
@@ -53,7 +58,7 @@ class Background:
                 self._running = False
 
     def _loop(self) -> None:
-        pause = INTERVAL
+        pause = self._interval
         while not self._stop.wait(pause):
             started = time.monotonic()
             try:
@@ -63,7 +68,8 @@ class Background:
                 more = True
             # A round looks at every send and received storage: with thousands held it costs
             # milliseconds, so rounds space out to keep within SHARE of the time.
-            pause = max(INTERVAL, (time.monotonic() - started) / SHARE)
+            pause = self._interval if self._share is None else max(
+                self._interval, (time.monotonic() - started) / self._share)
             with self._lock:
                 if not more:
                     self._running = False  # before the look at `_kicked`: see `wake`

@@ -446,6 +446,7 @@ class NixlSubscriber:
         self._calls = Calls("WeightSubscriber")
         self._turns = threading.Lock()
         self._torn = False  # a pull into `_local` started and did not end (Ctrl-C)
+        self._cut: p2p.Transfer | None = None  # that pull's read, while it may be in flight
         self._header_seen: list[int] = []  # the header at the last poll
         self._checksum: int | None = None  # published with the held generation
         self._acked = -1  # the newest generation the engine acknowledged
@@ -534,32 +535,51 @@ class NixlSubscriber:
 
     def _pull(self, generation: int) -> bool:
         """A generation held here: through the relay (False if its upstream or leader has a
-        newer one) or with one NIXL read, waited for in slices (another thread's close() ends
-        the wait). A read cut short (Ctrl-C) may still write into its memory: the next one
-        goes into new memory, the old one going once NIXL is done with it (the relay sets its
-        staging area aside instead)."""
+        newer one) or with one NIXL read, waited for in slices (another thread's close() and
+        Ctrl-C end the wait). A read cut short (Ctrl-C) may still write into its memory: the
+        next pull first waits for it to end, then reads into the same memory (new memory if
+        the read was cut inside its own post; the relay sets its staging area aside
+        instead)."""
         data = self._data[generation % self._buffers]
         if self._chunk:
             self._torn = True
             pulled = self._relayed(generation, data)
             self._torn = False
             return pulled
-        if self._torn:
+        if self._torn and not self._cut_ended():
             p2p.deregister(self._ids.pop())  # the local buffer's registration is the last
             self._views.clear()
             self._local, local_id = p2p.create_tensor(self._local.shape, torch.uint8,
                                                       self.device)
             self._ids.append(local_id)
         self._torn = True
-        transfer = self._remote(lambda: self._connection.read_async(self._local, data))
+        self._cut = transfer = self._remote(
+            lambda: self._connection.read_async(self._local, data))
         while True:
             try:
                 self._remote(lambda: transfer.wait(_SLICE))
                 break
             except TimeoutError:
                 self._calls.check()
-        self._torn = False
+        self._torn, self._cut = False, None
         self._held_at = self._local
+        return True
+
+    def _cut_ended(self) -> bool:
+        """Whether the read of the pull cut short ended (waited for here, in slices): False
+        if it was cut before it was handed back, so that it cannot be waited for."""
+        cut = self._cut
+        if cut is None:
+            return False
+        while True:
+            try:
+                cut.wait(_SLICE)
+                break
+            except TimeoutError:
+                self._calls.check()
+            except DevIpcError:
+                break  # it failed: NIXL is done with it
+        self._cut = None
         return True
 
     def _relayed(self, generation: int, data: bytes) -> bool:

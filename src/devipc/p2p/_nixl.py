@@ -24,6 +24,14 @@ cancelled RMA request may still be written into: so a request is never cancelled
 uses (the local tensors, registrations made for it, the handles) is let go of only once NIXL says
 it ended; requests nobody waits for any more are polled by a background thread until then.
 
+A poll (`check_xfer_state`) progresses UCX in the calling thread and returns only once it handled
+what had arrived: over TCP, a large transfer's poll can take seconds (512 MiB into fresh pages:
+5 s in one call). Python handles signals between bytecodes only, so a caller polling a large
+transfer could not be interrupted. Transfers of WATCHED_FROM bytes or more are therefore polled by
+a watcher thread (NIXL releases the GIL in its calls); their callers wait on an event in slices of
+_SLICE seconds, so that Ctrl-C lands between two (whichever thread the kernel gave the signal to).
+Smaller ones are polled by their caller: first without sleeping, then backing off.
+
 NIXL is imported on first use: `import devipc.p2p` works without it.
 """
 import bisect
@@ -66,6 +74,8 @@ LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
 _SCRATCH_WORDS = 4096  # liveness words read per NIXL request
 _DECODED_MAX = 1 << 16
 PROGRESS_DELAY_US = 100
+WATCHED_FROM = 4 << 20  # bytes: transfers this large are polled by the watcher thread
+_SLICE = 0.02  # seconds a caller waits on a watched transfer between looks at its signals
 _api: types.ModuleType | None = None
 _agent_lock = threading.Lock()
 _log = logging.getLogger("devipc")
@@ -156,7 +166,7 @@ class _Pending:
     """Posted NIXL requests (`handles`, their `states`) and what must live until NIXL is done with
     every one of them: what `release` lets go of."""
 
-    __slots__ = ("handles", "states", "owned", "dlists", "temps", "keep")
+    __slots__ = ("handles", "states", "owned", "dlists", "temps", "keep", "ended")
 
     def __init__(self, owned: Sequence[object] = (), keep: object = None):
         self.handles: list = []
@@ -165,6 +175,7 @@ class _Pending:
         self.dlists: list = []  # prepared descriptor lists released with it
         self.temps: list[_Local] = []  # registrations made for it
         self.keep = keep  # the local tensors
+        self.ended: threading.Event | None = None  # set by the watcher, when it polls them
 
     def post(self, transport: "NixlTransport", handle: object, agent: str) -> None:
         """Post `handle` (a request of this one, released with it when `owned`). Until NIXL
@@ -233,6 +244,35 @@ def _abandon(transport: "NixlTransport", pending: _Pending) -> None:
     a finalizer may call it."""
     _abandoned.append((transport, pending))
     _reaper.wake()
+
+
+# Large transfers that callers wait for without polling NIXL themselves (see the module's doc).
+_watched: collections.deque = collections.deque()
+
+
+def _watch_round() -> bool:
+    """A round of the watcher thread: poll each watched transfer, set `ended` of those that
+    ended (they are let go of by their caller, or by the reaper once dropped)."""
+    for _ in range(len(_watched)):
+        transport, pending = _watched.popleft()
+        with transport.lock:
+            ended = pending not in transport.in_flight or pending.poll(transport.agent)
+        if ended:
+            pending.ended.set()
+        else:
+            _watched.append((transport, pending))
+    return bool(_watched)
+
+
+_watcher = Background("devipc-nixl-watcher", _watch_round, interval=0.0002, share=None)
+
+
+def _watch(transport: "NixlTransport", pending: _Pending, nbytes: int) -> None:
+    """From now on, a transfer of `nbytes` is polled by the watcher thread if it is large."""
+    if nbytes >= WATCHED_FROM:
+        pending.ended = threading.Event()
+        _watched.append((transport, pending))
+        _watcher.wake()
 
 
 class NixlTransport:
@@ -482,8 +522,10 @@ class NixlTransport:
         groups: dict[tuple[str, str], tuple[list, list]] = {}
         pending = _Pending(keep=keep)
         self.in_flight.add(pending)
+        total = 0
         try:
             for (addr, nbytes, device), remote in zip(local, remotes):
+                total += nbytes
                 if nbytes == 0:
                     continue
                 found = self.find_range(addr, nbytes)
@@ -501,9 +543,7 @@ class NixlTransport:
         except BaseException:
             self.let_go(pending)  # what was posted still lands: once it did
             raise
-        transfer = NixlTransfer(self, agent, pending)
-        transfer.check()
-        return transfer
+        return NixlTransfer(self, agent, pending, total)
 
     # -- requests in flight (under the lock) --
     def done_with(self, pending: _Pending) -> bool:
@@ -622,6 +662,7 @@ class NixlPrepared:
                  remotes: list[Remote], keep: list):
         self._transport, self._agent = transport, agent
         self._devices = {device for _, _, device in local if device.type != "cpu"}
+        self._nbytes = sum(nbytes for _, nbytes, _ in local)
         self._dlists: list = []
         self._temps: list[_Local] = []
         self.handles: list = []
@@ -703,8 +744,7 @@ class NixlPrepared:
             except BaseException:
                 transport.let_go(posted)
                 raise
-            transfer = NixlTransfer(transport, agent, posted)
-            transfer.check()
+            transfer = NixlTransfer(transport, agent, posted, self._nbytes)
         return Transfer(handle=transfer, keep=(self._keep,))
 
     def close(self) -> None:
@@ -729,15 +769,20 @@ class NixlPrepared:
 
 
 class NixlTransfer:
-    """NIXL requests in flight for one post; `done()` / `wait(timeout)`. Dropped before they
-    ended, they are left to the reaper, with what they use."""
+    """NIXL requests in flight for one post (of `nbytes` in all); `done()` / `wait(timeout)`.
+    Dropped before they ended, they are left to the reaper, with what they use. Made under the
+    transport's lock: a small one is polled at once (its failure to post raised here), a large
+    one handed to the watcher."""
 
     __slots__ = ("_transport", "_agent", "_pending", "_finished", "_error")
 
-    def __init__(self, transport: NixlTransport, agent: str, pending: _Pending):
+    def __init__(self, transport: NixlTransport, agent: str, pending: _Pending, nbytes: int):
         self._transport, self._agent, self._pending = transport, agent, pending
         self._finished = False
         self._error: BaseException | None = None
+        _watch(transport, pending, nbytes)
+        if pending.ended is None:
+            self.check()
 
     def check(self) -> bool:
         """Under the transport's lock: whether all ended (what they used let go of then)."""
@@ -753,12 +798,21 @@ class NixlTransfer:
         return True
 
     def done(self) -> bool:
+        ended = self._pending.ended
+        if ended is not None and not self._finished and not ended.is_set():
+            return False  # the watcher polls it
         with self._transport.lock:
             return self.check()
 
     def wait(self, timeout: float | None = None) -> None:
+        ended, backoff = self._pending.ended, Backoff(timeout, first=0.0002, longest=0.0002,
+                                                      spins=1000)
+        if ended is not None:  # large: in slices, signals handled between them
+            while not ended.wait(_SLICE if timeout is None else min(_SLICE,
+                                                                    backoff.remaining() or 0)):
+                if backoff.expired():
+                    raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
         # past the first ~ms of polls, yield the core to NIXL's progress thread
-        backoff = Backoff(timeout, first=0.0002, longest=0.0002, spins=1000)
         while not self.done():
             if backoff.expired():
                 raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
