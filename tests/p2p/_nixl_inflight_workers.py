@@ -1,8 +1,12 @@
 """Children of test_nixl_inflight.py: NIXL transfers whose caller lets go of them in flight. Each
 runs both endpoints in one process (UCX over TCP loopback reaches itself as another host), so a
 crash is the child's exit code, not pytest's."""
+import functools
 import gc
+import hashlib
+import os
 import signal
+import threading
 import time
 
 import torch
@@ -105,5 +109,59 @@ def interrupted_read(conn, rounds: int, nbytes: int) -> None:
             markers += _markers(nbytes)
     _report(conn, peer, connection, desc, nbytes, ranges, markers, interrupted=interrupted,
             latency=max(latencies, default=0.0))
+    peer.close()
+    owner.close()
+
+
+def _burner(seconds: float):
+    """One C call that releases the GIL and handles no signal (as a NIXL poll that sits in
+    UCX's code), of about `seconds` on this machine now."""
+    rounds, started = 100_000, time.monotonic()
+    hashlib.pbkdf2_hmac("sha256", b"devipc", b"salt", rounds)
+    rounds = max(rounds, int(rounds * seconds / max(time.monotonic() - started, 1e-6)))
+    return functools.partial(hashlib.pbkdf2_hmac, "sha256", b"devipc", b"salt", rounds)
+
+
+def ctrl_c_in_a_long_poll(conn, nbytes: int) -> None:
+    """Issue 53, item 1, deterministic: the first NIXL poll of a synchronous read of `nbytes`
+    sits ~3 s in C (as UCX's do over TCP, seconds for a large transfer into fresh pages), and a
+    process-directed SIGINT comes 50 ms into it. Sent back: where the poll ran, how long it sat,
+    and how long after the signal KeyboardInterrupt came."""
+    from devipc.p2p import _nixl
+
+    keyboard_interrupts()
+    owner, peer, connection, desc, _source = _pair(nbytes)
+    ranges = len(peer._transport._ranges)
+    poll, sent, seen, burnt = _nixl._Pending.poll, [], {}, threading.Event()
+    burn = _burner(3.0)
+
+    def sigint():
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def long_poll(self, nixl):
+        if self.keep is not None and not seen:  # the read's own requests, not a liveness read
+            seen["main thread"] = threading.current_thread() is threading.main_thread()
+            threading.Timer(0.05, sigint).start()
+            started = time.monotonic()
+            try:
+                burn()
+            finally:  # on main's code, KeyboardInterrupt comes here, once the poll returned
+                seen["sat"] = time.monotonic() - started
+                burnt.set()
+        return poll(self, nixl)
+
+    local = torch.empty(nbytes, dtype=torch.uint8)
+    _nixl._Pending.poll = long_poll
+    try:
+        connection.read(local, desc)
+        latency = None
+    except KeyboardInterrupt:
+        latency = time.monotonic() - sent[0]
+    finally:
+        _nixl._Pending.poll = poll
+    burnt.wait(WAIT)  # in whichever thread polled
+    del local
+    _report(conn, peer, connection, desc, nbytes, ranges, [], latency=latency, **seen)
     peer.close()
     owner.close()
