@@ -115,6 +115,47 @@ def test_ending_a_registration_undoes_the_nixl_registration_and_peers_see_it(own
 
 
 @needs_nixl
+def test_a_repeated_synchronous_copy_reposts_nixl_requests_prepared_once(owner, monkeypatch):
+    """Issue 47, item 8: `read`/`write` of a registered local tensor and a descriptor seen
+    before repost the NIXL requests prepared at the first call (NIXL's own prepared transfer),
+    instead of a new request per call; what ends on either side is still seen."""
+    from devipc.p2p import _nixl
+
+    conn, connection = owner
+    values = torch.arange(1024, dtype=torch.float32)
+    tensor_id, whole = ask(conn, "create", values, "openreg")
+    local, local_id = p2p.create_tensor((1024,), torch.float32, "openreg")
+    requests = []
+    request = _nixl.NixlTransport._request
+    monkeypatch.setattr(_nixl.NixlTransport, "_request",
+                        lambda *args: requests.append(args[1]) or request(*args))
+    for step in range(20):
+        local.fill_(-1.0)
+        connection.read(local, whole)
+        assert torch.equal(local.cpu(), values), step
+        values += 1
+        connection.write(local + 1, whole)  # a new tensor each time: its own request
+        local.copy_(values)
+        connection.write(local, whole)
+    assert torch.equal(ask(conn, "get", tensor_id), values)
+    assert requests.count("READ") <= 2 * 20, requests  # the liveness reads of the new tensors
+    transport = connection._endpoint._transport
+    kept = len(transport._again)
+    assert kept == 2, transport._again  # read and write of (local, whole)
+    p2p.deregister(local_id)  # its pairs go with its NIXL registration
+    assert len(transport._again) == 0
+    connection.read(local, whole)  # the full path, memory registered for the transfer
+    assert torch.equal(local.cpu(), values)
+    assert ask(conn, "deregister", tensor_id) is True
+    again, _ = p2p.create_tensor((1024,), torch.float32, "openreg")
+    connection.read(again, ask(conn, "create", values, "openreg")[1])
+    with pytest.raises(RemoteTensorFreedError, match="freed or deregistered"):
+        connection.read(again, whole)
+    connection.close()
+    assert len(transport._again) == 0, "the peer's agent unloaded: its prepared pairs go too"
+
+
+@needs_nixl
 @pytest.mark.parametrize("busy", [False, True])
 def test_a_storage_resized_after_its_advertisement_is_never_reached_again(owner, busy):
     """Over NIXL as over IPC: resize_ ends the registration (its old memory stays registered and

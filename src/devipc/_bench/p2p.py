@@ -38,7 +38,9 @@ BATCH, BATCH_BYTES, BATCH_STRIDE = 1000, 4 << 10, 8 << 10
 METHODS = ("memcpy", "devipc", "devipc-nixl", "nixl")
 BATCH_LABEL = f"{BATCH} x 4 KiB"
 LATENCY_SIZES = (4 << 10, 64 << 10, 1 << 20)
-LATENCY_ROWS = ("sync read", "sync write", "prepared post (read)", "NIXL prepared READ")
+LATENCY_ROWS = ("sync read", "sync write", "prepared post (read)", "NIXL prepared READ",
+                "sync read over NIXL", "sync read over NIXL, liveness=False",
+                "NIXL prepared READ of 8 B, then READ")
 
 
 def have_nixl(device: str) -> bool:
@@ -294,13 +296,17 @@ def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | Non
     """{(row, size): µs per operation}: devipc's synchronous read and write (then
     `torch.accelerator.synchronize()`), a prepared read posted and waited for (then the same),
     and NIXL's own prepared READ (posted, polled to DONE) on the same kind of memory, between
-    two processes; medians of `rounds` rounds that interleave them."""
+    two processes; medians of `rounds` rounds that interleave them. With NIXL also devipc's
+    synchronous read over NIXL, with and without its liveness read (`connect(...,
+    liveness=False)`), and NIXL's own prepared READ of 8 bytes then of the size: what devipc's
+    liveness read and its read cost in NIXL's own API."""
     nixl = have_nixl(device) if nixl is None else nixl
     progress = progress or Progress("p2p latency", lines=True)
     progress.start(len(LATENCY_SIZES))
     top = max(LATENCY_SIZES)
     child = _Owner(device, top, nixl)
     endpoint: p2p.Endpoint | None = None
+    over_nixl: p2p.Endpoint | None = None
     nixl_own: NixlOwn | None = None
     results: dict[tuple[str, int], float] = {}
     sync = torch.accelerator.synchronize
@@ -308,7 +314,10 @@ def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | Non
         info = child.info()
         endpoint = p2p.Endpoint()
         connection = endpoint.connect(info["devipc"])
-        if nixl:
+        if nixl:  # before the local tensor, which it registers with NIXL too
+            over_nixl = p2p.Endpoint(transport="nixl")
+            checked = over_nixl.connect(info["devipc-nixl"])
+            unchecked = over_nixl.connect(info["devipc-nixl"], liveness=False)
             metadata, address = info["nixl"]
             nixl_own = NixlOwn(metadata, address, max(top, BATCH * BATCH_STRIDE), device)
         local, _ = p2p.create_tensor((top,), torch.uint8, device)
@@ -331,6 +340,11 @@ def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | Non
             steps: dict[str, Callable[[], object]] = dict(zip(LATENCY_ROWS, (read, write, post)))
             if nixl_own is not None:
                 steps[LATENCY_ROWS[3]] = nixl_own.prepped("READ", size)
+                nixl_desc = info["descs"]["devipc-nixl"][size]
+                for row, over in zip(LATENCY_ROWS[4:6], (checked, unchecked)):
+                    steps[row] = functools.partial(_read_synced, over, view, nixl_desc)
+                steps[LATENCY_ROWS[6]] = functools.partial(
+                    _one_then_other, nixl_own.prepped("READ", 8), nixl_own.prepped("READ", size))
             got = rates(steps, 1, seconds, rounds)  # one "byte" a call: 10^9 calls/s
             for name, rate in got.items():
                 results[(name, size)] = 1e-3 / rate  # µs per call
@@ -341,10 +355,21 @@ def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | Non
         progress.close()
         if nixl_own is not None:
             nixl_own.close()
-        if endpoint is not None:
-            endpoint.close()
+        for each in (endpoint, over_nixl):
+            if each is not None:
+                each.close()
         child.stop()
     return results
+
+
+def _one_then_other(one: Callable[[], None], other: Callable[[], None]) -> None:
+    one()
+    other()
+
+
+def _read_synced(connection: p2p.Connection, local: torch.Tensor, desc: bytes) -> None:
+    connection.read(local, desc)
+    torch.accelerator.synchronize()
 
 
 def latency_table(results: dict[tuple[str, int], float]) -> str:

@@ -42,7 +42,7 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -73,6 +73,7 @@ INSTALL = "pip install 'devipc[nixl]'"
 LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
 _SCRATCH_WORDS = 4096  # liveness words read per NIXL request
 _DECODED_MAX = 1 << 16
+_AGAIN_KEPT = 64  # prepared pairs kept per transport for synchronous copies (`NixlLink.again`)
 PROGRESS_DELAY_US = 100
 WATCHED_FROM = 4 << 20  # bytes: transfers this large are polled by the watcher thread
 _SLICE = 0.02  # seconds a caller waits on a watched transfer between looks at its signals
@@ -296,6 +297,9 @@ class NixlTransport:
         self._links: dict[str, int] = {}  # agent -> connections to it
         self._decoded = _wire.Decoded(Remote.from_bytes, _DECODED_MAX)
         self.in_flight: set[_Pending] = set()  # posted, not let go of yet
+        # (agent, op, local address, id(descriptor), liveness) -> (descriptor, local range,
+        # its NIXL requests prepared): synchronous copies of one pair made again (`again`)
+        self._again: dict[tuple, tuple[Descriptor, _Local, NixlPrepared]] = {}
         self._page = self.register_range(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
         self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
         self.scratch_registration = self.register_range(self._scratch.data_ptr(),
@@ -313,6 +317,7 @@ class NixlTransport:
         return local
 
     def deregister_range(self, local: _Local) -> None:
+        self._forget_again(lambda entry: entry[1] is local)
         at = self._ranges.index(local)
         del self._bases[at], self._ranges[at]
         self.agent.deregister_memory(local.dlist)
@@ -397,7 +402,49 @@ class NixlTransport:
             if links > 0:
                 self._links[agent] = links
             elif self._peers.pop(agent, None) is not None and not self._closed:
+                self._forget_again(lambda entry: entry[2].agent == agent)
                 self.agent.remove_remote_agent(agent)
+
+    # -- synchronous copies of one pair, prepared once (under the lock) --
+    def again(self, link: "NixlLink", op: str, local: torch.Tensor, desc: Descriptor) -> bool:
+        """`op` of `local` and the whole range of `desc`, through NIXL requests prepared at the
+        pair's first copy and kept while its local registration and the peer's agent are loaded
+        (`_AGAIN_KEPT` pairs at most): a repost and its wait, as NIXL's own prepared transfer.
+        False, for the caller's full path, where the local memory is not a devipc registration
+        or an earlier copy of the pair is still in flight (its wait was cut short)."""
+        address = local.data_ptr()
+        key = (link.agent, op, address, id(desc), link.liveness)
+        with self.lock:
+            entry = self._again.get(key)  # holds the descriptor: its id is not reused
+            if entry is None:
+                found = self.find_range(address, desc.nbytes)
+                if self._closed or found is None or found is self._page \
+                        or found is self.scratch_registration or not local.is_contiguous():
+                    return False
+                if len(self._again) >= _AGAIN_KEPT:
+                    self._forget_again(lambda entry: True)
+                remotes = self.remotes(link.agent, [(address, desc.nbytes, local.device)],
+                                       [desc.extra], [desc.shift])
+                entry = self._again[key] = (desc, found, NixlPrepared(
+                    self, link.agent, op, [(address, desc.nbytes, local.device)], remotes, [],
+                    link.liveness))
+            prepared = entry[2]
+            if desc.nbytes >= WATCHED_FROM:  # waited for as any large transfer
+                transfer = prepared.repost(local)
+            else:
+                posted = prepared.start(local)
+        if desc.nbytes >= WATCHED_FROM:
+            if transfer is None:
+                return False
+            transfer.wait()
+            return True
+        return posted is not None and prepared.finish_here(posted)
+
+    def _forget_again(self, which: Callable[[tuple], bool]) -> None:
+        for key in [key for key, entry in self._again.items() if which(entry)]:
+            entry = self._again.pop(key, None)
+            if entry is not None:
+                entry[2].close()
 
     # -- transfers --
     def agent_or_raise(self) -> Any:
@@ -589,6 +636,7 @@ class NixlTransport:
         with self.lock:
             if self._closed:
                 return
+            self._forget_again(lambda entry: True)
             self._closed = True
             self._drain()
             for agent in list(self._peers):
@@ -636,6 +684,15 @@ class NixlLink:
                                              self.liveness)
         return Transfer(handle=handle, keep=(locals_,))
 
+    def again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
+        """The connection's shortcut for a synchronous `read`/`write` of one whole descriptor:
+        whether it was made (`NixlTransport.again`), else the caller's `post` makes it."""
+        if not desc.extra:
+            return False  # `post` says why
+        if not local.is_cpu:
+            _synchronize((local.device,))
+        return self._transport.again(self, op, local, desc)
+
     def prepare(self, op: str, locals_: list, descs: list[Descriptor]) -> "NixlPrepared":
         local = self._ranges(locals_, descs)
         remotes = self._transport.remotes(self.agent, local, [desc.extra for desc in descs],
@@ -659,7 +716,7 @@ class NixlPrepared:
     rule), both prepared handles reposted."""
 
     def __init__(self, transport: NixlTransport, agent: str, op: str, local: list,
-                 remotes: list[Remote], keep: list):
+                 remotes: list[Remote], keep: list, liveness: bool = True):
         self._transport, self._agent = transport, agent
         self._devices = {device for _, _, device in local if device.type != "cpu"}
         self._nbytes = sum(nbytes for _, nbytes, _ in local)
@@ -689,7 +746,8 @@ class NixlPrepared:
                     pair[1].append((remote.addr, nbytes, remote.dev_id))
                 for (local_kind, remote_kind), (mine, theirs) in groups.items():
                     self.handles.append(self._prepped(op, mine, local_kind, theirs, remote_kind))
-                words = sorted({(r.page + word_offset(r.slot), r.reg_id) for r in remotes})
+                words = sorted({(r.page + word_offset(r.slot), r.reg_id) for r in remotes}) \
+                    if liveness else []
                 if len(words) > _SCRATCH_WORDS:
                     raise ValueError(f"a prepared NIXL transfer reaches at most "
                                      f"{_SCRATCH_WORDS} registrations, not {len(words)}: "
@@ -717,35 +775,79 @@ class NixlPrepared:
         except Exception as error:  # NIXL's own exception types
             raise _nixl_error(error, self._agent) from None
 
+    @property
+    def agent(self) -> str:
+        return self._agent
+
     def post(self) -> Transfer:
-        transport, agent = self._transport, self._agent
         _synchronize(self._devices)
-        with transport.lock:
-            transport.agent_or_raise()
-            if self._keep is None:
-                raise ValueError("this prepared transfer is closed: prepare it again")
-            if self._in_flight is not None and not transport.done_with(self._in_flight):
-                raise ValueError("the previous post of this prepared transfer is still in "
-                                 "flight: wait for it before posting again")
-            if self._live is not None:
-                self._in_flight = live = _Pending()
-                transport.finish_now(live, self._live, agent)
-                words = self._read[:]
-                if words != self._ids:
-                    ended = next(i for w, i in zip(words, self._ids) if w != i)
-                    raise RemoteTensorFreedError(
-                        f"remote tensor {ended} of NIXL agent {agent!r} was freed or "
-                        f"deregistered by its owner. Ask the owner for a new descriptor.")
-            self._in_flight = posted = _Pending(keep=self._keep)  # kept, should it be closed
-            transport.in_flight.add(posted)
-            try:
-                for handle in self.handles:
-                    posted.post(transport, handle, agent)
-            except BaseException:
-                transport.let_go(posted)
-                raise
-            transfer = NixlTransfer(transport, agent, posted, self._nbytes)
-        return Transfer(handle=transfer, keep=(self._keep,))
+        transfer = self.repost()
+        if transfer is None:
+            raise ValueError("the previous post of this prepared transfer is still in "
+                             "flight: wait for it before posting again")
+        return transfer
+
+    def repost(self, keep: object = None) -> Transfer | None:
+        """A post (`keep`, else the local tensors prepared, held until NIXL is done with it);
+        None while the previous one is still in flight."""
+        with self._transport.lock:
+            posted = self.start(keep)
+            if posted is None:
+                return None
+            transfer = NixlTransfer(self._transport, self._agent, posted, self._nbytes)
+        return Transfer(handle=transfer)
+
+    def finish_here(self, posted: _Pending) -> bool:
+        """Wait for a post (`start`) here, polling first without sleeping (a small transfer:
+        its polls are short; NIXL may end it inside its post); True, or what it failed with.
+        Cut short (Ctrl-C), it is left to the reaper."""
+        transport = self._transport
+        error, backoff = None, Backoff(None, first=0.0002, longest=0.0002, spins=1000)
+        try:
+            while True:
+                with transport.lock:
+                    if posted not in transport.in_flight:
+                        break  # let go of by the transport's close
+                    if posted.poll(transport.agent):
+                        error = transport.settle(posted)
+                        break
+                backoff.pause()
+        except BaseException:
+            transport.let_go(posted)
+            raise
+        failure = posted.outcome(self._agent, error)
+        if failure is not None:
+            raise failure
+        return True
+
+    def start(self, keep: object) -> _Pending | None:
+        """Under the lock: a post (`keep` held until NIXL is done with it): the liveness read,
+        then the prepared requests posted; None while the previous post is still in flight."""
+        transport, agent = self._transport, self._agent
+        transport.agent_or_raise()
+        if self._keep is None:
+            raise ValueError("this prepared transfer is closed: prepare it again")
+        if self._in_flight is not None and not transport.done_with(self._in_flight):
+            return None
+        if self._live is not None:
+            self._in_flight = live = _Pending()
+            transport.finish_now(live, self._live, agent)
+            words = self._read[:]
+            if words != self._ids:
+                ended = next(i for w, i in zip(words, self._ids) if w != i)
+                raise RemoteTensorFreedError(
+                    f"remote tensor {ended} of NIXL agent {agent!r} was freed or "
+                    f"deregistered by its owner. Ask the owner for a new descriptor.")
+        # kept, should it be closed
+        self._in_flight = posted = _Pending(keep=self._keep if keep is None else keep)
+        transport.in_flight.add(posted)
+        try:
+            for handle in self.handles:
+                posted.post(transport, handle, agent)
+        except BaseException:
+            transport.let_go(posted)
+            raise
+        return posted
 
     def close(self) -> None:
         with self._transport.lock:
@@ -761,7 +863,7 @@ class NixlPrepared:
             gone.owned += [*self.handles, *([self._live] if self._live else [])]
             gone.dlists += self._dlists
             gone.temps += self._temps
-            gone.keep = self._keep
+            gone.keep = self._keep if gone.keep is None else gone.keep  # a repost's own
             transport.in_flight.add(gone)
             transport.let_go(gone)
         self.handles, self._live, self._dlists, self._temps, self._keep = [], None, [], [], None
