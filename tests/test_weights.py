@@ -123,6 +123,22 @@ def test_names_rename_and_leave_out_published_tensors():
     _close(publisher, subscriber)
 
 
+def test_names_mapping_two_published_tensors_onto_one_is_refused_before_any_copy():
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8, device="openreg"),
+                                 "b": torch.nn.Linear(8, 8, device="openreg")})
+    publisher, subscriber = _published(model)
+    engine = {name: torch.zeros(8, 8, device="openreg") for name in ("a.weight", "weight")}
+    engine |= {name: torch.zeros(8, device="openreg") for name in ("a.bias", "bias")}
+    for names, onto in [  # onto a name another published tensor keeps; two renames onto one
+            ({"b.weight": "a.weight", "b.bias": "a.bias"}, "a.weight"),
+            (lambda name: name.split(".")[1], "weight")]:
+        with pytest.raises(ValueError, match=f"names maps both 'a.weight' and 'b.weight' onto "
+                                             f"the engine's '{onto}': map one of them to None"):
+            subscriber.copy_into(engine, names=names)
+        assert not any(tensor.cpu().any() for tensor in engine.values())  # nothing copied
+    _close(publisher, subscriber)
+
+
 def test_an_engine_with_fused_qkv_loads_a_generation_through_weights():
     trainer = Attention()
     with torch.no_grad():

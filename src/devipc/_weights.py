@@ -168,13 +168,19 @@ def _renamed(source: Mapping[str, torch.Tensor], names: Names) -> list[tuple[str
     else:
         raise TypeError(f"names is a dict or a callable from a published name to the "
                         f"engine's (None: skip it), not {type(names).__name__}")
-    kept = []
+    kept: list[tuple[str, torch.Tensor]] = []
+    taken: dict[str, str] = {}  # the engine's name: the published name mapped onto it
     for name, tensor in source.items():
         engine = rename(name)
         if engine is not None:
             if not isinstance(engine, str):
                 raise TypeError(f"names gave {engine!r} for {name!r}: an engine's name is a "
                                 f"str (or None to skip it)")
+            if engine in taken:  # one of the two would be overwritten by the other, unseen
+                raise ValueError(f"names maps both {taken[engine]!r} and {name!r} onto the "
+                                 f"engine's {engine!r}: map one of them to None to leave it "
+                                 f"out, or to a name of its own")
+            taken[engine] = name
             kept.append((engine, tensor))
     return kept
 
