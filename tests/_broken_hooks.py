@@ -9,7 +9,7 @@ import threading
 import torch
 
 import devipc_openreg  # noqa: F401  (the device, also where autoload is off)
-from devipc.hooks import OpenedMemory, register_ipc_hooks
+from devipc.hooks import IpcHooks, OpenedMemory, register_ipc_hooks
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 
@@ -79,8 +79,26 @@ class SupportsIpcRaises(OpenRegIpcHooks):
         raise RuntimeError("the driver is not loaded")
 
 
+class OnlySupportsIpc(IpcHooks):
+    """A vendor's first try: supports_ipc() says True, no other hook is written yet."""
+
+    def supports_ipc(self):
+        return True
+
+
+class EventsWithoutEventHooks(OpenRegIpcHooks):
+    """Interprocess events said to be on, yet the event hooks are the base class's no-ops."""
+
+    def requires_event_sync(self):
+        return True
+
+    get_ipc_event_handle = IpcHooks.get_ipc_event_handle
+    wait_ipc_event = IpcHooks.wait_ipc_event
+
+
 BROKEN = {"offset": OffsetOffByOne, "no_event_wait": NoEventWait, "open_hangs": OpenHangs,
           "worker_share_hangs": WorkerShareHangs, "close_keeps_mapping": CloseKeepsMapping,
           "always_device_zero": AlwaysDeviceZero, "supports_ipc_raises": SupportsIpcRaises,
-          "handles_repeat": HandlesRepeat}
+          "handles_repeat": HandlesRepeat, "only_supports_ipc": OnlySupportsIpc,
+          "events_without_event_hooks": EventsWithoutEventHooks}
 register_ipc_hooks("openreg", BROKEN[os.environ["DEVIPC_BROKEN_HOOKS"]]())

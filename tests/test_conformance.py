@@ -149,3 +149,17 @@ def test_supports_ipc_that_raises_ends_the_run_at_once_naming_the_exception():
         run.stderr
     assert "no IPC hooks able to share" not in run.stdout + run.stderr
     assert table(run.stdout) == {}  # no check ran
+
+
+@pytest.mark.parametrize("broken, missing", [
+    ("only_supports_ipc", "get_ipc_mem_handle, open_ipc_mem_handle: "),
+    ("events_without_event_hooks", "get_ipc_event_handle, wait_ipc_event (requires_event_sync"),
+])
+def test_hooks_left_to_the_base_class_end_the_run_at_once_naming_them(broken, missing):
+    """A vendor's first try: every check would wait out its peer's 30 s on a send that raised
+    in the producer's queue feeder thread, a traceback each."""
+    run = kit("--hooks-module", "_broken_hooks", DEVIPC_BROKEN_HOOKS=broken)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"do not implement {missing}" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert table(run.stdout) == {}  # no check ran

@@ -68,4 +68,9 @@ class Kit:
 
     def overrides(self, hook: str) -> bool:
         """Whether the device's hooks define `hook` themselves instead of the default."""
-        return getattr(type(self.hooks), hook) is not getattr(devipc.hooks.IpcHooks, hook)
+        return overrides(self.hooks, hook)
+
+
+def overrides(hooks: devipc.hooks.IpcHooks, hook: str) -> bool:
+    """Whether `hooks` define `hook` themselves instead of the base class's default."""
+    return getattr(type(hooks), hook) is not getattr(devipc.hooks.IpcHooks, hook)

@@ -14,7 +14,7 @@ import torch
 
 from . import _device, _tasks
 from ._check import Check, CheckFailed, Skip
-from ._kit import Kit
+from ._kit import Kit, overrides
 from ._peers import PeerError, Peers
 
 CHECK_TIMEOUT = 120.0  # seconds for one check, its peers' start included
@@ -108,9 +108,15 @@ class CannotStart(Exception):
     """The device cannot be tested at all: the message says why; no check would tell more."""
 
 
+SHARING = ("get_ipc_mem_handle", "open_ipc_mem_handle")  # every device's, beyond supports_ipc
+EVENTS = ("get_ipc_event_handle", "wait_ipc_event")  # those of a device whose consumers wait
+
+
 def preflight(device: torch.device) -> None:
-    """Fail at once where every check would wait out its timeouts: no hooks, or hooks whose
-    supports_ipc() raises or says no (devipc then refuses every send)."""
+    """Fail at once where every check would wait out its timeouts: no hooks, hooks whose
+    supports_ipc() raises or says no (devipc then refuses every send), or hooks that leave one
+    sharing needs to the base class (each send raises in the producer's queue feeder thread,
+    and the peer waits for what never comes)."""
     import devipc
 
     hooks = devipc.hooks.get_ipc_hooks(device.type)
@@ -125,6 +131,19 @@ def preflight(device: torch.device) -> None:
     if answer is not True:
         raise CannotStart(f"its hooks' supports_ipc() answers {answer!r}: devipc shares "
                           f"nothing of the device unless it answers True")
+    try:
+        events = hooks.requires_event_sync()
+    except Exception as error:
+        raise CannotStart(f"its hooks' requires_event_sync() raised {type(error).__name__}: "
+                          f"{error}; it must answer True or False") from None
+    needed = SHARING + (EVENTS if events else ())
+    missing = [name for name in needed if not overrides(hooks, name)]
+    if missing:
+        why = " (requires_event_sync() is True: consumers wait on events)" if set(
+            missing) & set(EVENTS) else ""
+        raise CannotStart(f"its hooks {type(hooks).__module__}.{type(hooks).__qualname__} do "
+                          f"not implement {', '.join(missing)}{why}: devipc cannot share "
+                          f"without them (docs/vendor-guide.md, \"The six hooks\")")
 
 
 class Session:
