@@ -126,6 +126,37 @@ def test_doctor_finds_no_oversubscription_when_each_process_has_its_share(capsys
     assert capsys.readouterr().out.startswith("ok    torch CPU threads: 1 for ")
 
 
+def test_doctor_reports_a_device_setting_its_hooks_refuse_as_a_failure_with_the_fix():
+    """openreg's hooks refuse OPENREG_IPC_EVENTS=yes: the doctor (which never names a device)
+    shows the package's message as the fix, and goes on without the device."""
+    proc = subprocess.run([*DEVIPC, "doctor"], env=fresh_env(OPENREG_IPC_EVENTS="yes"),
+                          capture_output=True, text=True, timeout=FRESH_TIMEOUT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    failure, fix = re.search(r"FAIL  openreg: (.*)\n +fix: (.*)", proc.stdout).groups()
+    assert "its IPC hooks raise ValueError" in failure, proc.stdout
+    assert "OPENREG_IPC_EVENTS='yes' is not understood: set it to 1" in fix, proc.stdout
+    assert "round trip openreg" not in proc.stdout and "ok    round trip cpu" in proc.stdout
+    assert "1 problem(s)" in proc.stdout
+
+
+@pytest.mark.parametrize("hard, fix", [
+    (64, "the hard limit is 64 too, and only a privileged process raises it: `ulimit -n 65536` "
+         "as root"),
+    (4096, "ulimit -n 4096 in the shell"),
+    (1 << 20, "ulimit -n 65536 in the shell"),
+])
+def test_doctor_advises_an_fd_limit_that_raises_a_low_one(hard, fix, monkeypatch, capsys):
+    """`ulimit -n 64` sets the hard limit too: advising `ulimit -n <hard>` changed nothing."""
+    from devipc import _doctor
+
+    monkeypatch.setattr(_doctor.resource, "getrlimit", lambda which: (64, hard))
+    _doctor.environment(_doctor.Report())
+    out = capsys.readouterr().out
+    assert "WARN  ulimit -n is 64: each counter file" in out, out
+    assert re.search(r"ulimit -n is 64: .*\n +fix: (.*)", out).group(1).startswith(fix), out
+
+
 def test_doctor_rejects_a_malformed_token():
     assert _cli.main(["doctor", "--peer", "devipc-doctor-1:bm90IGpzb24="]) == 2
 

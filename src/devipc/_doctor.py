@@ -44,6 +44,7 @@ INIT_PID_NS = 0xEFFFFFFC  # the inode of the host's (initial) PID namespace, PRO
 CAP_SYS_PTRACE = 19
 PR_GET_DUMPABLE = 3
 SHM_WARN_BYTES = 1 << 30
+NOFILE_LOW, NOFILE_WANT = 1024, 65536  # `ulimit -n` below which it warns; what it advises
 FIX_PID_NS = ("run both in one PID namespace: `docker run --pid=host` (or "
               "--pid=container:<the other>) for the containers; in Kubernetes "
               "`shareProcessNamespace: true` for containers of one pod, `hostPID: true` across "
@@ -118,22 +119,39 @@ def devices(report: Report) -> list[str]:
                    f"the {name} package must enable IPC (see its documentation)")
             types.remove(name)
             continue
-        count = torch.get_device_module(name).device_count()
-        mode = ("interprocess events (the consumer's stream waits)"
-                if hooks.requires_event_sync() else "the producer synchronizes before each send")
-        report("ok", f"{name}: {count} device(s), hooks {type(hooks).__module__}; {mode}")
-        for index in range(count):
-            device = torch.device(name, index)
-            identity = hooks.device_identity(device)
-            kind = hooks.memory_kind(index)
-            shown = identity.decode() if identity.isascii() and identity.decode().isprintable() \
-                else identity.hex()
-            print(f"        {device}: identity {shown or '(none)'}, "
-                  f"memory kind for NIXL {kind or '(none: over NIXL it is refused)'}")
+        try:
+            described = describe(name, hooks)
+        except Exception as error:  # noqa: BLE001 - a device's bad setting: a finding
+            # the device's own message names its setting and what works (docs/vendor-guide.md)
+            report("FAIL", f"{name}: its IPC hooks raise {type(error).__name__}, as every send "
+                           f"of {name} tensors would; the {name} package says:", str(error))
+            types.remove(name)
+            continue
+        report("ok", described[0])
+        for line in described[1:]:
+            print(f"        {line}")
     if types and not installed():
         report("FAIL", "torch.multiprocessing is not routed through devipc (devipc.rfc.uninstall() "
                        "was called?)", "call devipc.rfc.install()")
     return types
+
+
+def describe(name: str, hooks: Any) -> list[str]:
+    """A finding on device type `name` from its hooks (its devices, sync mode), then a line per
+    device (identity, memory kind); what a hook raises, for a bad setting of the device's."""
+    count = torch.get_device_module(name).device_count()
+    mode = ("interprocess events (the consumer's stream waits)"
+            if hooks.requires_event_sync() else "the producer synchronizes before each send")
+    lines = [f"{name}: {count} device(s), hooks {type(hooks).__module__}; {mode}"]
+    for index in range(count):
+        device = torch.device(name, index)
+        identity = hooks.device_identity(device)
+        kind = hooks.memory_kind(index)
+        shown = identity.decode() if identity.isascii() and identity.decode().isprintable() \
+            else identity.hex()
+        lines.append(f"{device}: identity {shown or '(none)'}, "
+                     f"memory kind for NIXL {kind or '(none: over NIXL it is refused)'}")
+    return lines
 
 
 def _pid_ns() -> int:
@@ -199,10 +217,9 @@ def environment(report: Report) -> None:
                        f"check it with `devipc doctor --serve` here, `devipc doctor --peer "
                        f"TOKEN` there")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < 1024:
+    if soft != resource.RLIM_INFINITY and soft < NOFILE_LOW:
         report("WARN", f"ulimit -n is {soft}: each counter file and mapping a peer keeps open "
-                       f"takes an fd",
-               f"ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}")
+                       f"takes an fd", _nofile_fix(hard))
     else:
         report("ok", f"ulimit -n {soft} (hard {hard})")
     try:
@@ -224,6 +241,18 @@ def environment(report: Report) -> None:
         report("ok", f"stats page: `devipc info --pid {os.getpid()}` reads this process's")
     except StatsPageError as error:
         report("WARN", f"stats page: {error}")
+
+
+def _nofile_fix(hard: int) -> str:
+    """A command that raises the soft fd limit to NOFILE_WANT, or to the hard limit if lower;
+    a hard limit below NOFILE_LOW only a privileged process (or the process's starter) raises."""
+    if hard == resource.RLIM_INFINITY or hard >= NOFILE_LOW:
+        wanted = NOFILE_WANT if hard == resource.RLIM_INFINITY else min(hard, NOFILE_WANT)
+        return f"ulimit -n {wanted} in the shell that starts the processes"
+    return (f"the hard limit is {hard} too, and only a privileged process raises it: `ulimit -n "
+            f"{NOFILE_WANT}` as root before starting them, `docker run --ulimit "
+            f"nofile={NOFILE_WANT}:{NOFILE_WANT}`, or LimitNOFILE={NOFILE_WANT} in a systemd "
+            f"unit")
 
 
 def threads(report: Report, pages: dict[int, dict]) -> None:
