@@ -185,8 +185,9 @@ def test_a_dead_subscriber_is_named_once_and_never_waited_for_again(children):
                                              publisher.token())
         _, live = _subscribe(children, publisher, 2)
         assert recv(conn) == "subscribed"
-        with pytest.raises(devipc.AckTimeoutError, match="not acknowledged generation 0"):
+        with pytest.raises(devipc.AckTimeoutError, match="not acknowledged generation 0") as late:
             publisher.publish(timeout=0.5)  # alive, not acknowledging: a timeout
+        assert late.value.published == 0  # it went out: the wait for its acknowledgements ended
         assert recv(conn) == ("got", 0)
         assert recv(live)[0] == 0
         os.kill(hanging.pid, signal.SIGKILL)
@@ -194,9 +195,88 @@ def test_a_dead_subscriber_is_named_once_and_never_waited_for_again(children):
         with pytest.raises(devipc.ConsumerDiedError, match=f"pid {hanging.pid}") as died:
             publisher.wait_acks(0, timeout=TIMEOUT)
         assert "subscriber" in _in_user_words(died.value)
-        assert publisher.publish(timeout=TIMEOUT) == 1  # without it, no hang
+        publisher.wait_acks(0, timeout=TIMEOUT)  # the live one's acknowledgement
+        assert publisher.publish(timeout=TIMEOUT) == 1  # without the dead one, no hang
         assert recv(live)[0] == 1
         assert recv(live) == "closed"
+    _drain()
+
+
+def test_a_subscriber_dying_while_publish_waits_is_named_with_the_generation_that_went_out(
+        children):
+    """Issue 47: from ConsumerDiedError alone, the trainer could not tell whether `publish` had
+    published its generation."""
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model) as publisher:
+        hanging, conn = children.start_piped(_workers.weight_subscriber_that_hangs,
+                                             publisher.token())
+        assert recv(conn) == "subscribed"
+
+        def kill_once_it_holds_the_generation():
+            recv(conn)  # ("got", 0): it holds it and will never acknowledge
+            os.kill(hanging.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_it_holds_the_generation)
+        killer.start()
+        with pytest.raises(devipc.ConsumerDiedError, match=f"pid {hanging.pid}") as died:
+            publisher.publish(timeout=TIMEOUT)
+        killer.join(TIMEOUT)
+        assert died.value.published == 0 == publisher.generation
+        assert publisher.publish(timeout=TIMEOUT) == 1  # nobody left to wait for
+    _drain()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "nixl"])
+def test_a_publish_that_raises_says_whether_its_generation_went_out(transport, monkeypatch):
+    """copy=True: an AckTimeoutError from the wait for a buffer still held (nothing went out)
+    or from the wait for the new generation's acknowledgements (it went out)."""
+    use_ucx_loopback(monkeypatch)  # nixl: to this host only
+    model = _workers.TinyGPT()
+    with devipc.WeightPublisher(model, copy=True, transport=transport) as publisher:
+        subscriber = devipc.WeightSubscriber(publisher.token())
+        assert publisher.publish(wait=False) == 0
+        assert subscriber.wait(timeout=TIMEOUT) == 0  # held, not acknowledged
+        with pytest.raises(devipc.AckTimeoutError, match="generation 1") as late:
+            publisher.publish(timeout=0.2)  # the other buffer: out, then not acknowledged
+        assert late.value.published == 1
+        with pytest.raises(devipc.AckTimeoutError, match="generation 0") as held:
+            publisher.publish(timeout=0.2)  # generation 0's buffer, still held
+        assert held.value.published is None and publisher.generation == 1
+        subscriber.ack()
+        assert subscriber.wait(timeout=TIMEOUT) == 1
+        subscriber.ack()
+        assert publisher.publish(wait=False) == 2  # both buffers free again
+        subscriber.close()
+    _drain()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "nixl"])
+def test_copy_false_refuses_at_once_a_publish_before_the_last_one_was_acknowledged(
+        transport, monkeypatch):
+    """Issue 47: a second `publish(wait=False)` before the engines acknowledged waited 60 s,
+    then raised AckTimeoutError; the trainer's write in between landed under their reads."""
+    use_ucx_loopback(monkeypatch)  # nixl: to this host only
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport=transport) as publisher:
+        subscriber = devipc.WeightSubscriber(publisher.token())
+        assert publisher.publish(wait=False) == 0
+        assert subscriber.wait(timeout=TIMEOUT) == 0  # reading it, not acknowledged yet
+        for wait in (False, True):
+            with pytest.raises(ValueError, match=(
+                    rf"subscribers 0 \(pid {os.getpid()}, acknowledged -1\) have not "
+                    rf"acknowledged generation 0: .*once wait_acks\(0\) returned.*nothing was "
+                    rf"published")) as refused:
+                publisher.publish(wait=wait, timeout=TIMEOUT)
+            assert not re.search("arena|consumer|record", str(refused.value))  # user words
+            assert publisher.generation == 0
+        subscriber.ack()
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        assert publisher.publish(wait=False) == 1
+        assert subscriber.wait(timeout=TIMEOUT) == 1
+        subscriber.ack()
+        subscriber.close()
     _drain()
 
 

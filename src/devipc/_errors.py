@@ -38,7 +38,10 @@ class ReshareError(DevIpcError):
 class ConsumerDiedError(PeerGoneError):
     """A consumer (an arena's, a weight publisher's subscriber) died without acknowledging: the
     producer's wait ended, and that consumer no longer counts. `consumers` lists (index, pid) of
-    the dead ones."""
+    the dead ones. From `WeightPublisher.publish`, `published` is the generation it published
+    (the wait for its acknowledgements ended), or None: nothing went out."""
+
+    published: int | None = None
 
     def __init__(self, consumers: list[tuple[int, int]], generation: int,
                  consumer: str = "arena consumer", producer: str = "arena"):
@@ -57,7 +60,10 @@ class ChecksumError(DevIpcError):
 
 
 class AckTimeoutError(DevIpcError, TimeoutError):
-    """A consumer is alive but did not acknowledge in time."""
+    """A consumer is alive but did not acknowledge in time. From `WeightPublisher.publish`,
+    `published` is the generation it published, or None: nothing went out."""
+
+    published: int | None = None
 
 
 class RemoteTensorFreedError(DevIpcError):

@@ -20,7 +20,9 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ._backoff import Backoff
+from ._errors import AckTimeoutError, ConsumerDiedError
 from ._publisher_local import LocalPublisher, LocalSubscriber
+from ._readers import ATTACHED, label
 from ._weights import Names, copy_into, token_reader
 
 __all__ = ["WeightPublisher", "WeightSubscriber"]
@@ -73,11 +75,45 @@ class WeightPublisher:
                 checksum: bool = False) -> int:
         """Make the current weights a new generation for every subscriber, once the device work
         that wrote them is done; returns it. With `wait`, returns once every live subscriber
-        acknowledged it (`wait_acks`). With copy=False, ValueError if the weights left the
-        packed allocation since the publisher was made. With `checksum`, the generation's
-        CRC-32 goes with it, for `WeightSubscriber.verify()` (one pass over the bytes, through
-        the host where the device's memory is not host memory)."""
-        return self._backend.publish(wait=wait, timeout=timeout, checksum=checksum)
+        acknowledged it (`wait_acks`). With copy=False, ValueError, nothing published, if the
+        weights left the packed allocation since the publisher was made, or if a live
+        subscriber has not acknowledged the previous generation (the weights were written under
+        it: `wait_acks` first). With `checksum`, the generation's CRC-32 goes with it, for
+        `WeightSubscriber.verify()` (one pass over the bytes, through the host where the
+        device's memory is not host memory). ConsumerDiedError and AckTimeoutError say in
+        `published` whether the new generation went out: its number (the error came from the
+        wait for its acknowledgements), or None (from the wait for an earlier generation's
+        buffer, copy=True: nothing was published)."""
+        if not self.copy:
+            self._refuse_unacknowledged()
+        try:
+            generation = self._backend.publish(timeout=timeout, checksum=checksum)
+        except (ConsumerDiedError, AckTimeoutError) as error:
+            error.published = None
+            raise
+        if wait:
+            try:
+                self._backend.wait_acks(generation, timeout)
+            except (ConsumerDiedError, AckTimeoutError) as error:
+                error.published = generation
+                raise
+        return generation
+
+    def _refuse_unacknowledged(self) -> None:
+        """copy=False: ValueError naming the live subscribers that have not acknowledged the
+        newest generation, which still read the memory the trainer wrote the next one into.
+        (Waiting here, as the arena would, hid the mistake behind a minute's AckTimeoutError.)
+        A dead one is not told from a slow one here: `wait_acks` names it."""
+        newest, attached = self._backend.generation, label(ATTACHED)
+        late = [f"{index} (pid {record['pid']}, acknowledged {record['acknowledged']})"
+                for index, record in self._backend.subscribers().items()
+                if record["state"] == attached and record["acknowledged"] < newest]
+        if late:
+            raise ValueError(
+                f"subscribers {', '.join(late)} have not acknowledged generation {newest}: with "
+                f"copy=False they read the trainer's own memory, so the weights may change and "
+                f"the next generation go out only once wait_acks({newest}) returned (or "
+                f"publish with wait=True); nothing was published")
 
     def wait_acks(self, generation: int, timeout: float | None = None) -> None:
         """Return once every live subscriber acknowledged `generation`. AckTimeoutError after

@@ -91,21 +91,18 @@ class LocalPublisher:
         attachment = Attachment.from_bytes(self._arena.attach(from_newest=self.copy))
         return LocalToken(attachment, self._table).to_bytes()
 
-    def publish(self, *, wait: bool = True, timeout: float | None = None,
-                checksum: bool = False) -> int:
+    def publish(self, *, timeout: float | None = None, checksum: bool = False) -> int:
         """Make the current weights a new generation for every subscriber, once the device work
-        that wrote them is done; returns it. With `wait`, returns once every live subscriber
-        acknowledged it (`wait_acks`). With copy=False, ValueError if the weights left the
-        packed allocation since the publisher was made (`InPlace`). With `checksum`, its
-        CRC-32 goes with it."""
+        that wrote them is done; returns it (`WeightPublisher.publish` waits for the
+        acknowledgements). With copy=False, ValueError if the weights left the packed
+        allocation since the publisher was made (`InPlace`). With `checksum`, its CRC-32 goes
+        with it."""
         if self._in_place is not None:
             self._in_place.check()
         fill = self._fill if self.copy else None
         generation = self._arena.publish(fill, ACK_TIMEOUT if timeout is None else timeout,
                                          checksum)
         self.generation = max(self.generation, generation)
-        if wait:
-            self.wait_acks(generation, timeout)
         return generation
 
     def _fill(self, storage: torch.UntypedStorage, base: int) -> None:

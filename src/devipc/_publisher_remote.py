@@ -291,10 +291,9 @@ class NixlPublisher:
                     self._words[_word(index, field)] = value
 
     @counted
-    def publish(self, *, wait: bool = True, timeout: float | None = None,
-                checksum: bool = False) -> int:
+    def publish(self, *, timeout: float | None = None, checksum: bool = False) -> int:
         """As for one host: the new generation is visible once the device work that wrote it is
-        done; `wait` waits for every live subscriber's acknowledgement; `checksum` publishes
+        done (`WeightPublisher.publish` waits for the acknowledgements); `checksum` publishes
         its CRC-32 with it."""
         with self._turns:
             if self._in_place is not None:
@@ -316,8 +315,6 @@ class NixlPublisher:
             if self.relay:
                 self._arrange()
             self._words[_PUBLISHED] = generation
-        if wait:
-            self.wait_acks(generation, timeout)
         return generation
 
     @counted
