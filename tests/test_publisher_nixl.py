@@ -565,3 +565,48 @@ def test_an_asyncio_loop_awaits_a_generation_across_hosts(loopback):
                     subscriber.tensors().items()} == _workers.snapshot(model)
             subscriber.ack()
             publisher.wait_acks(0, timeout=TIMEOUT)
+
+
+# An engine whose stderr (where NIXL logs) the test reads, as the docs write one: it takes a
+# generation, waits for the next, meets the trainer's close there; once told that the close
+# returned (the trainer's agent is gone), it marks its stderr and closes.
+ENGINE = textwrap.dedent("""
+    import sys
+    import devipc, devipc_openreg
+
+    sub = devipc.WeightSubscriber(bytes.fromhex(sys.stdin.readline()))
+    print("got", sub.wait(timeout=60), flush=True)
+    sub.ack()
+    try:
+        sub.wait(timeout=60)
+    except devipc.PeerGoneError:
+        print("publisher gone", flush=True)
+    sys.stdin.readline()
+    print("closing", file=sys.stderr, flush=True)
+    sub.close()
+""")
+
+
+def test_an_engine_closing_after_its_trainer_closed_posts_nothing_to_it(loopback):
+    """Issue 47: its unsubscribe, a write to the closed publisher's agent, made NIXL log
+    `E ... postXferReq: remote agent ... was disconnected` on a normal shutdown. (The read
+    that finds the publisher closed may itself meet the agent gone, on a loaded machine: NIXL
+    logs that one post.)"""
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with devipc.WeightPublisher(model, transport="nixl") as publisher:
+            engine.stdin.write(publisher.token().hex() + "\n")
+            engine.stdin.flush()
+            publisher.wait_subscribers(1, timeout=TIMEOUT)
+            assert publisher.publish(timeout=TIMEOUT) == 0
+            assert engine.stdout.readline() == "got 0\n"  # then it waits for the next
+        assert engine.stdout.readline() == "publisher gone\n"
+        out, err = engine.communicate("closed\n", timeout=TIMEOUT)
+    finally:
+        engine.kill()
+        engine.wait(TIMEOUT)
+    assert engine.returncode == 0 and not out, err
+    assert "closing\n" in err and "disconnected" not in err.split("closing\n", 1)[1], err

@@ -462,6 +462,7 @@ class NixlSubscriber:
         self._share = share_key(self.device) if chunk and share else 0
         self._ids: list[int] = []
         self._stop = threading.Event()
+        self._publisher_gone = False  # its words unreadable: nothing more is posted to it
         self._heart: list[threading.Thread] = []
         # two agents: a heartbeat through the one that pulls would wait for the whole pull
         self._endpoints: list[p2p.Endpoint] = []
@@ -523,9 +524,16 @@ class NixlSubscriber:
                                 f"{type(error).__name__}: {error}") from None
 
     def _poll(self) -> tuple[int, int, int]:
-        """(published, filling, this record's state), one NIXL read."""
-        self._remote(lambda: self._connection.readv([self._words[_HEAD], self._words[_RECORD]],
-                                                    [self._header, self._record]))
+        """(published, filling, this record's state), one NIXL read. A publisher found closed or
+        gone is posted nothing more, no heartbeat and no unsubscribe: NIXL logs an error for
+        each post to an agent that disconnected, as a closing publisher's does right after."""
+        try:
+            self._remote(lambda: self._connection.readv(
+                [self._words[_HEAD], self._words[_RECORD]], [self._header, self._record]))
+        except PeerGoneError:
+            self._publisher_gone = True
+            self._stop.set()
+            raise
         words = self._words[:_HEADER + 1].tolist()
         self._header_seen = words[:_HEADER]
         return words[_PUBLISHED], words[_FILLING], words[_HEADER + _STATE]
@@ -803,7 +811,8 @@ class NixlSubscriber:
         self._stop.set()
         self._words[_CLAIM][0] = CLOSED
         try:
-            self._remote(lambda: self._connection.write(self._words[_CLAIM], self._claim))
+            if not self._publisher_gone:  # (nothing waits for this subscriber there)
+                self._remote(lambda: self._connection.write(self._words[_CLAIM], self._claim))
         except (DevIpcError, ValueError):
             pass  # the publisher is gone: nothing waits for this subscriber
         self._release()
