@@ -101,4 +101,4 @@ BROKEN = {"offset": OffsetOffByOne, "no_event_wait": NoEventWait, "open_hangs": 
           "always_device_zero": AlwaysDeviceZero, "supports_ipc_raises": SupportsIpcRaises,
           "handles_repeat": HandlesRepeat, "only_supports_ipc": OnlySupportsIpc,
           "events_without_event_hooks": EventsWithoutEventHooks}
-register_ipc_hooks("openreg", BROKEN[os.environ["DEVIPC_BROKEN_HOOKS"]]())
+register_ipc_hooks("openreg", BROKEN[os.environ["DEVIPC_BROKEN_HOOKS"]](), replace=True)

@@ -74,6 +74,21 @@ def test_torch_owned_devices_cannot_be_taken_over(device_type):
         devipc.hooks.register_ipc_hooks(device_type, devipc.hooks.IpcHooks())
 
 
+def test_hooks_registered_already_are_replaced_only_when_asked():
+    first, second = _Unable(), _Unable()
+    devipc.hooks.register_ipc_hooks("fakedev", first)
+    try:
+        devipc.hooks.register_ipc_hooks("fakedev", first)  # the same ones again: idempotent
+        with pytest.raises(ValueError, match=r"'fakedev' has IPC hooks registered already "
+                                             r"\(test_hooks._Unable\): pass replace=True"):
+            devipc.hooks.register_ipc_hooks("fakedev", second)
+        assert devipc.hooks.get_ipc_hooks("fakedev") is first
+        devipc.hooks.register_ipc_hooks("fakedev", second, replace=True)
+        assert devipc.hooks.get_ipc_hooks("fakedev") is second
+    finally:
+        devipc.hooks.unregister_ipc_hooks("fakedev")
+
+
 def test_hooks_must_implement_the_contract():
     with pytest.raises(TypeError, match="IpcHooks"):
         devipc.hooks.register_ipc_hooks("fakedev", object())

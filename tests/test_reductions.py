@@ -457,12 +457,12 @@ def test_hooks_in_the_rfc_prs_spelling_share_unchanged(children, ipc_mode):
     inner = devipc.hooks.get_ipc_hooks("openreg")
     upstream = _UpstreamSpelling(inner)
     assert upstream.ipc_event_handle_size() == 0  # the core asks requires_event_sync() alone
-    devipc.hooks.register_ipc_hooks("openreg", upstream)
+    devipc.hooks.register_ipc_hooks("openreg", upstream, replace=True)
     try:
         cpu = torch.arange(12.0).reshape(3, 4)
         report, = _roundtrip(children, [(cpu.to("openreg")[1:], cpu[1:])])
     finally:
-        devipc.hooks.register_ipc_hooks("openreg", inner)
+        devipc.hooks.register_ipc_hooks("openreg", inner, replace=True)
     assert report["equal"] and report["received"] and report["offset"] == 4
 
 

@@ -144,8 +144,11 @@ _listeners: list[Callable[[], None]] = []
 _TORCH_OWNED = frozenset({"cpu", "cuda", "meta"})
 
 
-def register_ipc_hooks(device_type: str, hooks: IpcHooks) -> None:
-    """Make `device_type` tensors share through `hooks`; installs the reductions (idempotent)."""
+def register_ipc_hooks(device_type: str, hooks: IpcHooks, *, replace: bool = False) -> None:
+    """Make `device_type` tensors share through `hooks`; installs the reductions (idempotent).
+    Other hooks registered for the type already are replaced only with `replace=True`
+    (ValueError otherwise): two packages registering one device would silently decide which
+    hooks every send takes."""
     if not isinstance(hooks, IpcHooks):
         raise TypeError(f"hooks must be an IpcHooks instance, got {type(hooks).__name__}")
     if torch_shares(device_type):
@@ -153,6 +156,11 @@ def register_ipc_hooks(device_type: str, hooks: IpcHooks) -> None:
                          f"them over")
     with _lock:
         previous = _registry.get(device_type)
+        if previous is not None and previous is not hooks and not replace:
+            raise ValueError(
+                f"{device_type!r} has IPC hooks registered already "
+                f"({type(previous).__module__}.{type(previous).__qualname__}): pass "
+                f"replace=True to replace them, or unregister_ipc_hooks({device_type!r}) first")
         _registry[device_type] = hooks
         listeners = list(_listeners)
     try:
