@@ -27,11 +27,16 @@ from .._state_dict import open_state_dict, share_state_dict
 from .._tools import hook_modules, load_modules
 from .common import Panel, Progress, markdown
 
-__all__ = ["MODES", "measure", "panel", "table", "transformer_shapes"]
+__all__ = ["LABELS", "MODES", "measure", "panel", "table", "transformer_shapes"]
 
 TIMEOUT = 600
 COUNT = 1000
 MODES = ("torch-cpu", "per-tensor", "bucket", "packed", "arena", "arena-1", "via-cpu")
+# What a plot calls each mode: what a user would write to sync that way
+LABELS = {"torch-cpu": "torch CPU shared, per tensor", "per-tensor": "devipc, per tensor",
+          "bucket": "share_state_dict (copy)", "packed": "pack + share_state_dict",
+          "arena": "Arena, 2 buffers", "arena-1": "Arena, 1 buffer",
+          "via-cpu": "copy through CPU"}
 
 
 def transformer_shapes(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -257,6 +262,7 @@ def table(measured: dict) -> str:
 def panel(measured: dict) -> Panel:
     results = measured["results"]
     return Panel(f"weight sync, {measured['nbytes'] / 2**20:.0f} MiB state_dict", "seconds",
-                 list(results), {"first sync": [r[0] for r in results.values()],
-                                 "later syncs (median)": [r[1] for r in results.values()]},
+                 [LABELS[mode] for mode in results],
+                 {"first sync": [r[0] for r in results.values()],
+                  "later syncs (median)": [r[1] for r in results.values()]},
                  bars=True)
