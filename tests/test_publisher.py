@@ -265,7 +265,7 @@ def test_copy_false_refuses_at_once_a_publish_before_the_last_one_was_acknowledg
         assert subscriber.wait(timeout=TIMEOUT) == 0  # reading it, not acknowledged yet
         for wait in (False, True):
             with pytest.raises(ValueError, match=(
-                    rf"subscribers 0 \(pid {os.getpid()}, acknowledged -1\) have not "
+                    rf"subscribers 0 \(pid {os.getpid()}, attached, acknowledged -1\) have not "
                     rf"acknowledged generation 0: .*once wait_acks\(0\) returned.*nothing was "
                     rf"published")) as refused:
                 publisher.publish(wait=wait, timeout=TIMEOUT)

@@ -22,12 +22,12 @@ import torch
 from ._backoff import Backoff
 from ._errors import AckTimeoutError, ConsumerDiedError
 from ._publisher_local import LocalPublisher, LocalSubscriber
-from ._readers import ATTACHED, label
 from ._weights import Names, copy_into, token_reader
 
 __all__ = ["WeightPublisher", "WeightSubscriber"]
 
 TRANSPORTS = ("ipc", "nixl")
+_LOOK = 1e-9  # a wait_acks timeout that looks once: the acknowledgements as they are now
 
 
 class WeightPublisher:
@@ -101,19 +101,24 @@ class WeightPublisher:
 
     def _refuse_unacknowledged(self) -> None:
         """copy=False: ValueError naming the live subscribers that have not acknowledged the
-        newest generation, which still read the memory the trainer wrote the next one into.
-        (Waiting here, as the arena would, hid the mistake behind a minute's AckTimeoutError.)
-        A dead one is not told from a slow one here: `wait_acks` names it."""
-        newest, attached = self._backend.generation, label(ATTACHED)
-        late = [f"{index} (pid {record['pid']}, acknowledged {record['acknowledged']})"
-                for index, record in self._backend.subscribers().items()
-                if record["state"] == attached and record["acknowledged"] < newest]
-        if late:
+        newest generation: they still read the memory the trainer wrote the next one into.
+        (Waiting here, as the backends would, hid the mistake behind a minute's
+        AckTimeoutError.) One look, as `wait_acks` looks: a dead one is named by
+        ConsumerDiedError, nothing published."""
+        newest = self._backend.generation
+        if newest < 0:
+            return
+        try:
+            self._backend.wait_acks(newest, _LOOK)
+        except AckTimeoutError as late:
             raise ValueError(
-                f"subscribers {', '.join(late)} have not acknowledged generation {newest}: with "
-                f"copy=False they read the trainer's own memory, so the weights may change and "
-                f"the next generation go out only once wait_acks({newest}) returned (or "
-                f"publish with wait=True); nothing was published")
+                f"{str(late).partition(', ')[2]}: with copy=False they read the trainer's own "
+                f"memory, so the weights may change and the next generation go out only once "
+                f"wait_acks({newest}) returned (or publish with wait=True); nothing was "
+                f"published") from None
+        except ConsumerDiedError as error:
+            error.published = None
+            raise
 
     def wait_acks(self, generation: int, timeout: float | None = None) -> None:
         """Return once every live subscriber acknowledged `generation`. AckTimeoutError after
