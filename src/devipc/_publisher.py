@@ -82,8 +82,9 @@ class WeightPublisher:
         `WeightSubscriber.verify()` (one pass over the bytes, through the host where the
         device's memory is not host memory). ConsumerDiedError and AckTimeoutError say in
         `published` whether the new generation went out: its number (the error came from the
-        wait for its acknowledgements), or None (from the wait for an earlier generation's
-        buffer, copy=True: nothing was published)."""
+        wait for its acknowledgements), or None (nothing was published: from the wait for an
+        earlier generation's buffer, copy=True, or the look at the previous one's
+        acknowledgements, copy=False)."""
         if not self.copy:
             self._refuse_unacknowledged()
         try:
