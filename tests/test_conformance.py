@@ -87,7 +87,8 @@ def test_as_pytest_each_check_is_a_test_and_a_failure_names_it():
         [sys.executable, "-m", "pytest", "-p", "devipc.conformance.pytest_plugin", "--pyargs",
          "devipc.conformance", "--device", "openreg", "--hooks-module", "_broken_hooks", "-k",
          "contract.registered or roundtrip.views", "-q", "-p", "no:cacheprovider"],
-        env=fresh_env(PYTHONPATH=str(TESTS), DEVIPC_BROKEN_HOOKS="offset"), cwd=TESTS.parent,
+        env=fresh_env(PYTHONPATH=":".join(filter(None, [str(TESTS), fresh_env().get(
+            "PYTHONPATH")])), DEVIPC_BROKEN_HOOKS="offset"), cwd=TESTS.parent,
         capture_output=True, text=True, timeout=KIT_TIMEOUT)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "FAILED" in run.stdout and "test_check[roundtrip.views]" in run.stdout
