@@ -16,6 +16,11 @@ PIN := $(VENV)/torch-pin.txt
 DEFAULT_VENV := $(filter .venv,$(VENV))
 OPENREG := $(if $(DEFAULT_VENV),-e )'./openreg[test,onnx]'
 OPENREG_ENV := $(if $(DEFAULT_VENV),,OPENREG_BUILD_BASE=$(abspath $(VENV))/openreg-build)
+# vLLM (tests/vllm, examples/vllm_weight_sync.py) through devipc's `vllm` extra: its CPU build pins
+# torch 2.13.0+cpu, so only .venv gets it (the vLLM tests skip elsewhere). The index's torchvision,
+# torchaudio and torchcodec that it may pull link CUDA libraries and break vLLM's import: removed.
+VLLM_SETUP = PIP_CONSTRAINT=$(PIN) $(PIP) install -q --no-build-isolation -e '.[vllm]' \
+  && $(PIP) uninstall -q -y torchvision torchaudio torchcodec
 SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/* openreg/csrc/*/*/*)
 SOURCES += $(if $(DEFAULT_VENV),,$(wildcard openreg/src/*.py openreg/src/*/*.py))  # not editable there
 # `make test PYTEST_ARGS='-m "not slow"'`: what CI runs on the newest torch.
@@ -106,4 +111,5 @@ $(STAMP): $(SOURCES)
 	  | sed -un 's/^ *\(\[[0-9]*\/[0-9]*\]\) .* -c \([^ ]*\) .*/  \1 \2/p; /runtime: /p' \
 	  || { tail -40 $(VENV)/openreg-build.log; exit 1; }
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c "import devipc_openreg"
+	$(if $(DEFAULT_VENV),$(VLLM_SETUP))
 	touch $(STAMP)

@@ -52,17 +52,18 @@ class Children:
         self.procs = []
         self.conns = []
 
-    def start(self, target, *args):
-        proc = self.ctx.Process(target=target, args=args, daemon=True)
+    def start(self, target, *args, daemon=True):
+        """`daemon=False` for a child that starts processes of its own (vLLM's engine core)."""
+        proc = self.ctx.Process(target=target, args=args, daemon=daemon)
         proc.start()
         _started.add(proc.pid)
         self.procs.append(proc)
         return proc
 
-    def start_piped(self, target, *args):
+    def start_piped(self, target, *args, daemon=True):
         """Starts target(conn, *args); returns the process and our end of the Pipe to it."""
         ours, theirs = self.ctx.Pipe()
-        proc = self.start(target, theirs, *args)
+        proc = self.start(target, theirs, *args, daemon=daemon)
         theirs.close()
         self.conns.append(ours)
         return proc, ours

@@ -20,8 +20,9 @@ def imported_modules(path):
 
 def test_core_sources_import_only_torch_and_the_standard_library():
     for path in sorted(CORE.rglob("*.py")):
-        # devipc.ray is the `ray` extra's own package: Ray is what it plugs into
-        allowed_roots = {"torch", "devipc"} | ({"ray"} if CORE / "ray" in path.parents else set())
+        # devipc.ray and devipc.vllm are their extras' own packages: what each plugs into
+        allowed_roots = {"torch", "devipc"} | {extra for extra in ("ray", "vllm")
+                                               if CORE / extra in path.parents}
         for name in imported_modules(path):
             root = name.split(".")[0]
             assert root in allowed_roots or root in __import__("sys").stdlib_module_names, \

@@ -1,0 +1,146 @@
+"""vLLM for tests/test_vllm.py and benchmarks/vllm_weight_update.py: a tiny Llama made from a
+config (no hub), a vLLM engine in a process of its own driven through a Pipe, and the client that
+drives it as vLLM's trainer API expects (`VLLMWeightSyncClient`)."""
+import os
+
+import torch
+
+VOCAB, LAYERS = 256, 2
+
+
+def make_model(directory: str, seed: int = 0, hidden: int = 128, layers: int = LAYERS,
+               vocab: int = VOCAB):
+    """A random float32 Llama (head_dim 64, as vLLM's CPU attention needs) saved where vLLM
+    loads it; returns the Hugging Face model, the trainer's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=hidden // 64, max_position_embeddings=128,
+                         tie_word_embeddings=False, torch_dtype="float32")
+    model = LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama's weights as vLLM's model holds them: q, k, v in `qkv_proj` and gate,
+    up in `gate_up_proj`."""
+    out, parts = {}, {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                      "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        for part, (into, index) in parts.items():
+            if f".{part}." in name:
+                pending.setdefault(name.replace(part, into), {})[index] = tensor
+                break
+        else:
+            out[name] = tensor
+    for name, pieces in pending.items():
+        out[name] = torch.cat([pieces[i] for i in sorted(pieces)])
+    return out
+
+
+def effective_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights vLLM's model computes with, by its names. A CPU linear layer keeps its weight
+    in a oneDNN handle (its parameter then reads empty): it is run on an identity matrix instead
+    (exact in float32)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    found = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LinearBase):
+                eye = torch.eye(module.input_size, dtype=torch.float32)
+                found[f"{name}.weight"] = module(eye)[0].t().contiguous()
+        for name, param in model.named_parameters():
+            if name not in found and param.numel():
+                found[name] = param.detach().clone()
+    return found
+
+
+def engine(conn, model_dir: str, multiprocessing: bool = False) -> None:
+    """A vLLM LLM with backend "devipc", answering (method, args) from the Pipe with ("ok",
+    result) or ("error", text) until None comes. Multiprocessing on: the engine core and the
+    worker are processes of their own, which only the plug-in's entry point reaches."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function, by name
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the KV cache, on CPU in RAM
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    extra = {"distributed_executor_backend": "mp"} if multiprocessing else {}
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=128, max_num_seqs=4, seed=0,
+              weight_transfer_config=WeightTransferConfig(backend="devipc"), **extra)
+    conn.send(("ok", "ready"))
+    while (request := conn.recv()) is not None:
+        method, args = request
+        try:
+            conn.send(("ok", COMMANDS[method](llm, *args)))
+        except Exception as error:  # the test reads it, as vLLM's caller would
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _generate(llm, prompt: list[int], tokens: int) -> list[int]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                             use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def process_id(model: torch.nn.Module) -> int:
+    """The pid of the process that holds the model: vLLM's worker."""
+    return os.getpid()
+
+
+COMMANDS = {
+    "pids": lambda llm: (os.getpid(), llm.apply_model(process_id)[0]),
+    "generate": _generate,
+    "weights": lambda llm: llm.apply_model(effective_weights)[0],
+    "version": lambda llm: llm.get_weight_version(),
+    "init_weight_transfer_engine": lambda llm, info: llm.init_weight_transfer_engine(
+        {"init_info": info}),
+    "start_weight_update": lambda llm: llm.start_weight_update(),
+    "update_weights": lambda llm, info: llm.update_weights({"update_info": info}),
+    "finish_weight_update": lambda llm, version=None: llm.finish_weight_update(version),
+}
+
+
+class EngineClient:
+    """vLLM's `VLLMWeightSyncClient` over the Pipe to an `engine` process: each call returns once
+    the engine answered; an error there raises RuntimeError here, with its text."""
+
+    def __init__(self, conn, timeout: float):
+        self.conn, self.timeout = conn, timeout
+
+    def call(self, method: str, *args):
+        self.send(method, *args)
+        return self.answer()
+
+    def send(self, method: str, *args) -> None:
+        self.conn.send((method, args))
+
+    def answer(self):
+        if not self.conn.poll(self.timeout):
+            raise TimeoutError(f"the engine did not answer within {self.timeout} s")
+        status, result = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(result)
+        return result
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update", weight_version)

