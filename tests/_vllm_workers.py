@@ -43,24 +43,6 @@ def fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def effective_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights vLLM's model computes with, by its names. A CPU linear layer keeps its weight
-    in a oneDNN handle (its parameter then reads empty): it is run on an identity matrix instead
-    (exact in float32)."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    found = {}
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, LinearBase):
-                eye = torch.eye(module.input_size, dtype=torch.float32)
-                found[f"{name}.weight"] = module(eye)[0].t().contiguous()
-        for name, param in model.named_parameters():
-            if name not in found and param.numel():
-                found[name] = param.detach().clone()
-    return found
-
-
 def engine(conn, model_dir: str, multiprocessing: bool = False) -> None:
     """A vLLM LLM with backend "devipc", answering (method, args) from the Pipe with ("ok",
     result) or ("error", text) until None comes. Multiprocessing on: the engine core and the
@@ -93,6 +75,12 @@ def _generate(llm, prompt: list[int], tokens: int) -> list[int]:
                              use_tqdm=False)[0].outputs[0].token_ids)
 
 
+def _weights_in_use(llm) -> dict[str, torch.Tensor]:
+    from devipc.vllm import weights_in_use
+
+    return llm.apply_model(weights_in_use)[0]
+
+
 def process_id(model: torch.nn.Module) -> int:
     """The pid of the process that holds the model: vLLM's worker."""
     return os.getpid()
@@ -101,7 +89,7 @@ def process_id(model: torch.nn.Module) -> int:
 COMMANDS = {
     "pids": lambda llm: (os.getpid(), llm.apply_model(process_id)[0]),
     "generate": _generate,
-    "weights": lambda llm: llm.apply_model(effective_weights)[0],
+    "weights": _weights_in_use,
     "version": lambda llm: llm.get_weight_version(),
     "init_weight_transfer_engine": lambda llm, info: llm.init_weight_transfer_engine(
         {"init_info": info}),

