@@ -230,8 +230,12 @@ def check_holds(client: EngineClient, weights: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(found[name], expected[name]) for name in expected)
 
 
-@pytest.mark.slow  # a second engine process (~20 s to start on the 2-core machine)
-def test_two_engines_and_a_late_one_each_hold_every_update(llm, model_dir, children):
+@pytest.mark.slow  # a second engine: front end, engine core and worker (~20 s to start)
+def test_a_late_engine_of_three_processes_holds_every_update_as_the_first(llm, model_dir,
+                                                                         children, monkeypatch):
+    """Two engines, one late, the late one with vLLM's multiprocessing on: the plug-in reaches
+    its engine core and worker only through the entry point."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, *sys.path]))  # apply_model's
     model = trainer_model(model_dir, seed=5)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     sync = trainer_sync(model, llm)
@@ -239,34 +243,19 @@ def test_two_engines_and_a_late_one_each_hold_every_update(llm, model_dir, child
         sync.send_weights()
         train_to_repeat(model, optimizer)
         sync.send_weights()
-        late = start_engine(children, model_dir)  # joins after two generations
+        late = start_engine(children, model_dir, multiprocessing=True)  # after two generations
+        front_end, worker = late.call("pids")
+        assert front_end != worker  # the backend was made in vLLM's worker process
         sync.add_engine(late)
-        for _ in range(2):
+        for step in range(2):
             train_to_repeat(model, optimizer)
-            sync.send_weights()
+            sync.send_weights(weight_version=f"late {step}")
             for client in (llm, late):
                 assert_engine_holds(client, model)
                 assert client.call("generate", PROMPT, TOKENS) == greedy(model)
+        assert late.call("version") == "late 1"
     finally:
         sync.shutdown()
-
-
-@pytest.mark.slow  # front end, engine core and worker: three processes (~20 s to start)
-def test_the_plug_in_reaches_the_engine_core_and_worker_processes(model_dir, children,
-                                                                   monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, *sys.path]))  # apply_model's
-    client = start_engine(children, model_dir, multiprocessing=True)
-    model = trainer_model(model_dir, seed=6)
-    sync = trainer_sync(model, client)
-    try:
-        front_end, worker = client.call("pids")
-        assert front_end != worker  # the backend was made in vLLM's worker process
-        sync.send_weights(weight_version="first")
-        assert_engine_holds(client, model)
-        assert client.call("generate", PROMPT, TOKENS) == greedy(model)
-        assert client.call("version") == "first"
-    finally:
-        sync.shutdown()
-        children.conns[-1].send(None)  # vLLM ends its engine core and worker
+    children.conns[-1].send(None)  # vLLM ends its engine core and worker
     children.procs[-1].join(TIMEOUT)
     assert children.procs[-1].exitcode == 0
