@@ -79,6 +79,7 @@ bench-all: bench
 	$(PY) benchmarks/device_ops.py
 	$(PY) benchmarks/p2p_bandwidth.py
 	$(PY) benchmarks/fleet_relay.py  # as root: network namespaces
+	$(PY) benchmarks/vllm_weight_update.py  # .venv: vLLM
 
 # The long runs behind docs/reliability.md (the suite runs bounded versions of both).
 fuzz: $(STAMP)
