@@ -60,8 +60,9 @@ def llm(model_dir):
         children.reap()
 
 
-def trainer_model(model_dir: str, seed: int):
-    """The trainer's Llama: the engine's weights moved by `seed`, packed in one allocation."""
+def trainer_model(model_dir: str, seed: int, device: str = "cpu"):
+    """The trainer's Llama: the engine's weights moved by `seed`, on `device`, packed in one
+    allocation."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
@@ -69,6 +70,7 @@ def trainer_model(model_dir: str, seed: int):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+    model.to(device)
     devipc.pack_module(model)
     return model
 
@@ -93,7 +95,7 @@ def greedy(model, prompt=PROMPT, tokens=TOKENS) -> list[int]:
 
 
 def assert_engine_holds(client: EngineClient, model) -> None:
-    expected = fused({name: p.detach() for name, p in model.named_parameters()})
+    expected = fused({name: p.detach().cpu() for name, p in model.named_parameters()})
     found = client.call("weights")
     assert sorted(found) == sorted(expected)
     different = [name for name in expected if not torch.equal(found[name], expected[name])]
@@ -136,6 +138,22 @@ def test_each_update_the_engine_holds_and_generates_with_the_trainers_weights(ll
             previous = tokens
         assert tokens == [REPEAT] * TOKENS  # trained to repeat, and served so
         assert sync.publisher.generation == 2 and llm.call("version") == "step 1"
+    finally:
+        sync.shutdown()
+
+
+def test_an_openreg_trainer_feeds_a_cpu_engine(llm, model_dir):
+    import devipc_openreg  # noqa: F401  (the reference device: its memory is host memory)
+
+    model = trainer_model(model_dir, seed=7, device="openreg")
+    sync = trainer_sync(model, llm)  # the engine's worker maps the trainer's openreg memory
+    try:
+        for scale in (1.0, 0.5):
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(scale)  # a step, on the trainer's device
+            sync.send_weights()
+            assert_engine_holds(llm, model)
     finally:
         sync.shutdown()
 
