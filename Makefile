@@ -16,9 +16,10 @@ PIN := $(VENV)/torch-pin.txt
 DEFAULT_VENV := $(filter .venv,$(VENV))
 OPENREG := $(if $(DEFAULT_VENV),-e )'./openreg[test,onnx]'
 OPENREG_ENV := $(if $(DEFAULT_VENV),,OPENREG_BUILD_BASE=$(abspath $(VENV))/openreg-build)
-# vLLM (tests/vllm, examples/vllm_weight_sync.py) through devipc's `vllm` extra: its CPU build pins
-# torch 2.13.0+cpu, so only .venv gets it (the vLLM tests skip elsewhere). The index's torchvision,
-# torchaudio and torchcodec that it may pull link CUDA libraries and break vLLM's import: removed.
+# vLLM (tests/test_vllm.py, examples/vllm_weight_sync.py) through devipc's `vllm` extra: its CPU
+# build pins torch 2.13.0+cpu, so only .venv gets it (the vLLM tests skip elsewhere). The index's
+# torchvision, torchaudio and torchcodec that it pulls link CUDA libraries and break vLLM's
+# import: removed.
 VLLM_SETUP = PIP_CONSTRAINT=$(PIN) $(PIP) install -q --no-build-isolation -e '.[vllm]' \
   && $(PIP) uninstall -q -y torchvision torchaudio torchcodec
 SOURCES := pyproject.toml openreg/pyproject.toml openreg/setup.py $(wildcard openreg/csrc/*/* openreg/csrc/*/*/*)
