@@ -158,6 +158,45 @@ def test_an_openreg_trainer_feeds_a_cpu_engine(llm, model_dir):
         sync.shutdown()
 
 
+class StandIn:
+    """A client whose engine is a bare subscriber in this process: it takes each generation
+    and acknowledges it; `refuse` raises after that, as a refusing engine's update does."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.calls, self.subscriber = refuse, [], None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.subscriber = devipc.WeightSubscriber(base64.b64decode(init_info["token"]))
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append(("update", self.subscriber.wait(TIMEOUT)))
+        self.subscriber.ack()
+        if self.refuse:
+            raise RuntimeError("RefusedUpdateError: a stand-in refuses")
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.calls.append("finish")
+
+
+def test_an_engine_that_refuses_leaves_the_others_updated_then_raises():
+    weights = {"w": torch.zeros(4)}
+    good, refusing = StandIn(), StandIn(refuse=True)
+    sync = trainer_sync(torch.nn.ParameterDict(weights), refusing, copy=True)
+    try:
+        sync.add_engine(good)
+        with pytest.raises(RuntimeError, match="a stand-in refuses"):
+            sync.send_weights()
+        assert good.calls == ["start", ("update", 0), "finish"]  # loaded, session ended
+        assert refusing.calls == ["start", ("update", 0)]  # vLLM ended its session itself
+    finally:
+        sync.shutdown()
+        for client in (good, refusing):
+            client.subscriber.close()
+
+
 def dying_trainer(conn, model_dir: str) -> None:
     """A trainer in a process of its own: publishes generation 0 when told, then is killed."""
     from vllm.distributed.weight_transfer.base import ModuleSource

@@ -8,7 +8,9 @@ every engine: start, publish a generation (with its CRC-32), update (each engine
 checks it whole, loads it, acknowledges), finish.
 """
 import base64
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import (
@@ -18,6 +20,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from .._errors import ConsumerDiedError
 from .._publisher import WeightPublisher
 from ._engine import BACKEND, DevipcInitInfo, DevipcUpdateInfo, manifest_of
 
@@ -63,7 +66,11 @@ class DevipcTrainerWeightTransferEngine(TrainerWeightTransferEngine[DevipcTraine
             raise ValueError("backend 'devipc' publishes from one trainer process (rank 0); "
                              "gather a sharded model there first")
         engine = cls(client=client, source=source, init_info=init_info)
-        engine.add_engine(client)
+        try:
+            engine.add_engine(client)
+        except BaseException:
+            engine.shutdown()
+            raise
         return engine
 
     def add_engine(self, client: VLLMWeightSyncClient) -> None:
@@ -77,26 +84,46 @@ class DevipcTrainerWeightTransferEngine(TrainerWeightTransferEngine[DevipcTraine
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """Publish the weights as a new generation and load it into every engine; returns once
-        each loaded it (`publisher.generation` is its number). An engine that refused it keeps
-        its weights and raises; the others still load it, then the first error is raised.
+        each loaded it (`publisher.generation` is its number). An engine that refused it (or
+        is gone) keeps its weights; the others still load it, then the first error is raised.
         `weight_version`: what vLLM's `get_weight_version()` says afterwards (None: unchanged)."""
-        for client in self.clients:
-            client.start_weight_update()
-        generation = self.publisher.publish(wait=False, timeout=self.init_info.timeout,
-                                            checksum=self.init_info.checksum)
-        update = asdict(DevipcUpdateInfo(generation, checksum=self.init_info.checksum))
         failures: list[Exception] = []
-        for client in self.clients:
+        started = _each(self.clients, lambda client: client.start_weight_update(), failures)
+        publish = partial(self.publisher.publish, wait=False, timeout=self.init_info.timeout,
+                          checksum=self.init_info.checksum)
+        try:
             try:
-                client.update_weights(update)
-            except Exception as error:  # vLLM ended that engine's session
-                failures.append(error)
-                continue
-            client.finish_weight_update(weight_version)
-        self.publisher.wait_acks(generation, self.init_info.timeout)
+                generation = publish()
+            except ConsumerDiedError:  # an engine died since: named once, then not waited for
+                generation = publish()
+        except BaseException:
+            _each(started, lambda client: client.finish_weight_update(), failures)  # loads nothing
+            raise
+        update = asdict(DevipcUpdateInfo(generation, checksum=self.init_info.checksum))
+        loaded = _each(started, lambda client: client.update_weights(update), failures)
+        _each(loaded, lambda client: client.finish_weight_update(weight_version), failures)
+        try:
+            self.publisher.wait_acks(generation, self.init_info.timeout)
+        except ConsumerDiedError as error:
+            failures.append(error)
         if failures:
             raise failures[0]
 
     def shutdown(self) -> None:
         """Close the publisher: engines still subscribed are told (their next update raises)."""
         self.publisher.close()
+
+
+def _each(clients: list[VLLMWeightSyncClient], call: Callable[[VLLMWeightSyncClient], None],
+          failures: list[Exception]) -> list[VLLMWeightSyncClient]:
+    """`call` on each client; the clients it succeeded on (the others' errors in `failures`:
+    vLLM ended those engines' update sessions)."""
+    done = []
+    for client in clients:
+        try:
+            call(client)
+        except Exception as error:
+            failures.append(error)
+            continue
+        done.append(client)
+    return done
