@@ -34,6 +34,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join([sys.path[0], os.environ.get("PYTHONP
 
 import torch  # noqa: E402
 
+from devipc._bench.common import memcpy_seconds  # noqa: E402
+
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       vocab_size=256, rounds=7),
          "1gb": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
@@ -57,21 +59,6 @@ def load_state_dict(worker, payload: bytes) -> float:
     finalize_layerwise_reload(model, worker.model_config)
     return time.perf_counter() - start
 
-
-def memcpy_seconds(nbytes: int, rounds: int) -> float:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        source, target = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes,
-                                                                             dtype=torch.uint8)
-        times = []
-        for _ in range(rounds + 1):
-            start = time.perf_counter()
-            target.copy_(source)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def timed(function, rounds: int) -> float:

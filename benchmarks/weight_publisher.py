@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 import devipc
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
-from devipc._bench.common import markdown
+from devipc._bench.common import markdown, memcpy_seconds
 from devipc._bench.weight_sync import settle, transformer_shapes
 
 TIMEOUT = 120
@@ -130,22 +130,6 @@ def generations(weights, subs, mode, count):
             times.append(time.perf_counter() - start)
     return times, [receive(conn) for conn in subs]
 
-
-def memcpy_seconds(nbytes, rounds=7):
-    """(c)'s baseline: a host copy of `nbytes` by one thread, pages touched beforehand."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        source = torch.ones(nbytes, dtype=torch.uint8)
-        target = torch.zeros(nbytes, dtype=torch.uint8)
-        times = []
-        for _ in range(rounds + 1):
-            start = time.perf_counter()
-            target.copy_(source)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def many_tensors(inbox, done, tensors, how):

@@ -57,6 +57,29 @@ class Progress:
             self._bar = None
 
 
+
+def memcpy_seconds(nbytes: int, rounds: int = 7) -> float:
+    """A host copy of `nbytes` by one thread, pages touched beforehand (median of `rounds`):
+    the floor under a benchmark's weight transfer of the same bytes."""
+    import statistics
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        source = torch.ones(nbytes, dtype=torch.uint8)
+        target = torch.zeros(nbytes, dtype=torch.uint8)
+        times = []
+        for _ in range(rounds + 1):
+            start = time.perf_counter()
+            target.copy_(source)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+
 def human(nbytes: int) -> str:
     for unit, shift in (("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
