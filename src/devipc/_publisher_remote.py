@@ -126,6 +126,11 @@ def _word(index: int, field: int) -> int:
     return _HEADER + index * _FIELDS + field
 
 
+def _count(words: list[int]) -> int:
+    """How many records a copy of the control words (`_known()`) holds."""
+    return (len(words) - _HEADER) // _FIELDS
+
+
 class RemoteToken(NamedTuple):
     """A subscriber's way in across hosts: the publisher's endpoint, its device, a buffer's
     size, the token's serial, its record's index, the relay's chunk (0: no relay), descriptors
@@ -254,7 +259,7 @@ class NixlPublisher:
 
     def _token(self) -> bytes:
         words = self._known()
-        states = [words[_word(i, _STATE)] for i in range(self._used)]
+        states = [words[_word(i, _STATE)] for i in range(_count(words))]
         # a record of a dead subscriber last: one that was only frozen may still write into it
         free = [i for i, state in enumerate(states) if state in (FREE, CLOSED)] \
             or [self._used] * (self._used < MAX_READERS) \
@@ -284,7 +289,7 @@ class NixlPublisher:
         that attaches later pulls it from the trainer)."""
         words = self._known()
         members = [(words[_word(i, _HOST)], words[_word(i, _SHARE)], i)
-                   for i in range(self._used) if words[_word(i, _STATE)] == ATTACHED]
+                   for i in range(_count(words)) if words[_word(i, _STATE)] == ATTACHED]
         for index, place in chain(members).items():
             for field, value in ((_UP, place.upstream), (_LEADER, place.leader)):
                 if words[_word(index, field)] != value:
@@ -350,7 +355,7 @@ class NixlPublisher:
                 self._words[_word(index, _STATE)] = GONE
             return True
 
-        used = (len(words) - _HEADER) // _FIELDS
+        used = _count(words)
         return Records(lambda i: words[_word(i, _STATE)], lambda i: words[_word(i, _ACK)],
                        lambda i: words[_word(i, _PID)], died, lambda: used)
 
@@ -360,7 +365,7 @@ class NixlPublisher:
         the trainer may write it. (It acknowledges nothing newer before that is published.)"""
         words = self._known()
         published, filling = words[_PUBLISHED], words[_FILLING]
-        for i in range(self._used):
+        for i in range(_count(words)):  # the records of this copy: token() may add one meanwhile
             serial = words[_word(i, _SERIAL)]
             if words[_word(i, _STATE)] != ATTACHED or self._adopted.get(i) == serial:
                 continue
@@ -398,7 +403,7 @@ class NixlPublisher:
         words = self._known()
         found = {i: {"state": label(state),
                      "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
-                 for i in range(self._used) if (state := words[_word(i, _STATE)]) != FREE}
+                 for i in range(_count(words)) if (state := words[_word(i, _STATE)]) != FREE}
         if self.relay:
             for index, record in found.items():
                 record["upstream"] = words[_word(index, _UP)]
