@@ -156,6 +156,20 @@ def test_a_repeated_synchronous_copy_reposts_nixl_requests_prepared_once(owner, 
 
 
 @needs_nixl
+def test_a_strided_view_of_a_prepared_pair_is_refused_not_reposted(owner):
+    """Review of issue 47, item 8: a transposed view has the address and size of the tensor
+    whose read was prepared; it must get the full path's refusal, not that request's bytes."""
+    conn, connection = owner
+    _, whole = ask(conn, "create", torch.arange(16, dtype=torch.float32), "openreg")
+    local, local_id = p2p.create_tensor((4, 4), torch.float32, "openreg")
+    for _ in range(2):
+        connection.read(local, whole)  # the second prepares the pair (local, whole)
+    with pytest.raises(ValueError, match="contiguous"):
+        connection.read(local.t(), whole)
+    p2p.deregister(local_id)
+
+
+@needs_nixl
 @pytest.mark.parametrize("busy", [False, True])
 def test_a_storage_resized_after_its_advertisement_is_never_reached_again(owner, busy):
     """Over NIXL as over IPC: resize_ ends the registration (its old memory stays registered and

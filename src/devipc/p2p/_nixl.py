@@ -412,6 +412,8 @@ class NixlTransport:
         (`_AGAIN_KEPT` pairs at most): a repost and its wait, as NIXL's own prepared transfer.
         False, for the caller's full path, where the local memory is not a devipc registration
         or an earlier copy of the pair is still in flight (its wait was cut short)."""
+        if not local.is_contiguous():
+            return False  # a pair's key is its address: a strided view would take its request
         address = local.data_ptr()
         key = (link.agent, op, address, id(desc), link.liveness)
         with self.lock:
@@ -419,7 +421,7 @@ class NixlTransport:
             if entry is None:
                 found = self.find_range(address, desc.nbytes)
                 if self._closed or found is None or found is self._page \
-                        or found is self.scratch_registration or not local.is_contiguous():
+                        or found is self.scratch_registration:
                     return False
                 if len(self._again) >= _AGAIN_KEPT:
                     self._forget_again(lambda entry: True)
