@@ -197,6 +197,29 @@ def test_an_engine_that_refuses_leaves_the_others_updated_then_raises():
             client.subscriber.close()
 
 
+class FailingBeforeItWaits(StandIn):
+    """An engine whose update call fails before its worker waited: it never acknowledges."""
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append("update")
+        raise RuntimeError("the update call failed on its way to the worker")
+
+
+def test_an_engine_that_never_acknowledges_is_named_by_its_own_error():
+    """The review of issue 48's backend: the engine's failure was lost behind the trainer's
+    AckTimeoutError for the acknowledgement it never sent."""
+    failing = FailingBeforeItWaits()
+    info = DevipcTrainerInitInfo(rank=0, timeout=1.0, copy=True)
+    sync = WeightTransferTrainerFactory.trainer_init(
+        info, client=failing, source=ModuleSource(torch.nn.ParameterDict({"w": torch.zeros(4)})))
+    try:
+        with pytest.raises(RuntimeError, match="failed on its way to the worker"):
+            sync.send_weights()
+    finally:
+        sync.shutdown()
+        failing.subscriber.close()
+
+
 def dying_trainer(conn, model_dir: str) -> None:
     """A trainer in a process of its own: publishes generation 0 when told, then is killed."""
     from vllm.distributed.weight_transfer.base import ModuleSource

@@ -20,7 +20,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from .._errors import ConsumerDiedError
+from .._errors import AckTimeoutError, ConsumerDiedError
 from .._publisher import WeightPublisher
 from ._engine import BACKEND, DevipcInitInfo, DevipcUpdateInfo, manifest_of
 
@@ -104,7 +104,7 @@ class DevipcTrainerWeightTransferEngine(TrainerWeightTransferEngine[DevipcTraine
         _each(loaded, lambda client: client.finish_weight_update(weight_version), failures)
         try:
             self.publisher.wait_acks(generation, self.init_info.timeout)
-        except ConsumerDiedError as error:
+        except (ConsumerDiedError, AckTimeoutError) as error:  # an engine's failure comes first
             failures.append(error)
         if failures:
             raise failures[0]
