@@ -339,3 +339,21 @@ def test_a_late_engine_of_three_processes_holds_every_update_as_the_first(llm, m
     children.conns[-1].send(None)  # vLLM ends its engine core and worker
     children.procs[-1].join(TIMEOUT)
     assert children.procs[-1].exitcode == 0
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["nixl", "nixl-relay"])
+def test_over_nixl_the_engine_holds_the_trainers_weights(llm, model_dir, relay):
+    """`transport="nixl"` (and its relay), as across hosts: the engine's worker reads each
+    generation through NIXL and holds the trainer's weights."""
+    model = trainer_model(model_dir, seed=8)
+    sync = trainer_sync(model, llm, transport="nixl", relay=relay)
+    try:
+        assert sync.publisher.transport == "nixl"
+        for scale in (1.0, 0.5):
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(scale)
+            sync.send_weights()
+            assert_engine_holds(llm, model)
+    finally:
+        sync.shutdown()
