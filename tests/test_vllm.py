@@ -7,11 +7,13 @@ import base64
 import importlib.metadata
 import os
 import signal
+import socket
+import subprocess
 import sys
 
 import pytest
 import torch
-from _support import FRESH_TIMEOUT, TIMEOUT, Children, recv
+from _support import FRESH_TIMEOUT, TIMEOUT, Children, recv, wait_until
 
 try:
     import vllm  # noqa: F401
@@ -355,5 +357,82 @@ def test_over_nixl_the_engine_holds_the_trainers_weights(llm, model_dir, relay):
                     param.mul_(scale)
             sync.send_weights()
             assert_engine_holds(llm, model)
+    finally:
+        sync.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def server(model_dir, tmp_path):
+    """vLLM's OpenAI-compatible server with backend "devipc" and its weight-transfer routes
+    (dev mode), on 127.0.0.1 only; its URL once healthy. Its engine core and worker are
+    processes of its own: all three end with the test, whatever happened."""
+    import requests  # (a dependency of vLLM's)
+
+    url, log = f"http://127.0.0.1:{(port := free_port())}", tmp_path / "server.log"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+             "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "128",
+             "--max-num-seqs", "4", "--seed", "0",
+             "--weight-transfer-config", '{"backend": "devipc"}'],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, f"the server exited: {log.read_text()[-3000:]}"
+            try:
+                return requests.get(f"{url}/health", timeout=5).ok
+            except requests.ConnectionError:
+                return False
+
+        wait_until(healthy, lambda: f"the server's health: {log.read_text()[-3000:]}",
+                   timeout=2 * FRESH_TIMEOUT, poll=0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group: front end, engine core, worker
+        try:
+            proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(TIMEOUT)
+
+
+@pytest.mark.slow  # a server of its own (~45 s to start here)
+def test_a_trainer_drives_vllms_server_through_its_http_routes(server, model_dir):
+    """vLLM's own HTTP client (`/init_weight_transfer_engine`, `/start_weight_update`,
+    `/update_weights`, `/finish_weight_update`) moves the trainer's weights into the server's
+    worker: it then generates as the trainer's model does, under the version sent."""
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    def generate() -> list[int]:
+        response = requests.post(f"{server}/v1/completions", timeout=TIMEOUT, json={
+            "model": model_dir, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True})
+        response.raise_for_status()
+        return response.json()["choices"][0]["token_ids"]
+
+    model = trainer_model(model_dir, seed=9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = generate()
+    sync = trainer_sync(model, HTTPVLLMWeightSyncClient(server, timeout=TIMEOUT))
+    try:
+        for step in range(3):
+            if step:
+                train_to_repeat(model, optimizer)
+            sync.send_weights(weight_version=f"http {step}")
+            tokens = generate()
+            assert tokens == greedy(model) and tokens != before, (step, tokens, before)
+            before = tokens
+        assert tokens == [REPEAT] * TOKENS  # trained to repeat, and served so
+        version = requests.get(f"{server}/weight_info", timeout=TIMEOUT).json()
+        assert version == {"weight_version": "http 2"}
     finally:
         sync.shutdown()
