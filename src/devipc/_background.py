@@ -57,6 +57,11 @@ class Background:
             with self._lock:
                 self._running = False
 
+    def running(self) -> bool:
+        """Whether a thread runs rounds now: not once stopped at exit, nor when starting it
+        failed. Those waiting on a round's effect do the work themselves when it does not."""
+        return self._running and not self._exiting
+
     def _loop(self) -> None:
         pause = self._interval
         while not self._stop.wait(pause):

@@ -1,5 +1,7 @@
 """devipc.p2p through NIXL (`Endpoint(transport="nixl")`): two processes, UCX over TCP loopback.
 Skipped, with the reason, where NIXL is not installed; the error without it is tested anyway."""
+import types
+
 import _p2p_workers
 import pytest
 import torch
@@ -112,6 +114,37 @@ def test_ending_a_registration_undoes_the_nixl_registration_and_peers_see_it(own
     tensor_id, whole = ask(conn, "create", torch.full((64,), 3.0), "openreg")
     connection.read(local, whole)  # a registration made after connecting: reached as well
     assert (local == 3).all()
+
+
+@needs_nixl
+@pytest.mark.parametrize("watcher", ["stopped at exit", "failed to start"])
+def test_a_large_transfer_ends_when_the_watcher_does_not_run(owner, monkeypatch, watcher):
+    """A transfer of WATCHED_FROM bytes or more is polled by the watcher thread; when that does
+    not run (stopped at interpreter exit, say a last pull in an atexit handler, or its thread
+    failed to start), its waiter polls it itself instead of waiting forever."""
+    from devipc import _background
+    from devipc.p2p import _nixl
+
+    idle = _background.Background("devipc-test-watcher", _nixl._watch_round, share=None)
+    if watcher == "stopped at exit":
+        idle._stop_at_exit()
+    else:
+        def fail(*_):
+            raise RuntimeError("can't start new thread")
+        monkeypatch.setattr(_background, "_thread", types.SimpleNamespace(start_new_thread=fail))
+    monkeypatch.setattr(_nixl, "_watcher", idle)
+    conn, connection = owner
+    values = torch.arange(_nixl.WATCHED_FROM // 4, dtype=torch.int32)
+    _, whole = ask(conn, "create", values, "cpu")
+    local = torch.zeros_like(values)
+    transfer = connection.read_async(local, whole)
+    transfer.wait(TIMEOUT)  # before the fix: TimeoutError
+    assert transfer.done() and torch.equal(local, values)
+    assert not idle.running()
+    local.zero_()
+    transfer = connection.read_async(local, whole)
+    wait_until(transfer.done, "a large transfer polled through done()")
+    assert torch.equal(local, values)
 
 
 @needs_nixl

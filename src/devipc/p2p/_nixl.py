@@ -30,6 +30,8 @@ what had arrived: over TCP, a large transfer's poll can take seconds (512 MiB in
 transfer could not be interrupted. Transfers of WATCHED_FROM bytes or more are therefore polled by
 a watcher thread (NIXL releases the GIL in its calls); their callers wait on an event in slices of
 _SLICE seconds, so that Ctrl-C lands between two (whichever thread the kernel gave the signal to).
+When the watcher does not run (stopped at interpreter exit, or its thread failed to start), the
+caller polls its transfer itself between two slices.
 Smaller ones are polled by their caller: first without sleeping, then backing off.
 
 NIXL is imported on first use: `import devipc.p2p` works without it.
@@ -903,7 +905,8 @@ class NixlTransfer:
 
     def done(self) -> bool:
         ended = self._pending.ended
-        if ended is not None and not self._finished and not ended.is_set():
+        if ended is not None and not self._finished and not ended.is_set() \
+                and _watcher.running():
             return False  # the watcher polls it
         with self._transport.lock:
             return self.check()
@@ -916,6 +919,10 @@ class NixlTransfer:
                                                                     backoff.remaining() or 0)):
                 if backoff.expired():
                     raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
+                if not _watcher.running():  # stopped at exit, or failed to start: poll here
+                    with self._transport.lock:
+                        if self.check():
+                            return
         # past the first ~ms of polls, yield the core to NIXL's progress thread
         while not self.done():
             if backoff.expired():
