@@ -489,6 +489,70 @@ def test_closing_a_subscriber_ends_another_threads_wait_with_a_clear_error(loopb
             subscriber.wait(timeout=TIMEOUT)
 
 
+def test_an_error_of_the_prefetch_thread_is_raised_by_the_next_wait_then_it_goes_on(loopback):
+    """A passing error met by the prefetch thread turned prefetching off for good, unsaid: it
+    is the engine's next wait()'s to raise, and the thread then prefetches again."""
+    from _support import wait_until
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        with devipc.WeightSubscriber(publisher.token(), prefetch=True) as subscriber:
+            backend, failed = subscriber._backend, []
+            fetch = backend._fetch
+
+            def fail_once():
+                if not failed:
+                    failed.append(1)
+                    raise devipc.DevIpcError("a passing failure")
+                return fetch()
+            backend._fetch = fail_once
+            wait_until(backend.ready, "ready(): wait() would raise at once")
+            with pytest.raises(devipc.DevIpcError, match="a passing failure"):
+                subscriber.wait(timeout=1.0)  # before: TimeoutError, the thread ended
+            _workers.train_step(model, 3.0)
+            publisher.publish(wait=False)
+            wait_until(lambda: backend._prefetched is not None, "the thread prefetched again")
+            assert subscriber.wait(timeout=TIMEOUT) == 0
+            assert {name: tensor.cpu().tolist() for name, tensor in
+                    subscriber.tensors().items()} == _workers.snapshot(model)
+
+
+def test_closing_a_prefetching_subscriber_returns_once_the_publisher_was_told(loopback):
+    """close() while the prefetch thread was in a look of its own left the unsubscribe to that
+    thread, after close() returned: the publisher may not have been told yet."""
+    import threading
+
+    from _support import wait_until
+
+    model = _workers.TinyGPT()
+    devipc.pack_module(model)
+    with devipc.WeightPublisher(model, transport="nixl") as publisher:
+        subscriber = devipc.WeightSubscriber(publisher.token(), prefetch=True)
+        publisher.wait_subscribers(1, timeout=TIMEOUT)
+        backend, inside, go = subscriber._backend, threading.Event(), threading.Event()
+        fetch = backend._fetch
+
+        def held():
+            inside.set()
+            go.wait(TIMEOUT)
+            return fetch()
+        backend._fetch = held
+        assert inside.wait(TIMEOUT), "the prefetch thread did not look"
+        def let_it_go():
+            wait_until(lambda: backend._calls._closed, "close() began")
+            go.set()
+        release = threading.Thread(target=let_it_go)
+        release.start()
+        try:
+            subscriber.close()
+            assert [record["state"] for record in publisher.subscribers().values()] == [
+                "closed"]
+        finally:
+            go.set()
+            release.join(TIMEOUT)
+
+
 def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loopback,
                                                                               children):
     """Issue 27, defect 9: Ctrl-C during wait() of a large generation (in flight: sent by the

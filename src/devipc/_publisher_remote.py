@@ -454,6 +454,7 @@ class NixlSubscriber:
         self._acked = -1  # the newest generation the engine acknowledged
         # (generation, its checksum) pulled by the prefetch thread, not yet handed to wait()
         self._prefetched: tuple[int, int | None] | None = None
+        self._prefetch_error: Exception | None = None  # met there, for the next wait() to raise
         self._header, self._record, self._claim, self._ack = header, record, claim, ack
         self._nbytes, self._index, self._chunk, self._metadata = nbytes, index, chunk, metadata
         # where the held generation lies: this process's memory, or its leader's (relay:
@@ -671,6 +672,9 @@ class NixlSubscriber:
             return self._wait(timeout)
 
     def _wait(self, timeout: float | None) -> int:
+        if self._prefetch_error is not None:  # the prefetch thread met it: said here, once
+            error, self._prefetch_error = self._prefetch_error, None
+            raise error
         if self._prefetched is not None:  # pulled while the engine was busy
             (self.generation, self._checksum), self._prefetched = self._prefetched, None
             return self.generation
@@ -703,20 +707,23 @@ class NixlSubscriber:
 
     def _prefetch(self) -> bool | None:
         """One look of the prefetch thread (`_prefetching`): whether it pulled a generation;
-        None once it should end (closed, or an error, which the engine's own `wait()` meets
-        and says)."""
+        None once it should end (closed, or the publisher gone or this subscriber dropped). An
+        error is kept for the engine's next `wait()` to raise, as a DataLoader's worker's is;
+        the thread looks again once that wait() said it."""
         try:
             self._calls.enter()
         except ValueError:
             return None
         try:
             with self._turns:
-                if self._prefetched is not None or self._acked != self.generation:
-                    return False  # the engine holds one
+                if self._prefetch_error is not None or self._prefetched is not None \
+                        or self._acked != self.generation:
+                    return False  # the engine holds one, or has an error to meet
                 self._prefetched = self._fetch()
                 return self._prefetched is not None
-        except Exception:
-            return None
+        except Exception as error:  # noqa: BLE001 - any, for the engine's wait() to raise
+            self._prefetch_error = error
+            return None if isinstance(error, PeerGoneError) else False
         finally:
             self._calls.leave()
 
@@ -725,7 +732,7 @@ class NixlSubscriber:
         """Whether `wait()` would pull a generation (or raise) at once: one read of the
         publisher's words."""
         with self._turns:
-            if self._prefetched is not None:
+            if self._prefetched is not None or self._prefetch_error is not None:
                 return True
             published, filling, state = self._poll()
         return state != ATTACHED or (published > self.generation
@@ -808,9 +815,13 @@ class NixlSubscriber:
 
     def close(self) -> None:
         """Unsubscribe (the publisher stops waiting for this engine), end the endpoint and the
-        registrations, once calls under way in other threads left. Idempotent."""
+        registrations, once calls under way in other threads left; returns once they went,
+        unless a call of another thread of the owner's does it as it leaves. Idempotent."""
         if self._calls.close():
             self._calls.release(self._unsubscribe)
+            for thread in self._heart[1:]:  # prefetch: a look under way does it as it leaves
+                if thread is not threading.current_thread():
+                    thread.join()
 
     def _unsubscribe(self) -> None:
         self._stop.set()
