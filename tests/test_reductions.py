@@ -287,7 +287,7 @@ def test_sent_arguments_pickle_without_globals_and_come_back_as_the_15():
 
 @pytest.mark.parametrize("field, value", [
     (0, "Module"), (0, ["unhashable"]), (1, "not_a_dtype"), (1, "Tensor"),
-    (5, b"not a wrapped handle"), (5, None), (5, b"DVIP\x03\x00truncated"),
+    (5, b"not a wrapped handle"), (5, None), (5, b"DVIP\x04\x00truncated"),
 ])
 def test_forged_sent_arguments_raise(field, value):
     tensor = torch.ones(4, device="openreg")

@@ -53,7 +53,7 @@ def test_storage_handle_wrap_round_trips():
     ("not bytes", "is bytes"),
     (b"DVI", "truncated"),
     (_message(magic=b"PKL\x80"), "magic"),
-    (_message(version=1), "version 1; this devipc reads version 3"),
+    (_message(version=1), "version 1; this devipc reads version 4"),
     (_message(kind=99), "unknown kind 99"),
     (_message(kind=_wire.BUCKET), "expected a tensor handle, got a bucket handle"),
     (_message(), "missing"),
@@ -64,6 +64,15 @@ def test_storage_handle_wrap_round_trips():
 def test_malformed_headers_and_lengths_are_refused(data, message):
     with pytest.raises(devipc.InvalidHandleError, match=message):
         _wire.Reader(data, (_wire.TENSOR,)).int("x")
+
+
+def test_a_message_of_the_64_record_layout_says_to_use_the_same_devipc():
+    """Version 3's publishers had 64 records: its tokens' record indices and relay cards mean
+    other things than version 4's (1,024), so the two refuse each other's by version, not as
+    damaged tokens."""
+    with pytest.raises(devipc.InvalidHandleError, match="version 3; .* use the same devipc"):
+        _wire.Reader(_message(kind=_wire.WEIGHTS, version=3), (_wire.WEIGHTS,),
+                     "WeightPublisher token")
 
 
 @pytest.mark.parametrize("body, read, message", [

@@ -22,7 +22,8 @@ import torch
 from ._errors import InvalidHandleError
 
 MAGIC = b"DVIP"
-VERSION = 3  # 2: a bucket's table as columns; 3: an arena attachment names its record's serial
+VERSION = 4  # 2: a bucket's table as columns; 3: an arena attachment names its record's serial;
+# 4: a publisher's records number 1,024, not 64 (a token's record index, the relay's cards)
 _HEADER = struct.Struct("<4sHH")
 _LENGTH = struct.Struct("<I")
 _INT = struct.Struct("<q")
