@@ -579,6 +579,7 @@ def test_an_engine_late_to_wait_with_prefetch_does_not_hold_up_the_chain(fleet):
             engine.ask("close")
 
 
+@pytest.mark.slow  # 66 NIXL subscribers, each with its agents: 1.5-3 minutes on 2 cores
 def test_one_publisher_relays_to_more_than_64_subscribers_every_byte_exact(children,
                                                                           monkeypatch):
     """The cap was 64 subscribers a publisher: 66 here, 33 in each of two processes, each
