@@ -15,14 +15,13 @@ started and stopped here; about a minute).
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import ray
 import ray.experimental
 import torch
 
+from devipc._bench.common import median_seconds
 from devipc.ray._transport import DevipcMetadata, DevipcTransport
 
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20, "256 MiB": 256 << 20}
@@ -108,15 +107,6 @@ class Receiver:
         return int(value)
 
 
-def _median(call, repeats: int) -> float:
-    call()  # the first of each kind pays for connections and mappings
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -131,9 +121,9 @@ def main() -> None:
         sender, receiver = Sender.remote(), Receiver.remote()
         ray.get([sender.small.remote(0), receiver.take.remote(0)], timeout=120)
         paths = {"devipc": sender.devipc, "store": sender.store, "ray-nixl": sender.nixl}
-        floor = _median(lambda: ray.get(receiver.take.remote(sender.small.remote(1)),
+        floor = median_seconds(lambda: ray.get(receiver.take.remote(sender.small.remote(1)),
                                         timeout=120), args.repeats)
-        noop = _median(lambda: ray.get(receiver.take.remote(sender.noop.remote(4096)),
+        noop = median_seconds(lambda: ray.get(receiver.take.remote(sender.noop.remote(4096)),
                                        timeout=120), args.repeats)
         rows = {}
         for label, n in SIZES.items():
@@ -141,7 +131,7 @@ def main() -> None:
             rows[label] = {}
             for path, method in paths.items():
                 try:
-                    rows[label][path] = _median(lambda m=method, n=n: ray.get(
+                    rows[label][path] = median_seconds(lambda m=method, n=n: ray.get(
                         receiver.take.remote(m.remote(n)), timeout=300), repeats)
                 except Exception as error:  # e.g. Ray's NIXL where its agent cannot start
                     rows[label][path] = None

@@ -34,7 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([sys.path[0], os.environ.get("PYTHONP
 
 import torch  # noqa: E402
 
-from devipc._bench.common import memcpy_seconds  # noqa: E402
+from devipc._bench.common import median_seconds, memcpy_seconds  # noqa: E402
 
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       vocab_size=256, rounds=7),
@@ -60,15 +60,6 @@ def load_state_dict(worker, payload: bytes) -> float:
     return time.perf_counter() - start
 
 
-
-def timed(function, rounds: int) -> float:
-    function()  # the first round maps, allocates, warms up
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(size: str) -> dict[str, float]:
@@ -101,7 +92,7 @@ def measure(size: str) -> dict[str, float]:
         sync = WeightTransferTrainerFactory.trainer_init(
             DevipcTrainerInitInfo(rank=0, checksum=checksum, timeout=600), client=client,
             source=ModuleSource(trainer))
-        found[f"devipc{'' if checksum else ' (no checksum)'}"] = timed(sync.send_weights,
+        found[f"devipc{'' if checksum else ' (no checksum)'}"] = median_seconds(sync.send_weights,
                                                                        rounds)
         sync.shutdown()
     function = importlib.import_module("vllm_weight_update").load_state_dict  # by name there
@@ -112,7 +103,7 @@ def measure(size: str) -> dict[str, float]:
         torch.save({name: p.detach() for name, p in trainer.named_parameters()}, buffer)
         loads.append(llm.collective_rpc(function, args=(buffer.getvalue(),))[0])
 
-    found["state dict"] = timed(by_state_dict, rounds)
+    found["state dict"] = median_seconds(by_state_dict, rounds)
     found["load_weights"] = statistics.median(loads[1:])
     found["memcpy"] = memcpy_seconds(nbytes, rounds)
     llm.llm_engine.engine_core.shutdown()

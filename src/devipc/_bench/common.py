@@ -80,6 +80,21 @@ def memcpy_seconds(nbytes: int, rounds: int = 7) -> float:
     finally:
         torch.set_num_threads(threads)
 
+
+def median_seconds(call: Any, rounds: int) -> float:
+    """The median time of `rounds` calls, after one that pays for connections, mappings and
+    first allocations."""
+    import statistics
+    import time
+
+    call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
 def human(nbytes: int) -> str:
     for unit, shift in (("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
