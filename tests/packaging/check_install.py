@@ -116,8 +116,11 @@ def main():
         declared = [zipfile.ZipFile(core).read(n).decode() for n in names
                     if n.endswith("entry_points.txt")]
         sections = re.findall(r"^\[(.+)\]$", "".join(declared), re.M)
-        assert sections in ([], ["console_scripts"]), \
-            f"the core wheel has an entry point other than the `devipc` command: {sections}"
+        # the `devipc` command, and the plug-in that vLLM alone loads (it registers a
+        # weight-transfer backend, no device): never `torch.backends`, which import torch runs
+        assert set(sections) <= {"console_scripts", "vllm.general_plugins"}, \
+            f"the core wheel has an entry point other than the `devipc` command and vLLM's " \
+            f"plug-in: {sections}"
         check_wheel(openreg, ["devipc_openreg/libopenreg.so", "devipc_openreg/_C",
                               "devipc_openreg/torch-version.txt",
                               "_devipc_openreg_autoload.py", "entry_points.txt"], (".cpp", ".h"))
