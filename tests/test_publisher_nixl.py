@@ -645,6 +645,8 @@ ENGINE = textwrap.dedent("""
         sub.wait(timeout=60)
     except devipc.PeerGoneError:
         print("publisher gone", flush=True)
+    except BaseException as error:  # said on stdout, for the test's message
+        print("not PeerGoneError:", type(error).__name__, error, flush=True)
     sys.stdin.readline()
     print("closing", file=sys.stderr, flush=True)
     sub.close()
@@ -667,7 +669,8 @@ def test_an_engine_closing_after_its_trainer_closed_posts_nothing_to_it(loopback
             publisher.wait_subscribers(1, timeout=TIMEOUT)
             assert publisher.publish(timeout=TIMEOUT) == 0
             assert engine.stdout.readline() == "got 0\n"  # then it waits for the next
-        assert engine.stdout.readline() == "publisher gone\n"
+        line = engine.stdout.readline()
+        assert line == "publisher gone\n", (line, engine.stdout.read(), engine.stderr.read())
         out, err = engine.communicate("closed\n", timeout=TIMEOUT)
     finally:
         engine.kill()

@@ -521,6 +521,13 @@ class NixlSubscriber:
         except PeerGoneError as error:
             raise PeerGoneError(f"the weight publisher closed, exited or cannot be reached "
                                 f"(its host is down or unreachable): {error}") from None
+        except DevIpcError as error:
+            if type(error) is not DevIpcError:  # a damaged handle, a size: not the peer's state
+                raise
+            # NIXL's transfer failed for no reason it names (p2p says "NIXL failed: ..."):
+            # with the publisher's memory, as when its agent goes mid-transfer
+            raise PeerGoneError(f"the weight publisher exited or cannot be reached: "
+                                f"{error}") from None
         except Exception as error:
             if not type(error).__module__.startswith("nixl"):
                 raise
