@@ -162,9 +162,9 @@ def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float
 
     import devipc
     import devipc_openreg  # noqa: F401
-    from devipc import _publisher_remote
+    from devipc import _remote_token
 
-    liveness_was, _publisher_remote.LIVENESS = _publisher_remote.LIVENESS, liveness
+    liveness_was, _remote_token.LIVENESS = _remote_token.LIVENESS, liveness
     rng = random.Random(seed)
     weights = {"embed": torch.empty(300, 1024, device="openreg"),
                "proj": torch.empty(200, 1024, device="openreg"),
@@ -268,7 +268,7 @@ def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float
         publisher.close()  # the engines' waits end: PeerGoneError
         for engine_ in fleet:
             engine_.stop()
-        _publisher_remote.LIVENESS = liveness_was
+        _remote_token.LIVENESS = liveness_was
     counts: dict[str, int] = {}
     for engine_ in fleet:
         for key, value in engine_.counts.items():

@@ -24,7 +24,7 @@ from _support import (
 )
 
 import devipc
-from devipc import _publisher_remote
+from devipc import _remote_token
 
 NIXL = nixl_missing()
 
@@ -199,7 +199,7 @@ def test_a_cpu_trainer_feeds_a_cpu_engine_on_another_host_with_checksums(remote,
 def test_a_killed_subscriber_is_named_once_not_waited_for(loopback, monkeypatch):
     if why := _unshare_works():
         pytest.skip(why)
-    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    monkeypatch.setattr(_remote_token, "LIVENESS", 2.0)
     model = _workers.TinyGPT()
     devipc.pack_module(model)
     subscriber = Remote()
@@ -294,14 +294,14 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
         def overlapped(generation):
             pulled = pull(generation)
             # the trainer writes meanwhile
-            publisher._backend._words[_publisher_remote._FILLING] = 2
+            publisher._backend._words[_remote_token.FILLING] = 2
             return pulled
 
         monkeypatch.setattr(late._backend, "_pull", overlapped)
         with pytest.raises(TimeoutError):
             late.wait(timeout=0.2)
         monkeypatch.undo()
-        publisher._backend._words[_publisher_remote._FILLING] = 1  # generation 1 is stable again
+        publisher._backend._words[_remote_token.FILLING] = 1  # generation 1 is stable again
         assert late.wait(timeout=TIMEOUT) == 1
         assert {n: t.cpu().tolist() for n, t in late.tensors().items()} == _workers.snapshot(model)
         late.ack()
@@ -312,7 +312,7 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
 def _rewritten(token: bytes, nbytes: int | None = None, data=None, device=None) -> bytes:
     """The token with its buffer size (`nbytes`) or its publisher's device replaced, or each
     weights descriptor passed through `data`: the bytes a damaged (or forged) token carries."""
-    from devipc._publisher_remote import RemoteToken
+    from devipc._remote_token import RemoteToken
 
     record = RemoteToken.from_bytes(token)
     if nbytes is not None:
@@ -593,7 +593,7 @@ def test_ctrl_c_lands_within_half_a_second_of_a_512_mib_pull_and_the_next_is_exa
 
 
 def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record(loopback):
-    from devipc._publisher_remote import RemoteToken
+    from devipc._remote_token import RemoteToken
     from devipc._weights import token_reader
 
     model = _workers.TinyGPT()

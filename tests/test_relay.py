@@ -19,7 +19,7 @@ import torch
 from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, recv, use_ucx_loopback
 
 import devipc
-from devipc import _publisher_remote, _relay, _wire
+from devipc import _relay, _remote_token, _wire
 from devipc._bench.common import Piped
 from devipc._relay import (
     CARD_BYTES,
@@ -248,7 +248,7 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
     fail; around a frozen one after RELAY_STALL, 1 s here) with every byte exact. The
     publisher names B once (ConsumerDiedError, after LIVENESS) and the next chain leaves it
     out: C then relays from A."""
-    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    monkeypatch.setattr(_remote_token, "LIVENESS", 2.0)
     a, b, c = fleet(3)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
@@ -325,14 +325,14 @@ def test_a_relayed_pull_that_overlapped_a_write_is_dropped(fleet, monkeypatch):
 
         def overlapped(generation):
             pulled = pull(generation)
-            publisher._backend._words[_publisher_remote._FILLING] = 1  # the trainer writes
+            publisher._backend._words[_remote_token.FILLING] = 1  # the trainer writes
             return pulled
 
         monkeypatch.setattr(b._backend, "_pull", overlapped)
         with pytest.raises(TimeoutError):
             b.wait(timeout=0.5)
         monkeypatch.undo()
-        publisher._backend._words[_publisher_remote._FILLING] = 0  # generation 0 stable again
+        publisher._backend._words[_remote_token.FILLING] = 0  # generation 0 stable again
         assert b.wait(timeout=TIMEOUT) == 0
         assert b._backend.counts()["upstream"] > 0  # from A, not around it
         assert _digest(b.tensors()) == _digest(a.tensors()) == digest
@@ -377,7 +377,7 @@ def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(fle
     """A leads B and C (one host, one device). Once A is killed (its reads fail) or frozen (no
     progress for RELAY_STALL, 1 s here), B and C pull the generation themselves, exact; A is
     named once (ConsumerDiedError) and B then leads: C maps B's buffers."""
-    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    monkeypatch.setattr(_remote_token, "LIVENESS", 2.0)
     a, b, c = fleet(3)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
@@ -439,7 +439,7 @@ def test_a_follower_paused_past_liveness_refuses_the_bytes_its_leader_overwrote(
     the publisher names it dead and publishes 1, which A pulls into the buffer F maps. Resumed,
     F's copy_into raises PeerGoneError rather than hand out generation 1's bytes as 0's (and
     nothing is acknowledged)."""
-    monkeypatch.setattr(_publisher_remote, "LIVENESS", 2.0)
+    monkeypatch.setattr(_remote_token, "LIVENESS", 2.0)
     a, f = fleet(2)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
@@ -687,11 +687,11 @@ def test_the_relay_soak_smoke_run_holds_every_engines_bytes_under_pauses_and_kil
     if NIXL is not None:
         pytest.skip(f"NIXL is not installed ({NIXL})")
     use_ucx_loopback(monkeypatch)
-    liveness = _publisher_remote.LIVENESS
+    liveness = _remote_token.LIVENESS
     result = relay_soak.run(engines=4, generations=30, seed=1, every=0.5)
     assert result["wrong"] == [] and result["errors"] == [], result
     assert result["checked"] >= 20 and result["events"], result
-    assert _publisher_remote.LIVENESS == liveness  # the run's own 1.5 s, given back
+    assert _remote_token.LIVENESS == liveness  # the run's own 1.5 s, given back
 
 
 def _no_cluster() -> str | None:

@@ -11,8 +11,9 @@ subscribe, each acknowledges what it used.
     model.load_weights(sub.weights())          # or the engine's own loader (vLLM, SGLang)
 
 Both objects hold a backend: on one host an arena (`_publisher_local`), across hosts NIXL's
-one-sided transfers (`_publisher_remote`, `transport="nixl"`, imported only then); a subscriber
-takes the one its token names. What the two share lives below both, in `_weights`.
+one-sided transfers (`_remote_publisher`, `_remote_subscriber`, `transport="nixl"`, imported only
+then); a subscriber takes the one its token names. What the two share lives below both, in
+`_weights`.
 """
 import asyncio
 from collections.abc import Iterator, Mapping
@@ -49,7 +50,7 @@ class WeightPublisher:
                              "hosts: it needs transport='nixl' (on one host every engine maps "
                              "the trainer's memory, nothing to relay)")
         if transport == "nixl":
-            from ._publisher_remote import NixlPublisher
+            from ._remote_publisher import NixlPublisher
 
             self._backend: LocalPublisher | NixlPublisher = NixlPublisher(
                 model_or_state_dict, copy=copy, relay=relay)
@@ -176,7 +177,7 @@ class WeightSubscriber:
         pull: `wait()` returns as soon as a generation is published either way."""
         transport, _ = token_reader(token)
         if transport == "nixl":
-            from ._publisher_remote import NixlSubscriber
+            from ._remote_subscriber import NixlSubscriber
 
             self._backend: LocalSubscriber | NixlSubscriber = NixlSubscriber(token, device,
                                                                              share, prefetch)

@@ -1,5 +1,5 @@
 """What both weight publishers share (one host: `_publisher_local`; across hosts:
-`_publisher_remote`): the weights as named tensors, packing a module, the copy=False check that
+`_remote_publisher`): the weights as named tensors, packing a module, the copy=False check that
 they still lie where they were published, the token's first field that says which kind it is,
 the device an engine reads on (a token's checked against this host's), and copying a generation
 into an engine's tensors."""

@@ -1,427 +1,69 @@
-"""`WeightPublisher(..., transport="nixl")` and its subscribers: the publisher's API across hosts,
-every byte moved by one-sided NIXL transfers (`devipc.p2p`), the publisher's code taking no part.
+"""`WeightSubscriber` of a `transport="nixl"` publisher (`_remote_publisher`): each generation
+pulled into this process's memory with one-sided NIXL reads, claims, acks and heartbeats
+written into the publisher's control block (`_remote_token`) with one-sided writes.
 
-The publisher registers two things with a NIXL endpoint: the weights (the packed allocation
-itself with `copy=False`, two staging buffers with `copy=True`) and a small host control block
-of int64 words:
-
-    header: published generation | filling | the CRC-32s of the last two generations
-            (generation | CRC-32, -1: none), each pair rewritten only once nobody holds its
-            generation
-    record per subscriber: state | pid | host key | share key | serial |
-            acknowledged generation | heartbeat | upstream (with relay: the record it pulls
-            from, -1: the trainer) | leader (with relay: the record whose buffers it maps, -1:
-            none)
-
-With `relay=True` (`_relay`) the subscribers pass each generation on along a chain, engines of
-one host and device map the buffers of the one among them that pulls, and a third thing is
-registered: one slot per record where its subscriber writes how it is reached.
-
-A token carries the endpoint's metadata, the descriptors of the header, of the subscriber's
-record and of the weights, and the table (names, dtypes, shapes, offsets: fixed for the
-publisher's life). A subscriber reads the header with small NIXL reads (polling with a backoff
-of 0.1 to 2 ms: nothing wakes a process across hosts), pulls a new generation's whole range into
-its own memory with one read, then reads the header again: `filling` says whether the publisher
-(copy=True) or the trainer (copy=False, once the acks arrived) may have begun to overwrite that
-buffer meanwhile; if so the pull is dropped and done again (a seqlock). It writes its claim, its
-acks and a heartbeat (a counter, every HEARTBEAT seconds, from a thread) into its record with
-one-sided NIXL writes. The publisher waits by looking at its own memory; a subscriber whose
-heartbeat stood still for LIVENESS seconds is dead: named once (ConsumerDiedError), then dropped.
-A subscriber that attached while the trainer may be writing (copy=False) is not waited for the
-published generation, which it cannot get: its first is the next one.
+A subscriber reads the header with small NIXL reads (polling with a backoff of 0.1 to 2 ms:
+nothing wakes a process across hosts), pulls a new generation's whole range into its own memory
+with one read, then reads the header again: `filling` says whether the publisher (copy=True) or
+the trainer (copy=False, once the acks arrived) may have begun to overwrite that buffer
+meanwhile; if so the pull is dropped and done again (a seqlock). It writes its claim, its acks
+and a heartbeat (a counter, every HEARTBEAT seconds, from a thread) into its record. With relay
+(`_relay`) it pulls from its upstream in the chain, or maps its leader's buffers.
 
 A token is checked whole (every descriptor decoded, its sizes against the weights descriptors it
 carries, all of one publisher) before a subscriber allocates or claims anything: a refused token
-leaves the genuine one openable. Both objects are thread-safe as on one host: publishes take
-turns, and close() from another thread ends the waits under way there with ValueError.
+leaves the genuine one openable. Thread-safe as on one host: its calls take turns, and close()
+from another thread ends a wait under way there with ValueError.
 """
-import itertools
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
-from typing import NamedTuple, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
-from . import _handles, _relay, p2p
+from . import _relay, _remote_token, p2p
 from ._arena import Calls, counted
 from ._backoff import Backoff
-from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
+from ._checksum import crc32, published_sum
 from ._errors import (
     ChecksumError,
     DevIpcError,
     InvalidHandleError,
-    NotRegisteredError,
     PeerGoneError,
     RemoteTensorFreedError,
 )
-from ._host import share_host, shared_host_storage
-from ._readers import (
-    ATTACHED,
-    CLOSED,
-    FREE,
-    GONE,
-    MAX_READERS,
-    PENDING,
-    PUBLISHER_WORDS,
-    Records,
-    acks_timeout,
-    attach_timeout,
-    attached,
-    label,
-    unacknowledged,
-)
+from ._readers import ATTACHED, CLOSED, MAX_READERS, PENDING
 from ._received import synchronize
-from ._relay import (
-    CARD_BYTES,
-    Follower,
-    Moved,
-    Relay,
-    chain,
-    chunk_size,
-    chunks_of,
-    host_key,
-    share_key,
-    written,
+from ._relay import CARD_BYTES, Follower, Moved, Relay, chunks_of, host_key, share_key, written
+from ._remote_token import (
+    CLAIMED,
+    FIELDS,
+    FILLING,
+    HEADER,
+    LEADER,
+    PUBLISHED,
+    SERIAL,
+    STATE,
+    SUMS,
+    UP,
+    RemoteToken,
+    let_go,
 )
-from ._table import ALIGNMENT, Table
-from ._weights import (
-    ACK_TIMEOUT,
-    InPlace,
-    engine_device,
-    fill,
-    named_weights,
-    token_reader,
-    token_writer,
-)
+from ._weights import engine_device
 from .p2p._descriptor import Descriptor, Metadata
 from .p2p._nixl_wire import Remote, agent_metadata_from_bytes
 
-__all__ = ["NixlPublisher", "NixlSubscriber", "RemoteToken"]
+__all__ = ["NixlSubscriber"]
 
 _T = TypeVar("_T")
 
-HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
-LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts as dead
-_JOIN = 5.0  # seconds a closing subscriber waits for its heartbeat thread
-_DESCRIPTOR_BYTES = 1 << 20
-_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata
 _SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
-_PUBLISHED, _FILLING, _SUMS = 0, 1, 2  # header words; from _SUMS, the CRC-32s (`_checksum`)
-_HEADER = _SUMS + SUM_WORDS  # words
-# a record: what its subscriber writes (state, pid, host key, share key, ack, heartbeat), what
-# the publisher writes (serial; the relay's upstream and leader: a record's index, or -1)
-_STATE, _PID, _HOST, _SHARE, _SERIAL, _ACK, _BEAT, _UP, _LEADER = range(9)
-_FIELDS = 9
-_WORDS = _HEADER + MAX_READERS * _FIELDS
-# a subscriber's words: where the header and its record land, what it writes
-_HEAD, _RECORD = slice(0, _HEADER), slice(_HEADER, _HEADER + _FIELDS)
-_CLAIM = slice(_HEADER + _FIELDS, _HEADER + _FIELDS + 4)  # state, pid, host and share keys
+# this subscriber's words: where the header and its record land, what it writes
+_HEAD, _RECORD = slice(0, HEADER), slice(HEADER, HEADER + FIELDS)
+_CLAIM = slice(HEADER + FIELDS, HEADER + FIELDS + CLAIMED)  # state, pid, host and share keys
 _ACKED, _BEATS = slice(_CLAIM.stop, _CLAIM.stop + 1), slice(_CLAIM.stop + 1, _CLAIM.stop + 2)
-
-
-def _word(index: int, field: int) -> int:
-    return _HEADER + index * _FIELDS + field
-
-
-def _count(words: list[int]) -> int:
-    """How many records a copy of the control words (`_known()`) holds."""
-    return (len(words) - _HEADER) // _FIELDS
-
-
-class RemoteToken(NamedTuple):
-    """A subscriber's way in across hosts: the publisher's endpoint, its device, a buffer's
-    size, the token's serial, its record's index, the relay's chunk (0: no relay), descriptors
-    of the control words (the header; the record whole, its claim, its ack, its heartbeat), of
-    the relay's cards (empty without relay) and of each buffer, and the tensors' table."""
-
-    metadata: bytes
-    device: torch.device
-    nbytes: int
-    serial: int
-    record: int
-    chunk: int
-    control: tuple[bytes, ...]
-    data: tuple[bytes, ...]
-    table: Table
-
-    def to_bytes(self) -> bytes:
-        writer = token_writer("nixl").bytes(self.metadata, _METADATA_BYTES)
-        writer.device(self.device).int(self.nbytes).int(self.serial).int(self.record)
-        writer.int(self.chunk)
-        for desc in self.control:
-            writer.bytes(desc, _DESCRIPTOR_BYTES)
-        writer.int(len(self.data))
-        for desc in self.data:
-            writer.bytes(desc, _DESCRIPTOR_BYTES)
-        self.table.write(writer)
-        return writer.done()
-
-    @classmethod
-    def from_bytes(cls, token: bytes | bytearray | memoryview) -> "RemoteToken":
-        _, reader = token_reader(token, "nixl")
-        metadata = reader.bytes("publisher endpoint metadata", _METADATA_BYTES)
-        device = reader.device()
-        nbytes = reader.int("buffer size", 1)
-        serial = reader.int("token serial", 1)
-        record = reader.int("record index", 0, MAX_READERS - 1)
-        chunk = reader.int("relay chunk", 0, max(nbytes, 1))
-        control = tuple(reader.bytes("control descriptor", _DESCRIPTOR_BYTES) for _ in range(6))
-        data = tuple(reader.bytes("weights descriptor", _DESCRIPTOR_BYTES)
-                     for _ in range(reader.int("buffer count", 1, 2)))
-        table = Table.read(reader, nbytes)
-        reader.end()
-        return cls(metadata, device, nbytes, serial, record, chunk, control, data, table)
-
-
-class NixlPublisher:
-    """A WeightPublisher whose subscribers may be on other hosts (`transport="nixl"`).
-
-    Thread-safe: publishes (and tokens) from several threads take turns, each publish its own
-    generation; `close()` from another thread ends a `publish`, `wait_acks` or
-    `wait_subscribers` under way there with ValueError, and the memory goes once they left."""
-
-    def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False, relay: bool = False):
-        self._source = model_or_state_dict
-        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher",
-                                     host=True)
-        self.copy = bool(copy)
-        if self.copy:
-            self._table, end = Table.packed(items)
-            self._nbytes = -(-max(end, 1) // ALIGNMENT) * ALIGNMENT
-            self._buffers = 2
-            device = items[0][1].device
-            self._storage: torch.UntypedStorage | None = shared_host_storage(
-                2 * self._nbytes) if device.type == "cpu" else torch.empty(
-                2 * self._nbytes, dtype=torch.uint8, device=device).untyped_storage()
-        else:
-            self._storage, self._table = _handles.in_place(items)
-            self._nbytes, self._buffers = self._storage.nbytes(), 1
-            if self._storage.device.type == "cpu":
-                share_host(self._storage)  # NIXL's peers map it; moved before InPlace looks
-        self._in_place = None if self.copy else InPlace(model_or_state_dict, items,
-                                                        self._storage)
-        self.device = self._storage.device
-        self.generation = -1
-        self._calls = Calls("WeightPublisher")
-        self._turns = threading.Lock()  # one publish or token at a time
-        self._serials = itertools.count(1)
-        self._beats: dict[int, tuple[int, int, float]] = {}  # record -> (serial, beat, seen at)
-        self._adopted: dict[int, int] = {}  # record -> serial of the subscriber seen attached
-        self._used = 0  # records handed out so far (the first ones): those the scans look at
-        self.relay = bool(relay)
-        self._endpoint = p2p.Endpoint(transport="nixl")
-        self._ids: list[int] = []  # registrations this publisher made, ended by close()
-        self._let_go = weakref.finalize(self, _let_go, [self._endpoint], self._ids)
-        try:
-            self._words, control = p2p.create_tensor((_WORDS,), torch.int64, "cpu")
-            self._ids.append(control)
-            self._words.zero_()
-            self._words[_SUMS:_HEADER] = NO_SUM
-            self._words[_PUBLISHED] = -1
-            self._words[_FILLING] = -1 if self.copy else 0  # copy=False: the trainer writes now
-            try:
-                data = p2p.get_tensor_id_by_tensor(self._storage)  # the user registered it
-            except NotRegisteredError:
-                data = p2p.register(self._storage)
-                self._ids.append(data)
-            self._data = [self._endpoint.advertise(data, b * self._nbytes, self._nbytes)
-                          for b in range(self._buffers)]
-            self._header = self._control(0, _HEADER)
-            self._chunk = chunk_size(self._nbytes) if self.relay else 0
-            self._cards, self._cards_desc = torch.empty(0, dtype=torch.uint8), b""
-            if self.relay:  # one slot per record, where its subscriber writes its card
-                self._cards, cards = p2p.create_tensor((MAX_READERS * CARD_BYTES,),
-                                                       torch.uint8, "cpu")
-                self._ids.append(cards)  # new fd-backed memory: zeros, untouched until a
-                # token's slot is cleared for it (sparse: 16 KiB per subscriber, not 16 MiB)
-                self._cards_desc = self._endpoint.advertise(cards)
-        except BaseException:
-            self._release()
-            raise
-
-    def _control(self, word: int, count: int) -> bytes:
-        return self._endpoint.advertise(self._ids[0], 8 * word, 8 * count)
-
-    def __len__(self) -> int:
-        """How many tensors a generation holds."""
-        return len(self._table)
-
-    @counted
-    def token(self) -> bytes:
-        """One subscriber's way in, on this host or another: open it once with
-        `WeightSubscriber`. A token nobody opens keeps its record until the publisher closes."""
-        with self._turns:
-            return self._token()
-
-    def _token(self) -> bytes:
-        words = self._known()
-        states = [words[_word(i, _STATE)] for i in range(_count(words))]
-        # a record of a dead subscriber last: one that was only frozen may still write into it
-        free = [i for i, state in enumerate(states) if state in (FREE, CLOSED)] \
-            or [self._used] * (self._used < MAX_READERS) \
-            or [i for i, state in enumerate(states) if state == GONE]
-        if not free:
-            raise ValueError(f"a publisher across hosts has at most {MAX_READERS} tokens "
-                             f"open or unopened: close subscribers, or make a new publisher")
-        index, serial = free[0], next(self._serials)
-        self._used = max(self._used, index + 1)
-        for field, value in ((_PID, 0), (_HOST, 0), (_SHARE, 0), (_SERIAL, serial), (_ACK, -1),
-                             (_BEAT, 0), (_UP, -1), (_LEADER, -1), (_STATE, PENDING)):
-            self._words[_word(index, field)] = value
-        if self.relay:
-            self._cards[index * CARD_BYTES:(index + 1) * CARD_BYTES] = 0
-        control = (self._header, self._control(_word(index, _STATE), _FIELDS),
-                   self._control(_word(index, _STATE), 4), self._control(_word(index, _ACK), 1),
-                   self._control(_word(index, _BEAT), 1), self._cards_desc)
-        return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial, index,
-                           self._chunk, control, tuple(self._data), self._table).to_bytes()
-
-    def _known(self) -> list[int]:
-        """The control words up to the last record handed out, read once."""
-        return self._words[:_word(self._used, 0)].tolist()
-
-    def _arrange(self) -> None:
-        """The relay's places for the next generation, over the subscribers attached now (one
-        that attaches later pulls it from the trainer)."""
-        words = self._known()
-        members = [(words[_word(i, _HOST)], words[_word(i, _SHARE)], i)
-                   for i in range(_count(words)) if words[_word(i, _STATE)] == ATTACHED]
-        for index, place in chain(members).items():
-            for field, value in ((_UP, place.upstream), (_LEADER, place.leader)):
-                if words[_word(index, field)] != value:
-                    self._words[_word(index, field)] = value
-
-    @counted
-    def publish(self, *, timeout: float | None = None, checksum: bool = False) -> int:
-        """As for one host: the new generation is visible once the device work that wrote it is
-        done (`WeightPublisher.publish` waits for the acknowledgements); `checksum` publishes
-        its CRC-32 with it."""
-        with self._turns:
-            if self._in_place is not None:
-                self._in_place.check()
-            generation = self.generation + 1
-            self._wait(generation - self._buffers, ACK_TIMEOUT if timeout is None else timeout)
-            if self.copy:
-                assert self._storage is not None
-                self._words[_FILLING] = generation  # subscribers reading it drop the pull
-                fill(self._storage, (generation % 2) * self._nbytes, self._table,
-                     named_weights(self._source, detach=False))
-            torch.get_device_module(self.device).synchronize(self.device)
-            assert self._storage is not None
-            word = _SUMS + pair(generation)  # nobody holds generation - 2 any more
-            self._words[word + 1] = crc32(self._storage, (generation % self._buffers)
-                                          * self._nbytes, self._nbytes) if checksum else NO_SUM
-            self._words[word] = generation
-            self.generation = generation
-            if self.relay:
-                self._arrange()
-            self._words[_PUBLISHED] = generation
-        return generation
-
-    @counted
-    def wait_acks(self, generation: int, timeout: float | None = None) -> None:
-        """As for one host; dead subscribers are those whose heartbeat stood still for
-        LIVENESS seconds. With copy=False, once the newest generation is acknowledged the
-        trainer may write: a subscriber still pulling it then pulls again."""
-        self._wait(generation, timeout)
-        if not self.copy and generation == self.generation:
-            self._words[_FILLING] = generation + 1
-
-    def _wait(self, generation: int, timeout: float | None) -> None:
-        backoff = Backoff(timeout, first=0.00005, longest=0.001)
-        while True:
-            self._calls.check()
-            records = self._records(self._adopt(), mark=True)
-            waiting = unacknowledged(records, generation, PUBLISHER_WORDS)
-            if not waiting:
-                return
-            if backoff.expired():
-                raise acks_timeout(records, waiting, timeout, generation, PUBLISHER_WORDS.readers)
-            backoff.pause()
-
-    def _records(self, words: list[int], mark: bool = False) -> Records:
-        """The records in `words` (the control words, read once) for the scans of `_readers`: a
-        subscriber whose heartbeat stood still is dead, marked GONE with `mark`."""
-        now = time.monotonic()
-
-        def died(index: int) -> bool:
-            if not self._silent(index, words, now):
-                return False
-            if mark:
-                self._words[_word(index, _STATE)] = GONE
-            return True
-
-        used = _count(words)
-        return Records(lambda i: words[_word(i, _STATE)], lambda i: words[_word(i, _ACK)],
-                       lambda i: words[_word(i, _PID)], died, lambda: used)
-
-    def _adopt(self) -> list[int]:
-        """The control words, once every subscriber that attached since the last look is no
-        longer waited for a generation it cannot get: with copy=False, the published one once
-        the trainer may write it. (It acknowledges nothing newer before that is published.)"""
-        words = self._known()
-        published, filling = words[_PUBLISHED], words[_FILLING]
-        for i in range(_count(words)):  # the records of this copy: token() may add one meanwhile
-            serial = words[_word(i, _SERIAL)]
-            if words[_word(i, _STATE)] != ATTACHED or self._adopted.get(i) == serial:
-                continue
-            self._adopted[i] = serial
-            if filling >= published + self._buffers and words[_word(i, _ACK)] < published:
-                self._words[_word(i, _ACK)] = words[_word(i, _ACK)] = published
-        return words
-
-    def _silent(self, index: int, words: list[int], now: float) -> bool:
-        """Whether the record's heartbeat stood still for LIVENESS seconds of our looking."""
-        serial, beat = words[_word(index, _SERIAL)], words[_word(index, _BEAT)]
-        seen = self._beats.get(index)
-        if seen is None or seen[:2] != (serial, beat):
-            self._beats[index] = (serial, beat, now)
-            return False
-        return now - seen[2] > LIVENESS
-
-    @counted
-    def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
-        """Return once `count` subscribers opened their tokens; TimeoutError after `timeout`."""
-        backoff = Backoff(timeout, first=0.0001, longest=0.01)
-        while True:
-            self._calls.check()
-            now = attached(self._records(self._known()))
-            if now >= count:
-                return
-            if backoff.expired():
-                raise attach_timeout(now, count, timeout, PUBLISHER_WORDS.readers)
-            backoff.pause()
-
-    def subscribers(self) -> dict[int, dict]:
-        """As for one host; with relay also each one's place for the newest generation: its
-        `upstream` in the chain (a record's index; -1: the trainer) and its `leader`, the record
-        whose buffers it maps instead of pulling (-1: none)."""
-        words = self._known()
-        found = {i: {"state": label(state),
-                     "acknowledged": words[_word(i, _ACK)], "pid": words[_word(i, _PID)]}
-                 for i in range(_count(words)) if (state := words[_word(i, _STATE)]) != FREE}
-        if self.relay:
-            for index, record in found.items():
-                record["upstream"] = words[_word(index, _UP)]
-                record["leader"] = words[_word(index, _LEADER)]
-        return found
-
-    def close(self) -> None:
-        """The registrations and the endpoint go (once calls under way in other threads left):
-        subscribers' next reads fail (PeerGoneError, saying so). Idempotent."""
-        if self._calls.close():
-            self._calls.release(self._release)
-
-    def _release(self) -> None:
-        self._let_go()
-        self._storage, self._source = None, {}
-        self._cards = torch.empty(0, dtype=torch.uint8)  # its fd-backed memory goes
-        if hasattr(self, "_words"):  # its fd-backed memory goes; subscribers() still answers
-            self._words = self._words.clone()
 
 
 class NixlSubscriber:
@@ -436,14 +78,13 @@ class NixlSubscriber:
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None, share: bool = True,
                  prefetch: bool = False):
-        metadata, publisher_device, nbytes, serial, index, chunk, control, data, self._table = \
-            RemoteToken.from_bytes(token)
-        header, record, claim, ack, beat, self._cards = control
-        self._buffers, self._data = len(data), list(data)
-        cards = [(self._cards, MAX_READERS * CARD_BYTES)] if chunk else []
-        _check_descriptors(metadata, [*zip((header, record, claim, ack, beat, *self._data), (
-            8 * _HEADER, 8 * _FIELDS, 32, 8, 8, *[nbytes] * self._buffers)), *cards])
-        self.device = engine_device(publisher_device, device)
+        opened = RemoteToken.from_bytes(token)
+        metadata, nbytes, chunk, control = opened.metadata, opened.nbytes, opened.chunk, \
+            opened.control
+        self._table, self._buffers, self._data = opened.table, len(opened.data), list(opened.data)
+        _check_descriptors(metadata, [*control.sizes(relay=bool(chunk)),
+                                      *((desc, nbytes) for desc in self._data)])
+        self.device = engine_device(opened.device, device)
         self.generation = -1
         self._calls = Calls("WeightSubscriber")
         self._turns = threading.Lock()
@@ -455,8 +96,9 @@ class NixlSubscriber:
         # (generation, its checksum) pulled by the prefetch thread, not yet handed to wait()
         self._prefetched: tuple[int, int | None] | None = None
         self._prefetch_error: Exception | None = None  # met there, for the next wait() to raise
-        self._header, self._record, self._claim, self._ack = header, record, claim, ack
-        self._nbytes, self._index, self._chunk, self._metadata = nbytes, index, chunk, metadata
+        self._control = control
+        self._nbytes, self._index, self._chunk, self._metadata = nbytes, opened.record, chunk, \
+            metadata
         # where the held generation lies: this process's memory, or its leader's (relay:
         # `_in_leader`); the views of the places it lay (by address: each keeps its memory)
         self._held_at = torch.empty(0, dtype=torch.uint8)
@@ -472,7 +114,7 @@ class NixlSubscriber:
         self._heart: list[threading.Thread] = []
         # two agents: a heartbeat through the one that pulls would wait for the whole pull
         self._endpoints: list[p2p.Endpoint] = []
-        self._let_go = weakref.finalize(self, _let_go, self._endpoints, self._ids, self._stop,
+        self._let_go = weakref.finalize(self, let_go, self._endpoints, self._ids, self._stop,
                                         self._heart)  # dropped unclosed: its agents go too
         try:
             self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
@@ -483,7 +125,7 @@ class NixlSubscriber:
                 self._local, local_id = p2p.create_tensor((nbytes,), torch.uint8, self.device)
                 self._ids.append(local_id)
             _, _, state = self._poll()
-            if state != PENDING or int(self._words[_RECORD][_SERIAL]) != serial:
+            if state != PENDING or int(self._words[_RECORD][SERIAL]) != opened.serial:
                 raise InvalidHandleError("this weight token was already opened (one token per "
                                          "subscriber), or its record was reused")
             if chunk:
@@ -496,10 +138,10 @@ class NixlSubscriber:
                     self._own_relay()
             self._words[_CLAIM] = torch.tensor([ATTACHED, os.getpid(),
                                                 host_key() if chunk else 0, self._share])
-            self._remote(lambda: self._connection.write(self._words[_CLAIM], claim))
+            self._remote(lambda: self._connection.write(self._words[_CLAIM], control.claim))
             self._heart.append(threading.Thread(
                 target=_heartbeat, daemon=True, name="devipc-weights-heartbeat",
-                args=(beats, self._words[_BEATS], beat, self._stop)))
+                args=(beats, self._words[_BEATS], control.beat, self._stop)))
             self._heart[0].start()
             if prefetch:
                 self._heart.append(threading.Thread(
@@ -542,14 +184,15 @@ class NixlSubscriber:
         each post to an agent that disconnected, as a closing publisher's does right after."""
         try:
             self._remote(lambda: self._connection.readv(
-                [self._words[_HEAD], self._words[_RECORD]], [self._header, self._record]))
+                [self._words[_HEAD], self._words[_RECORD]],
+                [self._control.header, self._control.record]))
         except PeerGoneError:
             self._publisher_gone = True
             self._stop.set()
             raise
-        words = self._words[:_HEADER + 1].tolist()
-        self._header_seen = words[:_HEADER]
-        return words[_PUBLISHED], words[_FILLING], words[_HEADER + _STATE]
+        words = self._words[:HEADER + 1].tolist()
+        self._header_seen = words[:HEADER]
+        return words[PUBLISHED], words[FILLING], words[HEADER + STATE]
 
     def _pull(self, generation: int) -> bool:
         """A generation held here: through the relay (False if its upstream or leader has a
@@ -604,7 +247,7 @@ class NixlSubscriber:
         """`generation` in its leader's buffer, mapped (where the publisher named one and it
         holds the generation in time), else pulled into this process's buffers from its
         upstream and the trainer."""
-        upstream, leader = (int(self._words[_RECORD][field]) for field in (_UP, _LEADER))
+        upstream, leader = (int(self._words[_RECORD][field]) for field in (UP, LEADER))
         if self._follower is not None and self._other(leader):
             slot = self._card_of(leader)
             if slot is not None:
@@ -634,7 +277,8 @@ class NixlSubscriber:
         pulls); None if it did not within RELAY_STALL seconds."""
         card, backoff = self._card, Backoff(_relay.RELAY_STALL, first=0.0001, longest=0.002)
         while True:
-            self._remote(lambda: self._connection.read(card, self._cards, record * CARD_BYTES))
+            self._remote(lambda: self._connection.read(card, self._control.cards,
+                                                        record * CARD_BYTES))
             slot = bytes(card.numpy())
             if written(slot):
                 return slot
@@ -652,7 +296,7 @@ class NixlSubscriber:
                 self._chunk, self._ids, self._endpoints, bool(self._share)))
             slot = relay.card.to_slot()
             self._card[:len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
-            self._remote(lambda: self._connection.write(self._card[:len(slot)], self._cards,
+            self._remote(lambda: self._connection.write(self._card[:len(slot)], self._control.cards,
                                                         self._index * CARD_BYTES))
             self._relay = relay
         return self._relay
@@ -694,7 +338,7 @@ class NixlSubscriber:
                 return self.generation
             if backoff.expired():
                 raise TimeoutError(f"no new generation within {timeout} s (the newest is "
-                                   f"{self._header_seen[_PUBLISHED]})")
+                                   f"{self._header_seen[PUBLISHED]})")
             backoff.pause()
 
     def _fetch(self) -> tuple[int, int | None] | None:
@@ -705,11 +349,11 @@ class NixlSubscriber:
         published, filling, state = self._poll()
         if state != ATTACHED:
             raise PeerGoneError(f"the weight publisher dropped this subscriber (its heartbeat "
-                                f"stopped for {LIVENESS} s): open a new token")
+                                f"stopped for {_remote_token.LIVENESS} s): open a new token")
         if published > self.generation and filling < published + self._buffers \
                 and self._pull(published) \
                 and self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
-            return published, published_sum(self._header_seen[_SUMS:], published)
+            return published, published_sum(self._header_seen[SUMS:], published)
         return None
 
     def _prefetch(self) -> bool | None:
@@ -784,8 +428,9 @@ class NixlSubscriber:
             raise PeerGoneError(
                 f"generation {self.generation} was overwritten in its leader's memory while "
                 f"this subscriber held it, as happens only once the publisher dropped it (its "
-                f"heartbeat stood still for {LIVENESS} s: a pause, SIGSTOP, a debugger): what "
-                f"was read of it since wait() may be of a newer generation; open a new token")
+                f"heartbeat stood still for {_remote_token.LIVENESS} s: a pause, SIGSTOP, a "
+                f"debugger): what was read of it since wait() may be of a newer generation; open "
+                f"a new token")
 
     @counted
     def verify(self) -> None:
@@ -817,7 +462,8 @@ class NixlSubscriber:
         with self._turns:
             self._still_held(read=True)  # what the engine read since wait() was of it
             self._words[_ACKED] = self.generation
-            self._remote(lambda: self._connection.write(self._words[_ACKED], self._ack))
+            self._remote(lambda: self._connection.write(self._words[_ACKED],
+                                                        self._control.ack))
             self._acked = self.generation
 
     def close(self) -> None:
@@ -835,7 +481,8 @@ class NixlSubscriber:
         self._words[_CLAIM][0] = CLOSED
         try:
             if not self._publisher_gone:  # (nothing waits for this subscriber there)
-                self._remote(lambda: self._connection.write(self._words[_CLAIM], self._claim))
+                self._remote(lambda: self._connection.write(self._words[_CLAIM],
+                                                            self._control.claim))
         except (DevIpcError, ValueError):
             pass  # the publisher is gone: nothing waits for this subscriber
         self._release()
@@ -848,21 +495,6 @@ class NixlSubscriber:
         if self._follower is not None:
             self._follower.drop()
 
-
-def _let_go(endpoints: list[p2p.Endpoint], ids: list[int], stop: threading.Event | None = None,
-            threads: list[threading.Thread] | None = None) -> None:
-    """End what a publisher or a subscriber holds (its heartbeat, registrations, endpoints),
-    also when it is dropped unclosed: a registry listener would keep its NIXL agents alive."""
-    if stop is not None:
-        stop.set()  # a subscriber no longer beats: the publisher finds it dead
-    for thread in threads or ():
-        if thread is not threading.current_thread():
-            thread.join(_JOIN)  # longer only while a write hangs on a vanished publisher
-    for reg_id in ids:
-        p2p.deregister(reg_id)
-    ids.clear()
-    for endpoint in endpoints:
-        endpoint.close()
 
 
 def _check_descriptors(metadata: bytes, expected: Iterable[tuple[bytes, int]]) -> None:
@@ -917,7 +549,7 @@ def _heartbeat(connection: p2p.Connection, word: torch.Tensor, desc: bytes,
     """A subscriber's proof of life: a counter written into its record every HEARTBEAT s, until
     it closes, is dropped, or the publisher is gone."""
     beats = 0
-    while not stop.wait(HEARTBEAT):
+    while not stop.wait(_remote_token.HEARTBEAT):
         beats += 1
         word[0] = beats
         try:
