@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -54,8 +54,9 @@ from ._hooks import sharing_hooks
 from ._memfd import host_identity
 from ._received import synchronize
 
-__all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Follower", "Moved", "Place", "Relay", "chain",
-           "chunk_size", "chunks_of", "host_key", "progress_word", "share_key", "written"]
+__all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Follower", "Member", "Moved", "Place", "Relay",
+           "chain", "chunk_size", "chunks_of", "host_key", "progress_word", "share_key",
+           "written"]
 
 RELAY_STALL = 2.0  # seconds without a new chunk from an upstream, after which it is gone around
 CARD_BYTES = 16 << 10  # a card's slot in the publisher's memory
@@ -63,7 +64,6 @@ DEPTH = 4  # chunks in flight from the trainer (and staging slots)
 # chunks in flight from an upstream: one; two in parallel share the link and each lands later
 # (measured: 8 engines on 8 emulated hosts, 1.85 s a generation with one, 1.98 with three)
 AHEAD = 1
-_Peer = TypeVar("_Peer", bound=tuple[Any, ...])  # (card slot, connection, ...)
 _CHUNKS = 1 << 24  # a progress word is (generation + 1) * _CHUNKS + the chunks held; 0: none
 _SLICE = 0.01  # seconds: reads are waited for in slices, so that close() ends the wait
 
@@ -105,6 +105,14 @@ def chunk_size(nbytes: int) -> int:
     return min(-(-chunk // 4096) * 4096, max(nbytes, 1))
 
 
+class Member(NamedTuple):
+    """An attached subscriber as the chain places it (ordered by host, then share key)."""
+
+    host: int  # its `host_key`
+    share: int  # its `share_key` (0: it maps no other engine's buffers)
+    record: int  # its record's index
+
+
 class Place(NamedTuple):
     """A subscriber's place in the relay: the record it pulls from (-1: the trainer), or the
     record whose buffers it maps instead (its leader; -1: none, it pulls)."""
@@ -113,11 +121,10 @@ class Place(NamedTuple):
     leader: int = -1
 
 
-def chain(members: Iterable[tuple[int, int, int]]) -> dict[int, Place]:
-    """Each member's place, the members given as (host key, share key, record index): grouped by
-    host, so that a host's link carries a generation in once and out at most once; of those that
-    may map each other's buffers (one share key, not 0), the first pulls and the others map its
-    buffers."""
+def chain(members: Iterable[Member]) -> dict[int, Place]:
+    """Each member's place, by its record's index: grouped by host, so that a host's link
+    carries a generation in once and out at most once; of those that may map each other's
+    buffers (one share key, not 0), the first pulls and the others map its buffers."""
     places: dict[int, Place] = {}
     leaders: dict[tuple[int, int], int] = {}
     previous = -1
@@ -196,19 +203,51 @@ def written(slot: bytes | bytearray | memoryview) -> bool:
     return int.from_bytes(slot[:8], "little") != 0
 
 
-class _ByCard(Generic[_Peer]):
-    """The peer whose card a slot holds, opened by `get`'s `open_(slot)` (a tuple: the slot,
+class _Peer(Protocol):
+    """What `_ByCard` keeps of a peer: the card slot it was opened from, its connection."""
+
+    @property
+    def slot(self) -> bytes: ...
+
+    @property
+    def connection(self) -> p2p.Connection: ...
+
+
+_P = TypeVar("_P", bound=_Peer)
+
+
+class _Source(NamedTuple):
+    """An upstream a relay pulls from: its card slot, the connection, its card."""
+
+    slot: bytes
+    connection: p2p.Connection
+    card: Card
+
+
+class _Leader(NamedTuple):
+    """A leader a follower maps: its card slot, the connection, its card, its buffers and
+    progress words mapped."""
+
+    slot: bytes
+    connection: p2p.Connection
+    card: Card
+    buffers: list[torch.Tensor]
+    progress: torch.Tensor
+
+
+class _ByCard(Generic[_P]):
+    """The peer whose card a slot holds, opened by `get`'s `open_(slot)` (a `_Peer`: the slot,
     its connection, what else the opener keeps) and kept while the slot the publisher names
     stays the same; a slot whose card could not be opened, or whose peer failed (`avoid`), is
     not opened again until the publisher names another. (The opener is not kept: its owner
     would be in a reference cycle, its memory freed only by the garbage collector.)"""
 
     def __init__(self) -> None:
-        self.held: _Peer | None = None
+        self.held: _P | None = None
         self._avoided: set[bytes] = set()
 
-    def get(self, slot: bytes, open_: Callable[[bytes], _Peer]) -> _Peer | None:
-        if self.held is not None and self.held[0] == slot:
+    def get(self, slot: bytes, open_: Callable[[bytes], _P]) -> _P | None:
+        if self.held is not None and self.held.slot == slot:
             return self.held
         self.drop()
         if slot in self._avoided:
@@ -228,7 +267,7 @@ class _ByCard(Generic[_Peer]):
     def drop(self) -> None:
         """Let go of the peer held now (its connection closed)."""
         if self.held is not None:
-            self.held[1].close()
+            self.held.connection.close()
             self.held = None
 
 
@@ -369,7 +408,7 @@ class Relay:
         self._reader: p2p.Endpoint | None = None  # reads from the trainer and upstreams
         self._trainer: p2p.Connection | None = None
         self._fresh_reader()
-        self._upstream: _ByCard[tuple[bytes, p2p.Connection, Card]] = _ByCard()  # and bypassed
+        self._upstream: _ByCard[_Source] = _ByCard()  # and those bypassed
         # what this process pulled: bytes from the trainer, from upstreams; upstreams bypassed
         self.counts = {"trainer": 0, "upstream": 0, "bypassed": 0}
 
@@ -420,7 +459,7 @@ class Relay:
         upstream = None if upstream_slot is None \
             else self._upstream.get(upstream_slot, self._connect)
         if upstream is not None:
-            job = _Upstream(self, upstream[1], upstream[2], generation, buffer)
+            job = _Upstream(self, upstream.connection, upstream.card, generation, buffer)
             try:
                 while job.thread.is_alive() and time.monotonic() - job.news <= RELAY_STALL:
                     job.thread.join(_SLICE)
@@ -435,12 +474,12 @@ class Relay:
             done = job.done
             if done < self.chunks:
                 self.counts["bypassed"] += 1
-                self._upstream.avoid(upstream[0])
+                self._upstream.avoid(upstream.slot)
         if done < self.chunks:
             self._from_trainer(trainer_buffer, generation, buffer, done, check)
         return True
 
-    def _connect(self, slot: bytes) -> tuple[bytes, p2p.Connection, Card]:
+    def _connect(self, slot: bytes) -> _Source:
         """A connection to the upstream whose card `slot` holds (`_ByCard` keeps it)."""
         card = Card.from_slot(slot)
         if len(card.buffers) != self.count:
@@ -450,7 +489,7 @@ class Relay:
             self._fresh_reader()
         assert self._reader is not None
         # an upstream's registrations live as long as its endpoint
-        return slot, self._reader.connect(card.metadata, liveness=False), card
+        return _Source(slot, self._reader.connect(card.metadata, liveness=False), card)
 
     def _from_trainer(self, desc: bytes, generation: int, buffer: int, start: int,
                       check: Callable[[], None]) -> None:
@@ -493,10 +532,6 @@ class Relay:
         self.progress[buffer] = progress_word(generation, index + 1)
 
 
-# a leader: its card slot, the connection, its card, its buffers and progress words mapped
-_Leader = tuple[bytes, p2p.Connection, Card, list[torch.Tensor], torch.Tensor]
-
-
 class Follower:
     """A subscriber's way to hold generations without pulling them: it maps the buffers of its
     leader (an engine of its host and device that pulls each generation), waits until the
@@ -524,7 +559,6 @@ class Follower:
         leader = self._leader.get(slot, self._connect)
         if leader is None:
             return None
-        _, connection, card, buffers, progress = leader
         buffer = generation % self._count
         whole, seen = progress_word(generation, self._chunks), -1
         news = time.monotonic()
@@ -532,15 +566,15 @@ class Follower:
         while True:
             check()
             try:
-                connection.read(self._word, card.local_progress, buffer * 8)
+                leader.connection.read(self._word, leader.card.local_progress, buffer * 8)
             except Exception:  # noqa: BLE001 - the leader died or closed: left
                 self._leave(slot)
                 return None
             word = int(self._word[0])
             if word == whole:
                 self.counts["shared"] += 1
-                self._held = (progress, buffer, whole)
-                return buffers[buffer]
+                self._held = (leader.progress, buffer, whole)
+                return leader.buffers[buffer]
             if word // _CHUNKS - 1 > generation:
                 raise Moved
             if word != seen:
@@ -567,7 +601,7 @@ class Follower:
         except BaseException:
             connection.close()
             raise
-        return slot, connection, card, buffers, progress.view(torch.int64)
+        return _Leader(slot, connection, card, buffers, progress.view(torch.int64))
 
     def holds(self) -> bool:
         """Whether the leader's buffer that `take` returned last still holds that generation

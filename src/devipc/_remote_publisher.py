@@ -49,7 +49,7 @@ from ._readers import (
     label,
     unacknowledged,
 )
-from ._relay import CARD_BYTES, chain, chunk_size
+from ._relay import CARD_BYTES, Member, chain, chunk_size
 from ._remote_token import (
     ACK,
     BEAT,
@@ -192,7 +192,7 @@ class NixlPublisher:
         """The relay's places for the next generation, over the subscribers attached now (one
         that attaches later pulls it from the trainer)."""
         words = self._known()
-        members = [(words[word(i, HOST)], words[word(i, SHARE)], i)
+        members = [Member(words[word(i, HOST)], words[word(i, SHARE)], i)
                    for i in range(count(words)) if words[word(i, STATE)] == ATTACHED]
         for index, place in chain(members).items():
             for field, value in ((UP, place.upstream), (LEADER, place.leader)):
