@@ -8,7 +8,7 @@ ints, torch types): it survives `pickle` and a socket, no file descriptor is smu
 """
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.multiprocessing.reductions as torch_reductions
@@ -165,31 +165,47 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tu
                            "before serializing (e.g., putting it on the queue).")
     torch.utils.hooks.warn_if_has_hooks(tensor)
     storage = tensor.untyped_storage()
-    (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
-     event_handle, event_sync_required) = share_storage(storage, device, hooks)
-    # args[7] carries the device written into args[6]: an overwritten args[6] shows.
-    wrapped = wrap_storage_handle(device, handle or b"")
+    shared = share_storage(storage, device, hooks)
     # The sizes as a plain tuple, as the strides are: a torch.Size pickles as a global and a call.
-    args = (type(tensor), tuple(tensor.size()), tensor.stride(), tensor.storage_offset(),
-            type(storage), tensor.dtype, device, wrapped, size_bytes, offset_bytes,
-            tensor.requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
-            event_sync_required)
-    if args[0] in _CLASS_NAMES and args[5] in _DTYPE_NAMES and args[4] is torch.UntypedStorage:
-        return rebuild_device_tensor, SentArgs(args)
-    return rebuild_device_tensor, args
+    # args[7] carries the device written into args[6]: an overwritten args[6] shows.
+    args = SentArgs(type(tensor), tuple(tensor.size()), tensor.stride(), tensor.storage_offset(),
+                    type(storage), tensor.dtype, shared.device,
+                    wrap_storage_handle(shared.device, shared.handle or b""), shared.size_bytes,
+                    shared.offset_bytes, tensor.requires_grad, shared.ref_counter_handle,
+                    shared.ref_counter_offset, shared.event_handle, shared.event_sync_required)
+    if args.tensor_cls in _CLASS_NAMES and args.dtype in _DTYPE_NAMES \
+            and args.storage_cls is torch.UntypedStorage:
+        return rebuild_device_tensor, args
+    return rebuild_device_tensor, tuple(args)  # pickled in full
 
 
-class SentArgs(tuple):
-    """reduce_tensor's 15 arguments, a tuple as torch's, that pickle without the tensor and
-    storage classes, the dtype and the device: those are globals, an import lookup each on both
-    sides, most of what pickling a send costs. The classes and the dtype travel by name, the
-    device in the wrapped handle (args[7]) already. A copy made to overwrite args[6] is a plain
-    tuple or list, pickled in full."""
+class SentArgs(NamedTuple):
+    """reduce_tensor's 15 arguments (rebuild_device_tensor's, by name), a tuple as torch's, that
+    pickle without the tensor and storage classes, the dtype and the device: those are globals,
+    an import lookup each on both sides, most of what pickling a send costs. The classes and the
+    dtype travel by name, the device in the wrapped handle (args[7]) already. A copy made to
+    overwrite args[6] is a plain tuple or list, pickled in full."""
 
-    __slots__ = ()
+    tensor_cls: type[torch.Tensor]
+    tensor_size: tuple[int, ...]
+    tensor_stride: tuple[int, ...]
+    tensor_offset: int | torch.SymInt  # as `Tensor.storage_offset` types it
+    storage_cls: type[torch.UntypedStorage]
+    dtype: torch.dtype
+    storage_device: torch.device
+    storage_handle: bytes  # wrapped with the device (`wrap_storage_handle`)
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    requires_grad: bool
+    ref_counter_handle: bytes | None
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
 
     def __reduce__(self) -> tuple[Callable[..., tuple], tuple]:
-        return _expand, (_CLASS_NAMES[self[0]], _DTYPE_NAMES[self[5]], *self[1:4], *self[7:])
+        # everything from the wrapped handle on, as sent: `_expand` takes it positionally
+        return _expand, (_CLASS_NAMES[self.tensor_cls], _DTYPE_NAMES[self.dtype],
+                         self.tensor_size, self.tensor_stride, self.tensor_offset, *self[7:])
 
 
 def _expand(class_name: str, dtype_name: str, size: tuple[int, ...], stride: tuple[int, ...],

@@ -111,16 +111,16 @@ def share_device(storage: torch.UntypedStorage) -> SharedStorage:
     one on the device's current stream of the calling thread. A received storage is forwarded.
     """
     storage = untyped(storage)
-    return SharedStorage(*share_storage(storage, storage.device, hooks_for(storage.device)))
+    return share_storage(storage, storage.device, hooks_for(storage.device))
 
 
 def share_storage(storage: torch.UntypedStorage, device: torch.device,
-                  hooks: IpcHooks) -> tuple:
-    """`share_device` as a plain tuple, for a caller that knows the storage's device and its
-    hooks (`reduce_tensor`, at every send)."""
+                  hooks: IpcHooks) -> SharedStorage:
+    """`share_device`, for a caller that knows the storage's device and its hooks
+    (`reduce_tensor`, at every send)."""
     nbytes = storage.nbytes()
     if nbytes == 0:
-        return device, None, 0, 0, None, 0, b"", False
+        return SharedStorage(device, None, 0, 0, None, 0, b"", False)
     sent = _exports.send_again(storage)
     if sent is None:
         _deferred.poll(_NEWEST)  # releases that are due, as an open runs them
@@ -145,16 +145,17 @@ def share_storage(storage: torch.UntypedStorage, device: torch.device,
         _exports.revoke_slot(file.handle, index)  # never sent: nobody will open it
         raise
     _background.wake()
-    return device, handle, nbytes, offset, file.handle, index, event_handle, event_sync_required
+    return SharedStorage(device, handle, nbytes, offset, file.handle, index, event_handle,
+                         event_sync_required)
 
 
-def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> tuple:
+def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> SharedStorage:
     """Send on a received storage: the next consumer maps the original producer's memory under a
     slot of its own in the producer's file, so the memory outlives this process."""
     synchronize(storage.device)  # our writes first
     index = _counters.forward(receipt.counter_handle, receipt.slot)
-    return (storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
-            receipt.counter_handle, index, b"", False)
+    return SharedStorage(storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
+                         receipt.counter_handle, index, b"", False)
 
 
 def new_shared_device(device: torch.device | str | int, handle: bytes | None, size_bytes: int,
