@@ -170,7 +170,7 @@ def test_the_short_path_copies_into_whichever_local_tensor_it_is_given(owner, pe
     first, second = (torch.zeros(64, device=device) for _ in range(2))
     for _ in range(2):  # the first path (which waits once for the owner's event, if any)
         peer.read(first, whole)
-    (plan,) = peer._link._plans.values()  # then the short one is planned
+    (plan,) = peer._link._singles.values()  # then the short one is planned
     for value in (1.0, 2.0):  # the same tensor again, the remote changed in between
         peer.write(torch.full((64,), value, device=device), whole)
         peer.read(first, whole)

@@ -3,12 +3,13 @@ hooks and devipc's core. The owner's side (`_export`) hands out the export of a 
 storage; a peer (`_remote`) maps it once per registration and copies with the device's own copy
 path (one `copy_batch` call where the hooks have it), host memory by memmove.
 
-What does not change between calls is kept: the link keeps the plan (`_Plan`) of a copy it made
-before, one small descriptor copied by the calling thread or a vector batched on the device, and
-a prepared transfer holds all of it (`IpcPrepared`); a call then checks the registrations' words
-and the local tensors only. One small copy of memory the CPU may address ("DRAM" hooks), when the
-current stream is idle, is made by the calling thread: handing it to the stream and waiting for
-it would cost more than the copy, and the order is the same.
+What does not change between calls is kept: the link keeps the plan of a copy it made before,
+one small descriptor copied by the calling thread (`_SinglePlan`) or a vector batched on the
+device (`_BatchPlan`), and a prepared transfer holds all of it (`IpcPrepared`, `_PreparedPlan`);
+a call then checks the registrations' words and the local tensors only. One small copy of
+memory the CPU may address ("DRAM" hooks), when the current stream is idle, is made by the
+calling thread: handing it to the stream and waiting for it would cost more than the copy, and
+the order is the same.
 """
 import array
 import ctypes
@@ -16,8 +17,8 @@ import functools
 import operator
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar, cast
 
 import torch
 
@@ -40,9 +41,9 @@ _SWEEP_EVERY = 64  # such copies between two sweeps of the registrations the own
 _PAIRS_KEPT = 1 << 16  # pairs of the plans a link keeps (singles and vectors together)
 _SLICE = 256  # pairs: a vector posted again goes to the device in slices of this many
 _CPU = torch.device("cpu")
-_NO_BYTES = memoryview(b"")
 _contiguous, _address = torch.Tensor.is_contiguous, torch.Tensor.data_ptr
 _device_of = operator.attrgetter("device")
+_Kept = TypeVar("_Kept", "_SinglePlan", "_BatchPlan")
 
 
 class IpcTransport:
@@ -87,9 +88,10 @@ class IpcLink:
         self._peer = peer
         self._posts = 0  # copies made in the calling thread, which sweep only now and then
         # the plans of copies made before: one descriptor's by its id, a vector's by its ids
-        self._plans: dict[int | tuple[int, ...], _Plan] = {}
+        self._singles: dict[int, _SinglePlan] = {}
+        self._batches: dict[tuple[int, ...], _BatchPlan] = {}
         self._planned = 0  # pairs the plans hold, for _PAIRS_KEPT
-        self._last: _Plan | None = None  # the last vector's: found by its list
+        self._last: _BatchPlan | None = None  # the last vector's: found by its list
 
     def mapped(self) -> int:
         return self._peer.mapped()
@@ -114,7 +116,7 @@ class IpcLink:
         elif descs:
             plan = self._last  # a connection hands a known vector's list again
             if plan is None or plan.descs is not descs:
-                plan = self._last = self._plans.get(tuple(map(id, descs)))
+                plan = self._last = self._batches.get(tuple(map(id, descs)))
             transfer = None if plan is None else plan.batch_again(op, locals_, self._peer)
             if transfer is not None:
                 if wait:
@@ -127,7 +129,7 @@ class IpcLink:
         earlier one: whether it was made (not without a plan, if `local` is strided, on a device
         the CPU may not address, a stream is busy or the registration ended), else the caller's
         path (`post`) says why not. The connection's shortcut for its `read` and `write`."""
-        plan = self._plans.get(id(desc))  # (a descriptor's plan, not a vector's: `remote`)
+        plan = self._singles.get(id(desc))
         if plan is None or not local.is_contiguous():
             return False
         device, index = plan.device, plan.stream
@@ -190,7 +192,7 @@ class IpcLink:
             device = None if entry.device.type == "cpu" else entry.device
             assert entry.address is not None  # `_host_rows` took it
             stream = None if device is None else _stream_index(device)
-            self._keep(id(desc), _Plan(
+            self._keep(self._singles, id(desc), _SinglePlan(
                 descs=[desc], entries=[entry], device=device,
                 stream=-1 if stream is None else stream,
                 remote=host_bytes(entry.address + desc.offset, desc.nbytes)))
@@ -209,7 +211,7 @@ class IpcLink:
                 batch.copy_batch(batch.device_index, batch.table)
                 (device,) = devices
                 remote = 1 if op == READ else 0  # the table's column of the peer's addresses
-                self._last = self._keep(tuple(map(id, descs)), _Plan(
+                self._last = self._keep(self._batches, tuple(map(id, descs)), _BatchPlan(
                     descs=descs, entries=distinct, device=device,
                     table=batch.table[:, [remote, 2]].t().contiguous(),
                     cpu_remote=any(entry.device.type == "cpu" for entry in distinct)))
@@ -224,13 +226,15 @@ class IpcLink:
             raise
         return transfer
 
-    def _keep(self, key: int | tuple[int, ...], plan: "_Plan") -> "_Plan":
-        """Keep `plan` for the next post of its descriptors (all dropped past _PAIRS_KEPT)."""
+    def _keep(self, plans: dict, key: int | tuple[int, ...], plan: _Kept) -> _Kept:
+        """Keep `plan` in `plans` for the next post of its descriptors (all dropped past
+        _PAIRS_KEPT)."""
         self._planned += len(plan.descs)
         if self._planned > _PAIRS_KEPT:
-            self._plans.clear()
+            self._singles.clear()
+            self._batches.clear()
             self._planned, self._last = len(plan.descs), None
-        self._plans[key] = plan
+        plans[key] = plan
         return plan
 
     def _on_host(self, pairs: Iterable[tuple], entries: list[RemoteEntry],
@@ -253,38 +257,36 @@ class IpcLink:
             raise
 
 
-@dataclass(slots=True, eq=False)
-class _Plan:
-    """A same-host copy of these descriptors as the full path validated it: the one form in
-    which a transfer is kept, by the link for the next copy of the same descriptors or by a
-    prepared transfer. Only the local tensors (not a prepared one's: they are fixed) and the
-    registrations' words are read again. Three kinds:
-    - the link's, one descriptor of at most _INLINE_BYTES that the calling thread copied itself
-      (`remote`: its bytes in the peer's memory; `stream`), made again while the streams that
-      order it are idle;
-    - the link's, a vector the device copied as one batch (`table`: each pair's remote address
-      and bytes), handed to the device again in slices (`batch_again`);
-    - a prepared transfer's (`prepared`, `post_prepared`), every copy fixed: host bytes the
-      calling thread copies while `streams` are idle (`rows`), else the device's batch (`batch`)
-      or the pairs (`pairs`)."""
+# A same-host copy of some descriptors as the full path validated it is kept in one of three
+# plans: by the link for the next copy of the same descriptors (`_SinglePlan`, `_BatchPlan`) or
+# by a prepared transfer (`_PreparedPlan`). Only the local tensors (not a prepared one's: they
+# are fixed) and the registrations' words are read again. Each holds its descriptors (their ids,
+# the link's key for the plan, stay theirs) and the distinct registrations its copies reach.
 
-    descs: list[Descriptor]  # held: their ids, the link's key for the plan, stay theirs
-    entries: list[RemoteEntry]  # the distinct registrations the copies reach
-    device: torch.device | None = None  # the link's: the device whose current stream orders them
-    stream: int = -1  # one descriptor: its index for the accelerator's current stream, or -1
-    remote: memoryview = _NO_BYTES  # one descriptor: the remote range's bytes
-    table: torch.Tensor | None = None  # a batch: the pairs' remote addresses, then their bytes
-    cpu_remote: bool = False  # the peer's CPU memory reached: a device copy ends before return
+
+@dataclass(slots=True, eq=False)
+class _SinglePlan:
+    """The link's plan of one descriptor of at most _INLINE_BYTES that the calling thread
+    copied itself, made again while the streams that order it are idle (`IpcLink.again`)."""
+
+    descs: list[Descriptor]
+    entries: list[RemoteEntry]
+    device: torch.device | None  # the device whose current stream orders it (None: host memory)
+    stream: int  # its index for the accelerator's current stream, or -1
+    remote: memoryview  # the remote range's bytes
     last: tuple[int, memoryview | None] = (0, None)  # the last local address, and its bytes
-    # a prepared transfer's
-    devices: set[torch.device] = field(default_factory=set)  # the streams ordering the copies
-    words: list[tuple[int, int]] = field(default_factory=list)  # (slot, id) per registration
-    streams: list[int] = field(default_factory=list)  # to be idle for `rows`
-    rows: list[tuple[memoryview, memoryview]] | None = None  # (destination, source) host bytes
-    batch: "_Batch | None" = None  # all the copies as one operation of the device
-    pairs: list = field(default_factory=list)  # else each copy (`_pair`)
-    owner: tuple[list[RemoteEntry], list[Descriptor]] | None = None  # events not waited for yet
-    keep: tuple[object, ...] = ()  # what a device copy's Transfer holds until it ends
+
+
+@dataclass(slots=True, eq=False)
+class _BatchPlan:
+    """The link's plan of a vector the device copied as one batch, handed to the device again
+    in slices (`batch_again`)."""
+
+    descs: list[Descriptor]
+    entries: list[RemoteEntry]
+    device: torch.device  # the device whose current stream orders the copies
+    table: torch.Tensor  # the pairs' remote addresses, then their bytes
+    cpu_remote: bool  # the peer's CPU memory reached: a device copy ends before return
 
     def batch_again(self, op: str, locals_: list, peer: Peer) -> Transfer | None:
         """The batch again with these local tensors; None where the full path must run (a local
@@ -294,7 +296,6 @@ class _Plan:
         while this thread reads the next local tensors' addresses (two cores, not one after the
         other). Every local tensor is checked before any slice goes."""
         device, kept = self.device, self.table
-        assert device is not None and kept is not None  # a batch's plan
         copy_batch = getattr(hooks_for(device), "copy_batch", None)
         if copy_batch is None or not all(map(_contiguous, locals_)) \
                 or not set(map(_device_of, locals_)) <= {device, _CPU}:
@@ -326,9 +327,27 @@ class _Plan:
         return transfer
 
 
+@dataclass(slots=True, eq=False)
+class _PreparedPlan:
+    """A prepared transfer's plan (`prepared`, `post_prepared`), every copy fixed: host bytes
+    the calling thread copies while `streams` are idle (`rows`), else the device's batch
+    (`batch`) or the pairs (`pairs`)."""
+
+    descs: list[Descriptor]
+    entries: list[RemoteEntry]
+    devices: set[torch.device]  # the streams ordering the copies
+    cpu_remote: bool  # the peer's CPU memory reached: a device copy ends before return
+    words: list[tuple[int, int]]  # (slot, id) per registration
+    streams: list[int]  # to be idle for `rows`
+    rows: list[tuple[memoryview, memoryview]] | None  # (destination, source) host bytes
+    batch: "_Batch | None"  # all the copies as one operation of the device
+    pairs: list  # else each copy (`_pair`)
+    owner: tuple[list[RemoteEntry], list[Descriptor]] | None  # events not waited for yet
+    keep: tuple[object, ...]  # what a device copy's Transfer holds until it ends
+
     @classmethod
     def prepared(cls, op: str, locals_: list, entries: list[RemoteEntry],
-                 descs: list[Descriptor]) -> "_Plan":
+                 descs: list[Descriptor]) -> "_PreparedPlan":
         """The plan of a prepared transfer: `entries` (one per descriptor, pinned by the caller
         for the plan's life) and `locals_` are fixed."""
         distinct = list({id(entry): entry for entry in entries}.values())
@@ -384,14 +403,15 @@ class _Plan:
 
 
 class IpcPrepared:
-    """A transfer validated once (its `_Plan`): the peer's registrations stay mapped and pinned
-    until `close`, and a post checks only the registrations' words."""
+    """A transfer validated once (its `_PreparedPlan`): the peer's registrations stay mapped
+    and pinned until `close`, and a post checks only the registrations' words."""
 
     def __init__(self, peer: Peer, op: str, locals_: list, descs: list):
         peer.check_alive()
         entries = peer.open_all(descs)
         try:
-            self._plan: _Plan | None = _Plan.prepared(op, locals_, entries, descs)
+            self._plan: _PreparedPlan | None = _PreparedPlan.prepared(op, locals_, entries,
+                                                                      descs)
         except BaseException:
             peer.unpin(entries)
             raise
