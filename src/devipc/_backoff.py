@@ -2,6 +2,8 @@
 between polls (a little at first, up to a ceiling) and giving up at a deadline."""
 import time
 
+SLICE = 0.01  # seconds: a wait that another thread's close() must end is made in slices of this
+
 
 class Backoff:
     """The pauses of one wait. `expired()`: the deadline passed (`timeout` None: never); `pause()`
@@ -35,3 +37,9 @@ class Backoff:
             return 0.0
         seconds, self._next = self._next, min(self._next * 2, self._longest)
         return seconds
+
+
+def polling(timeout: float | None = None) -> Backoff:
+    """The pauses of a wait for what another host writes into memory read by one-sided reads
+    (nothing wakes a process across hosts): 0.1 ms, doubling up to 2 ms."""
+    return Backoff(timeout, first=0.0001, longest=0.002)

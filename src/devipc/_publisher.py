@@ -20,10 +20,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from ._backoff import Backoff
+from ._backoff import polling
 from ._errors import AckTimeoutError, ConsumerDiedError
 from ._publisher_local import LocalPublisher, LocalSubscriber
-from ._weights import Names, copy_into, token_reader
+from ._weights import ATTACH_TIMEOUT, Names, copy_into, token_reader
 
 __all__ = ["WeightPublisher", "WeightSubscriber"]
 
@@ -131,7 +131,7 @@ class WeightPublisher:
         memory is being overwritten) but the next one."""
         self._backend.wait_acks(generation, timeout)
 
-    def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
+    def wait_subscribers(self, count: int, timeout: float = ATTACH_TIMEOUT) -> None:
         """Return once `count` subscribers opened their tokens (engines starting up); with
         `copy=False` a subscriber that opens after a publish gets the next generation.
         TimeoutError after `timeout` seconds."""
@@ -229,7 +229,7 @@ class WeightSubscriber:
         read) runs in the loop's thread once the generation is there."""
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        backoff = Backoff(timeout, first=0.0001, longest=0.002)
+        backoff = polling(timeout)
         while not self._backend.ready():
             if backoff.expired():
                 raise TimeoutError(f"no new generation within {timeout} s (the newest held is "

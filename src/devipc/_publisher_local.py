@@ -24,7 +24,15 @@ from . import _handles
 from ._arena import Arena, ArenaReader, Attachment
 from ._readers import PUBLISHER_WORDS
 from ._table import Table
-from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights, token_reader, token_writer
+from ._weights import (
+    ACK_TIMEOUT,
+    ATTACH_TIMEOUT,
+    InPlace,
+    fill,
+    named_weights,
+    token_reader,
+    token_writer,
+)
 
 __all__ = ["LocalPublisher", "LocalSubscriber", "LocalToken"]
 
@@ -115,7 +123,7 @@ class LocalPublisher:
             self._arena.announce(generation + 1)  # before the last look at who to wait for
         self._arena.wait_for(generation, timeout)
 
-    def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
+    def wait_subscribers(self, count: int, timeout: float = ATTACH_TIMEOUT) -> None:
         self._arena.wait_attached(count, timeout)
 
     def subscribers(self) -> dict[int, dict]:

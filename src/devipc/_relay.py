@@ -48,7 +48,7 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 import torch
 
 from . import _wire, p2p
-from ._backoff import Backoff
+from ._backoff import SLICE, Backoff, polling
 from ._errors import InvalidHandleError, PeerGoneError
 from ._hooks import sharing_hooks
 from ._memfd import host_identity
@@ -65,7 +65,6 @@ DEPTH = 4  # chunks in flight from the trainer (and staging slots)
 # (measured: 8 engines on 8 emulated hosts, 1.85 s a generation with one, 1.98 with three)
 AHEAD = 1
 _CHUNKS = 1 << 24  # a progress word is (generation + 1) * _CHUNKS + the chunks held; 0: none
-_SLICE = 0.01  # seconds: reads are waited for in slices, so that close() ends the wait
 
 
 def host_key() -> int:
@@ -320,7 +319,7 @@ class _Upstream:
         relay, card, buffer, generation = self._relay, self._card, self._buffer, self._generation
         in_flight: deque = deque()  # the reads, in chunk order
         landed = after = 0  # chunks landed and not yet committed; the next chunk to read
-        backoff = Backoff(None, first=0.0001, longest=0.002)
+        backoff = polling()
         while not self.stopped:
             while in_flight and in_flight[0].done():
                 in_flight.popleft()
@@ -462,7 +461,7 @@ class Relay:
             job = _Upstream(self, upstream.connection, upstream.card, generation, buffer)
             try:
                 while job.thread.is_alive() and time.monotonic() - job.news <= RELAY_STALL:
-                    job.thread.join(_SLICE)
+                    job.thread.join(SLICE)
                     check()
             finally:
                 if job.stop(self._reader):  # still waiting on the upstream: reads may land
@@ -562,7 +561,7 @@ class Follower:
         buffer = generation % self._count
         whole, seen = progress_word(generation, self._chunks), -1
         news = time.monotonic()
-        backoff = Backoff(None, first=0.0001, longest=0.002)
+        backoff = polling()
         while True:
             check()
             try:
@@ -579,7 +578,7 @@ class Follower:
                 raise Moved
             if word != seen:
                 seen, news = word, time.monotonic()
-                backoff = Backoff(None, first=0.0001, longest=0.002)
+                backoff = polling()
             elif time.monotonic() - news > RELAY_STALL:
                 self._leave(slot)
                 return None
@@ -629,6 +628,6 @@ def _finish(transfer: p2p.Transfer, check: Callable[[], object]) -> None:
     backoff, looked = Backoff(None, first=0.00005, longest=0.0005), time.monotonic()
     while not transfer.done():
         backoff.pause()
-        if time.monotonic() - looked > _SLICE:
+        if time.monotonic() - looked > SLICE:
             check()
             looked = time.monotonic()

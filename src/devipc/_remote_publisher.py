@@ -53,6 +53,7 @@ from ._relay import CARD_BYTES, Member, chain, chunk_size
 from ._remote_token import (
     ACK,
     BEAT,
+    CARDS_BYTES,
     CLAIMED,
     CONTROL_WORDS,
     FIELDS,
@@ -74,7 +75,7 @@ from ._remote_token import (
     word,
 )
 from ._table import ALIGNMENT, Table
-from ._weights import ACK_TIMEOUT, InPlace, fill, named_weights
+from ._weights import ACK_TIMEOUT, ATTACH_TIMEOUT, InPlace, fill, named_weights
 
 __all__ = ["NixlPublisher"]
 
@@ -137,8 +138,7 @@ class NixlPublisher:
             self._chunk = chunk_size(self._nbytes) if self.relay else 0
             self._cards, self._cards_desc = torch.empty(0, dtype=torch.uint8), b""
             if self.relay:  # one slot per record, where its subscriber writes its card
-                self._cards, cards = p2p.create_tensor((MAX_READERS * CARD_BYTES,),
-                                                       torch.uint8, "cpu")
+                self._cards, cards = p2p.create_tensor((CARDS_BYTES,), torch.uint8, "cpu")
                 self._ids.append(cards)  # new fd-backed memory: zeros, untouched until a
                 # token's slot is cleared for it (sparse: 16 KiB per subscriber, not 16 MiB)
                 self._cards_desc = self._endpoint.advertise(cards)
@@ -288,7 +288,7 @@ class NixlPublisher:
         return now - seen[2] > _remote_token.LIVENESS
 
     @counted
-    def wait_subscribers(self, count: int, timeout: float = 60.0) -> None:
+    def wait_subscribers(self, count: int, timeout: float = ATTACH_TIMEOUT) -> None:
         """Return once `count` subscribers opened their tokens; TimeoutError after `timeout`."""
         backoff = Backoff(timeout, first=0.0001, longest=0.01)
         while True:

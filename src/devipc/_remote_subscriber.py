@@ -25,7 +25,7 @@ import torch
 
 from . import _relay, _remote_token, p2p
 from ._arena import Calls, counted
-from ._backoff import Backoff
+from ._backoff import SLICE, polling
 from ._checksum import crc32, published_sum
 from ._errors import (
     ChecksumError,
@@ -59,7 +59,6 @@ __all__ = ["NixlSubscriber"]
 
 _T = TypeVar("_T")
 
-_SLICE = 0.01  # seconds: a pull is waited for in slices, so that close() ends the wait
 # this subscriber's words: where the header and its record land, what it writes
 _HEAD, _RECORD = slice(0, HEADER), slice(HEADER, HEADER + FIELDS)
 _CLAIM = slice(HEADER + FIELDS, HEADER + FIELDS + CLAIMED)  # state, pid, host and share keys
@@ -218,7 +217,7 @@ class NixlSubscriber:
             lambda: self._connection.read_async(self._local, data))
         while True:
             try:
-                self._remote(lambda: transfer.wait(_SLICE))
+                self._remote(lambda: transfer.wait(SLICE))
                 break
             except TimeoutError:
                 self._calls.check()
@@ -234,7 +233,7 @@ class NixlSubscriber:
             return False
         while True:
             try:
-                cut.wait(_SLICE)
+                cut.wait(SLICE)
                 break
             except TimeoutError:
                 self._calls.check()
@@ -275,7 +274,7 @@ class NixlSubscriber:
     def _card_of(self, record: int) -> bytes | None:
         """The card in `record`'s slot, once its subscriber wrote it (it does before it first
         pulls); None if it did not within RELAY_STALL seconds."""
-        card, backoff = self._card, Backoff(_relay.RELAY_STALL, first=0.0001, longest=0.002)
+        card, backoff = self._card, polling(_relay.RELAY_STALL)
         while True:
             self._remote(lambda: self._connection.read(card, self._control.cards,
                                                         record * CARD_BYTES))
@@ -329,7 +328,7 @@ class NixlSubscriber:
         if self._prefetched is not None:  # pulled while the engine was busy
             (self.generation, self._checksum), self._prefetched = self._prefetched, None
             return self.generation
-        backoff = Backoff(timeout, first=0.0001, longest=0.002)
+        backoff = polling(timeout)
         while True:
             self._calls.check()
             fetched = self._fetch()
@@ -534,14 +533,14 @@ def _prefetching(subscriber: "weakref.ref[NixlSubscriber]", stop: threading.Even
     pulled (and passed on down the relay's chain) as soon as it is published, whether or not
     the engine is in `wait()`, which then hands it over at once. Polls as `wait()` does, until
     the subscriber closes or is dropped."""
-    backoff = Backoff(None, first=0.0001, longest=0.002)
+    backoff = polling()
     while not stop.wait(backoff.next_pause()):
         found = (sub := subscriber()) and sub._prefetch()
         del sub  # a subscriber dropped unclosed goes (its finalizer stops this thread)
         if found is None:
             return
         if found:
-            backoff = Backoff(None, first=0.0001, longest=0.002)
+            backoff = polling()
 
 
 def _heartbeat(connection: p2p.Connection, word: torch.Tensor, desc: bytes,

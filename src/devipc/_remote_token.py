@@ -28,9 +28,9 @@ from ._relay import CARD_BYTES
 from ._table import Table
 from ._weights import token_reader, token_writer
 
-__all__ = ["ACK", "BEAT", "CLAIMED", "CONTROL_WORDS", "FIELDS", "FILLING", "HEADER", "HEARTBEAT",
-           "HOST", "LEADER", "LIVENESS", "PID", "PUBLISHED", "SERIAL", "SHARE", "STATE", "SUMS",
-           "UP", "Control", "RemoteToken", "count", "let_go", "word"]
+__all__ = ["ACK", "BEAT", "CARDS_BYTES", "CLAIMED", "CONTROL_WORDS", "FIELDS", "FILLING",
+           "HEADER", "HEARTBEAT", "HOST", "LEADER", "LIVENESS", "PID", "PUBLISHED", "SERIAL",
+           "SHARE", "STATE", "SUMS", "UP", "Control", "RemoteToken", "count", "let_go", "word"]
 
 HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
 LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts as dead
@@ -47,6 +47,7 @@ STATE, PID, HOST, SHARE, SERIAL, ACK, BEAT, UP, LEADER = range(9)
 FIELDS = 9
 CLAIMED = SHARE + 1  # a claim's words: state, pid, host and share keys
 CONTROL_WORDS = HEADER + MAX_READERS * FIELDS
+CARDS_BYTES = MAX_READERS * CARD_BYTES  # the relay's card slots, one per record
 
 
 def word(index: int, field: int) -> int:
@@ -76,7 +77,7 @@ class Control(NamedTuple):
                  (self.ack, 1), (self.beat, 1))
         sizes = [(desc, length * _WORD_BYTES) for desc, length in words]
         if relay:
-            sizes.append((self.cards, MAX_READERS * CARD_BYTES))
+            sizes.append((self.cards, CARDS_BYTES))
         return sizes
 
 

@@ -14,10 +14,12 @@ from ._devices import count_of, present
 from ._errors import InvalidHandleError
 from ._table import Table
 
-__all__ = ["ACK_TIMEOUT", "TRANSPORTS", "InPlace", "Names", "copy_into", "engine_device", "fill",
-           "named_weights", "pack_module", "token_reader", "token_writer"]
+__all__ = ["ACK_TIMEOUT", "ATTACH_TIMEOUT", "TRANSPORTS", "InPlace", "Names", "copy_into",
+           "engine_device", "fill", "named_weights", "pack_module", "token_reader",
+           "token_writer"]
 
 ACK_TIMEOUT = 60.0  # a publisher's wait for the generation two back, with copy=True
+ATTACH_TIMEOUT = 60.0  # a publisher's wait_subscribers, unless told otherwise
 
 
 def pack_module(module: torch.nn.Module) -> dict[str, torch.Tensor]:
