@@ -133,7 +133,8 @@ def main() -> None:
                 try:
                     rows[label][path] = median_seconds(lambda m=method, n=n: ray.get(
                         receiver.take.remote(m.remote(n)), timeout=300), repeats)
-                except Exception as error:  # e.g. Ray's NIXL where its agent cannot start
+                except Exception as error:  # noqa: BLE001
+                    # e.g. Ray's NIXL where its agent cannot start
                     rows[label][path] = None
                     print(f"{path} at {label}: {type(error).__name__}: {error}"[:200])
         print(f"\nfloor (a small value, sender -> receiver): {floor * 1e3:.2f} ms; "

@@ -62,7 +62,7 @@ def engine(conn, model_dir: str, multiprocessing: bool = False) -> None:
         method, args = request
         try:
             conn.send(("ok", COMMANDS[method](llm, *args)))
-        except Exception as error:  # the test reads it, as vLLM's caller would
+        except Exception as error:  # noqa: BLE001 - the test reads it, as vLLM's caller would
             conn.send(("error", f"{type(error).__name__}: {error}"))
     llm.llm_engine.engine_core.shutdown()
 

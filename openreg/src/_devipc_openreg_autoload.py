@@ -20,7 +20,7 @@ log = logging.getLogger("devipc_openreg")
 def _available(check) -> bool:
     try:
         return bool(check())
-    except Exception:  # a broken or absent runtime is no accelerator
+    except Exception:  # noqa: BLE001 - a broken or absent runtime is no accelerator
         return False
 
 

@@ -99,7 +99,7 @@ def _command_line(pid: int) -> str:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
             words = cmdline.read().split(b"\0")
         return shlex.join(word.decode(errors="replace") for word in words if word)[:100]
-    except OSError:
+    except OSError:  # gone meanwhile, or not ours to read
         return "?"
 
 

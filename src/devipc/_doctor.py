@@ -436,7 +436,7 @@ def parse_token(token: str) -> dict | None:
                 and {"uid", "boot", "pid_ns", "host"} <= set(theirs):
             return theirs
     except (ValueError, TypeError, KeyError, binascii.Error):
-        pass
+        pass  # not a doctor's token: None says so
     return None
 
 

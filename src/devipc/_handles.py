@@ -162,7 +162,7 @@ def identity_of(device: torch.device) -> bytes:
     """The device's identity for a handle (the hooks' optional `device_identity`), or b""."""
     try:
         return bytes(hooks_for(device).device_identity(device))[:256]
-    except Exception:  # optional: a handle without identity still opens
+    except Exception:  # noqa: BLE001 - optional: a handle without identity still opens
         return b""
 
 

@@ -212,7 +212,7 @@ def sharing_hooks(device_type: str) -> IpcHooks | None:
         return None
     try:
         return hooks if hooks.supports_ipc() else None
-    except Exception:
+    except Exception:  # noqa: BLE001 - hooks whose supports_ipc() raises share nothing
         return None
 
 

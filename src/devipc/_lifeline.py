@@ -38,7 +38,7 @@ def hold(address: int, timeout: float = 10.0) -> int:
         libc = ctypes.CDLL(None)
         steps = (libc.pthread_mutexattr_init, libc.pthread_mutexattr_setpshared,
                  libc.pthread_mutexattr_setrobust, libc.pthread_mutex_init, libc.pthread_mutex_lock)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # a libc without robust shared mutexes: no lifeline
         return 0
     init_attr, set_shared, set_robust, init, lock = steps
     attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 bytes in glibc

@@ -267,7 +267,7 @@ def pid_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass
+        pass  # it exists, another user's
     return True
 
 

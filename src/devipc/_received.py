@@ -222,7 +222,7 @@ class DeferredReleases:
                     event = torch.Event(device=queue.device)
                     event.record(queue)
                     events.append(event)
-        except Exception:  # e.g. at interpreter shutdown
+        except Exception:  # noqa: BLE001 - the stream cannot be asked (at interpreter shutdown)
             events = [self._SYNCHRONIZE]
         self._added.append((events, device, release))
 

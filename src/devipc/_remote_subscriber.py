@@ -362,7 +362,7 @@ class NixlSubscriber:
         the thread looks again once that wait() said it."""
         try:
             self._calls.enter()
-        except ValueError:
+        except ValueError:  # closed: the thread ends
             return None
         try:
             with self._turns:
@@ -553,5 +553,6 @@ def _heartbeat(connection: p2p.Connection, word: torch.Tensor, desc: bytes,
         word[0] = beats
         try:
             connection.write(word, desc)
-        except Exception:  # the publisher is gone, or this subscriber is closing: no one to tell
+        except Exception:  # noqa: BLE001
+            # the publisher is gone, or this subscriber is closing: no one to tell
             return

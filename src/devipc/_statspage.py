@@ -258,7 +258,7 @@ def _uid_of(pid: int) -> int | None:
                 if line.startswith("Uid:"):
                     return int(line.split()[1])
     except OSError:
-        pass
+        pass  # gone, or not ours to read: its owner is unknown
     return None
 
 

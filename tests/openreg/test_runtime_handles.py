@@ -253,7 +253,7 @@ def open_and_wait(handle, timeout=TIMEOUT):
                 native.stream_destroy(stream)
                 rt.event_destroy(event)
             outcome.append((None, time.monotonic() - start))
-        except Exception as error:  # returned, for the test to check
+        except Exception as error:  # noqa: BLE001 - returned, for the test to check
             outcome.append((error, time.monotonic() - start))
 
     t = threading.Thread(target=run, daemon=True)

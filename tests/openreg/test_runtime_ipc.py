@@ -37,7 +37,7 @@ def within(fn, *args, timeout=TIMEOUT):
     def run():
         try:
             fn(*args)
-        except BaseException as error:  # handed to the test's thread
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
             raised.append(error)
 
     t = threading.Thread(target=run, daemon=True)

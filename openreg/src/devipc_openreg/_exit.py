@@ -36,7 +36,7 @@ def drain_autograd_threads() -> int:
 def _at_exit() -> None:
     try:
         drain_autograd_threads()
-    except Exception:  # exiting anyway: never turn an exit into a traceback
+    except Exception:  # noqa: BLE001 - exiting anyway: never turn an exit into a traceback
         pass
 
 

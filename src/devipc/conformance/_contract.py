@@ -50,7 +50,7 @@ def supports_ipc(kit: Kit) -> str:
         for _ in range(100):
             try:
                 answers.append(kit.hooks.supports_ipc())
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - an answer too, for the check to judge
                 answers.append(error)
 
     threads = [threading.Thread(target=ask) for _ in range(4)]

@@ -36,7 +36,7 @@ def serve(requests: Any, replies: Any, modules: list[str]) -> None:
     try:
         _device.load(modules)
         replies.put((0, "ok", os.getpid()))
-    except Exception:
+    except Exception:  # noqa: BLE001 - sent to the kit's process, with its traceback
         replies.put((0, "error", traceback.format_exc(limit=4)))
         return
     parent = multiprocessing.parent_process()
@@ -47,7 +47,8 @@ def serve(requests: Any, replies: Any, modules: list[str]) -> None:
             if parent is None or not parent.is_alive():
                 return
             continue
-        except Exception as error:  # the request itself did not unpickle (a refused handle)
+        except Exception as error:  # noqa: BLE001
+            # the request itself did not unpickle (a refused handle)
             replies.put((None, "error", f"receiving the request: {type(error).__name__}: {error}"))
             continue
         if request is None:
@@ -55,7 +56,7 @@ def serve(requests: Any, replies: Any, modules: list[str]) -> None:
         number, task, args = request
         try:
             replies.put((number, "ok", task(*args)))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - sent to the kit's process, as the task's answer
             replies.put((number, "error", f"{type(error).__name__}: {error}"))
 
 
@@ -128,7 +129,7 @@ class Peer:
                     raise PeerError(f"the peer did not finish {what} within {timeout:g} s "
                                     f"(killed)") from None
                 continue
-            except Exception as error:  # a reply the kit's process could not open
+            except Exception as error:  # noqa: BLE001 - a reply the kit's process could not open
                 self._answered = self._seen = max(self._seen, number)
                 raise PeerError(f"receiving the reply to {what}: {type(error).__name__}: "
                                 f"{error}") from None

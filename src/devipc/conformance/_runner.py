@@ -36,7 +36,8 @@ def attempt(check: Check, kit: Kit) -> tuple[str, str]:
         return "skipped", str(skip)
     except (CheckFailed, PeerError, TimeoutError) as failure:
         return "failed", str(failure)
-    except BaseException as error:  # whatever a check raises is its verdict, never the kit's end
+    except BaseException as error:  # noqa: BLE001
+        # whatever a check raises is its verdict, never the kit's end
         where = traceback.extract_tb(error.__traceback__)[-1]
         return "failed", (f"{type(error).__name__}: {error} "
                           f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
@@ -125,7 +126,7 @@ def preflight(device: torch.device) -> None:
                           f"package installed? --hooks-module imports it)")
     try:
         answer = hooks.supports_ipc()
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - said as why the kit cannot start
         raise CannotStart(f"its hooks' supports_ipc() raised {type(error).__name__}: {error}; "
                           f"it must answer True or False, and never raise") from None
     if answer is not True:
@@ -133,7 +134,7 @@ def preflight(device: torch.device) -> None:
                           f"nothing of the device unless it answers True")
     try:
         events = hooks.requires_event_sync()
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - said as why the kit cannot start
         raise CannotStart(f"its hooks' requires_event_sync() raised {type(error).__name__}: "
                           f"{error}; it must answer True or False") from None
     needed = SHARING + (EVENTS if events else ())
@@ -191,7 +192,7 @@ def describe(device: torch.device) -> str:
     try:
         mode = ("interprocess events" if hooks.requires_event_sync()
                 else "no events (the producer synchronizes)")
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - said in the report's first line
         mode = f"requires_event_sync() raised {type(error).__name__}"
     count = _device.device_count(device)
     return (f"{device} of {count}, hooks {type(hooks).__module__}.{type(hooks).__qualname__}, "

@@ -35,7 +35,7 @@ def outcome(action: Callable[[], object]) -> str:
     ("SpentHandleError InvalidHandleError: ..."), so that the kit can tell the kind of a refusal."""
     try:
         action()
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any: its kinds are the answer
         kinds = [kind.__name__ for kind in type(error).__mro__
                  if kind.__name__.endswith("Error") and kind.__module__.startswith("devipc")]
         names = [type(error).__name__] + [kind for kind in kinds if kind != type(error).__name__]

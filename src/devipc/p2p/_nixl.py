@@ -385,7 +385,7 @@ class NixlTransport:
                 raise ValueError("this NIXL transport is closed")
             try:
                 agent = self.agent.add_remote_agent(blob)
-            except Exception as error:  # NIXL's own exception types
+            except Exception as error:  # noqa: BLE001 - NIXL's own exception types
                 raise InvalidHandleError(f"NIXL could not load the peer's agent metadata: "
                                          f"{type(error).__name__}: {error}") from None
             agent = agent.decode() if isinstance(agent, bytes) else str(agent)
@@ -509,7 +509,8 @@ class NixlTransport:
             if remote.reg_id not in loaded:
                 try:
                     name = self.agent.add_remote_agent(remote.partial)
-                except Exception as error:
+                except Exception as error:  # noqa: BLE001
+                    # NIXL's own exception types, said as devipc's
                     raise InvalidHandleError(f"NIXL could not load a descriptor's metadata: "
                                              f"{type(error).__name__}: {error}") from None
                 if (name.decode() if isinstance(name, bytes) else str(name)) != agent:
@@ -556,7 +557,7 @@ class NixlTransport:
     def post_handle(self, handle: object, agent: str) -> str:
         try:
             return self.agent.transfer(handle)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - NIXL's own exception types, said as devipc's
             raise _nixl_error(error, agent) from None
 
     def _request(self, op: str, agent: str, local: list[tuple[int, int, int]], local_kind: str,
@@ -565,7 +566,7 @@ class NixlTransport:
             return self.agent.initialize_xfer(
                 op, self.agent.get_xfer_descs(local, local_kind),
                 self.agent.get_xfer_descs(remote, remote_kind), agent)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - NIXL's own exception types, said as devipc's
             raise _nixl_error(error, agent) from None
 
     def _start(self, op: str, agent: str, local: Iterable[tuple[int, int, torch.device]],
@@ -776,7 +777,7 @@ class NixlPrepared:
             self._dlists.append(peer)
             indices = list(range(len(mine)))
             return nixl.make_prepped_xfer(op, ours, indices, peer, indices)
-        except Exception as error:  # NIXL's own exception types
+        except Exception as error:  # noqa: BLE001 - NIXL's own exception types
             raise _nixl_error(error, self._agent) from None
 
     @property

@@ -122,7 +122,7 @@ def _each(clients: list[VLLMWeightSyncClient], call: Callable[[VLLMWeightSyncCli
     for client in clients:
         try:
             call(client)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - collected: the caller raises them together
             failures.append(error)
             continue
         done.append(client)
