@@ -25,6 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -80,6 +81,14 @@ from ._weights import ACK_TIMEOUT, ATTACH_TIMEOUT, InPlace, fill, named_weights
 __all__ = ["NixlPublisher"]
 
 
+class _Beat(NamedTuple):
+    """A record's heartbeat as last seen changing."""
+
+    serial: int  # the token's whose subscriber wrote it
+    beat: int
+    seen: float  # when (time.monotonic())
+
+
 class NixlPublisher:
     """A WeightPublisher whose subscribers may be on other hosts (`transport="nixl"`).
 
@@ -113,7 +122,7 @@ class NixlPublisher:
         self._calls = Calls("WeightPublisher")
         self._turns = threading.Lock()  # one publish or token at a time
         self._serials = itertools.count(1)
-        self._beats: dict[int, tuple[int, int, float]] = {}  # record -> (serial, beat, seen at)
+        self._beats: dict[int, _Beat] = {}  # by record
         self._adopted: dict[int, int] = {}  # record -> serial of the subscriber seen attached
         self._used = 0  # records handed out so far (the first ones): those the scans look at
         self.relay = bool(relay)
@@ -282,10 +291,10 @@ class NixlPublisher:
         """Whether the record's heartbeat stood still for LIVENESS seconds of our looking."""
         serial, beat = words[word(index, SERIAL)], words[word(index, BEAT)]
         seen = self._beats.get(index)
-        if seen is None or seen[:2] != (serial, beat):
-            self._beats[index] = (serial, beat, now)
+        if seen is None or (seen.serial, seen.beat) != (serial, beat):
+            self._beats[index] = _Beat(serial, beat, now)
             return False
-        return now - seen[2] > _remote_token.LIVENESS
+        return now - seen.seen > _remote_token.LIVENESS
 
     @counted
     def wait_subscribers(self, count: int, timeout: float = ATTACH_TIMEOUT) -> None:

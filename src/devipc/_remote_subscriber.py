@@ -19,7 +19,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -65,6 +65,21 @@ _CLAIM = slice(HEADER + FIELDS, HEADER + FIELDS + CLAIMED)  # state, pid, host a
 _ACKED, _BEATS = slice(_CLAIM.stop, _CLAIM.stop + 1), slice(_CLAIM.stop + 1, _CLAIM.stop + 2)
 
 
+class _Polled(NamedTuple):
+    """What one read of the publisher's words says (`_poll`)."""
+
+    published: int  # the newest generation
+    filling: int  # the generation whose buffer may be being overwritten
+    state: int  # this subscriber's record's
+
+
+class _Pulled(NamedTuple):
+    """A generation held here, with the checksum published with it (None: none)."""
+
+    generation: int
+    checksum: int | None
+
+
 class NixlSubscriber:
     """A WeightSubscriber of a `transport="nixl"` publisher: each generation is pulled into this
     process's memory, so `tensors()` stay valid until the next `wait()`, not only until `ack()`
@@ -93,7 +108,7 @@ class NixlSubscriber:
         self._checksum: int | None = None  # published with the held generation
         self._acked = -1  # the newest generation the engine acknowledged
         # (generation, its checksum) pulled by the prefetch thread, not yet handed to wait()
-        self._prefetched: tuple[int, int | None] | None = None
+        self._prefetched: _Pulled | None = None
         self._prefetch_error: Exception | None = None  # met there, for the next wait() to raise
         self._control = control
         self._nbytes, self._index, self._chunk, self._metadata = nbytes, opened.record, chunk, \
@@ -123,7 +138,7 @@ class NixlSubscriber:
             if not chunk:
                 self._local, local_id = p2p.create_tensor((nbytes,), torch.uint8, self.device)
                 self._ids.append(local_id)
-            _, _, state = self._poll()
+            state = self._poll().state
             if state != PENDING or int(self._words[_RECORD][SERIAL]) != opened.serial:
                 raise InvalidHandleError("this weight token was already opened (one token per "
                                          "subscriber), or its record was reused")
@@ -177,7 +192,7 @@ class NixlSubscriber:
             raise PeerGoneError(f"the weight publisher exited or cannot be reached: NIXL says "
                                 f"{type(error).__name__}: {error}") from None
 
-    def _poll(self) -> tuple[int, int, int]:
+    def _poll(self) -> _Polled:
         """(published, filling, this record's state), one NIXL read. A publisher found closed or
         gone is posted nothing more, no heartbeat and no unsubscribe: NIXL logs an error for
         each post to an agent that disconnected, as a closing publisher's does right after."""
@@ -191,7 +206,7 @@ class NixlSubscriber:
             raise
         words = self._words[:HEADER + 1].tolist()
         self._header_seen = words[:HEADER]
-        return words[PUBLISHED], words[FILLING], words[HEADER + STATE]
+        return _Polled(words[PUBLISHED], words[FILLING], words[HEADER + STATE])
 
     def _pull(self, generation: int) -> bool:
         """A generation held here: through the relay (False if its upstream or leader has a
@@ -340,7 +355,7 @@ class NixlSubscriber:
                                    f"{self._header_seen[PUBLISHED]})")
             backoff.pause()
 
-    def _fetch(self) -> tuple[int, int | None] | None:
+    def _fetch(self) -> _Pulled | None:
         """A generation newer than the one held, pulled here whole (and passed on, with a
         relay), with its checksum; None if there is none yet, or the pull was dropped (its
         upstream has a newer one, the trainer wrote meanwhile): looked at again after a pause.
@@ -351,8 +366,8 @@ class NixlSubscriber:
                                 f"stopped for {_remote_token.LIVENESS} s): open a new token")
         if published > self.generation and filling < published + self._buffers \
                 and self._pull(published) \
-                and self._poll()[1] < published + self._buffers:  # nobody wrote meanwhile
-            return published, published_sum(self._header_seen[SUMS:], published)
+                and self._poll().filling < published + self._buffers:  # nobody wrote meanwhile
+            return _Pulled(published, published_sum(self._header_seen[SUMS:], published))
         return None
 
     def _prefetch(self) -> bool | None:
