@@ -52,9 +52,11 @@ lint: $(STAMP)
 	$(PY) -m mypy
 	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
 	$(VENV)/bin/clang-tidy --quiet $(RUNTIME_SOURCES) $(NATIVE_TEST) -- -std=c++17 -Iopenreg/csrc/runtime -pthread
+	$(PY) -m ruff format --check .  # last: `make format` fixes what it finds
 
 format: $(STAMP)
 	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
+	$(PY) -m ruff format .
 
 # The runtime's native test, built with the runtime's sources under AddressSanitizer with
 # UndefinedBehaviorSanitizer, then under ThreadSanitizer; a report fails the run (~1 min).

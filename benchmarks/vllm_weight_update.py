@@ -32,9 +32,9 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc's functi
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this module, for the worker
 os.environ["PYTHONPATH"] = os.pathsep.join([sys.path[0], os.environ.get("PYTHONPATH", "")])
 
-import torch  # noqa: E402
+import torch
 
-from devipc._bench.common import median_seconds, memcpy_seconds  # noqa: E402
+from devipc._bench.common import median_seconds, memcpy_seconds
 
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       vocab_size=256, rounds=7),

@@ -10,8 +10,8 @@ import sys
 # stale ones this build replaces.
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
-from setuptools import setup  # noqa: E402
-from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"

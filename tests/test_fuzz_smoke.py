@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-import fuzz_handles  # noqa: E402
+import fuzz_handles
 
 MUTATIONS = 500
 

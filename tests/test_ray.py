@@ -116,7 +116,7 @@ def test_a_sender_killed_before_the_read_is_a_clear_error(cluster, actors):
     ray.wait([ref], timeout=TIMEOUT)
     ray.kill(sender)
     wait_until(lambda: not pid_alive(pid), "the sender's process is gone")
-    with pytest.raises(Exception) as failed:  # noqa: PT011 - Ray wraps what the receiver raised
+    with pytest.raises(Exception) as failed:  # Ray wraps what the receiver raised
         _get(actors[2][0].take.remote(ref))
     assert "the actor that made this Ray object has exited" in str(failed.value), failed.value
 

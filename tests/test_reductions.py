@@ -368,7 +368,7 @@ class _FakeCudaStorage:
 
     calls = []
 
-    class _untyped_storage:  # noqa: N801 - mirrors TypedStorage's attribute
+    class _untyped_storage:  # mirrors TypedStorage's attribute
         device = torch.device("cuda", 0)
 
     def __init__(self):

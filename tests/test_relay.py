@@ -34,7 +34,7 @@ from devipc._relay import (
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-import relay_soak  # noqa: E402
+import relay_soak
 
 NIXL = nixl_missing()
 pytestmark = pytest.mark.xdist_group("relay")  # one worker starts the engines, its tests share them

@@ -7,10 +7,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-import exit_soak  # noqa: E402
-from _support import wait_until  # noqa: E402
+import exit_soak
+from _support import wait_until
 
-import devipc  # noqa: E402
+import devipc
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-import stress  # noqa: E402
+import stress
 
 
 def test_many_small_tensors_to_two_consumers_come_back(ipc_mode):

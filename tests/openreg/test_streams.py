@@ -10,7 +10,7 @@ import pytest
 import torch
 from _support import recv
 
-import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
+import devipc_openreg  # registers the device where autoload is off
 from devipc_openreg import _runtime
 
 

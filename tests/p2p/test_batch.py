@@ -15,7 +15,7 @@ from devipc.p2p import _ipc
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
-from _native import held_stream  # noqa: E402 - the openreg tests' stream gate
+from _native import held_stream
 
 NBYTES = 1 << 16
 

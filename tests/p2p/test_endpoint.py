@@ -18,7 +18,7 @@ from devipc.p2p import _remote
 from devipc.p2p._registry import PAGE_LIFELINE
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
-from _native import held_stream  # noqa: E402 - the openreg tests' stream gate
+from _native import held_stream
 
 both_modes = pytest.mark.usefixtures("ipc_mode")
 

@@ -13,7 +13,7 @@ from _support import TIMEOUT
 import devipc.p2p as p2p
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg"))
-from _native import held_stream  # noqa: E402 - the openreg tests' stream gate
+from _native import held_stream
 
 both_modes = pytest.mark.usefixtures("ipc_mode")
 

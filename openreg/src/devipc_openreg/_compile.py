@@ -207,10 +207,9 @@ def _inductor_backend() -> tuple[type, type, type, type]:
                 return super()._generate_kernel_call_helper(  # type: ignore[misc]
                     kernel_name, call_args, device=device, triton=triton, **kwargs)
             index = "" if device.index is None else device.index
-            self.writeline(  # type: ignore[attr-defined]
-                f"torch.openreg.current_stream({index}).synchronize()")
-            self.writeline(self.wrap_kernel_call(  # type: ignore[attr-defined]
-                kernel_name, call_args))
+            synchronize = f"torch.openreg.current_stream({index}).synchronize()"
+            self.writeline(synchronize)  # type: ignore[attr-defined]
+            self.writeline(self.wrap_kernel_call(kernel_name, call_args))  # type: ignore[attr-defined]
 
     class SubgraphWrapper(OpenRegCalls, wrapper.SubgraphPythonWrapperCodegen):
         pass
@@ -222,8 +221,7 @@ def _inductor_backend() -> tuple[type, type, type, type]:
                    partition_signatures: ir.GraphPartitionSignature | None = None
                    ) -> wrapper.PythonWrapperCodegen:
             if is_subgraph:
-                return SubgraphWrapper(subgraph_name, parent_wrapper,  # type: ignore[arg-type]
-                                       partition_signatures)
+                return SubgraphWrapper(subgraph_name, parent_wrapper, partition_signatures)  # type: ignore[arg-type]
             return Wrapper()
 
     common.register_device_op_overrides(_NAME, DeviceOps())

@@ -146,7 +146,7 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         store = dist.PrefixStore(f"{BACKEND}/gloo/", store)
         self._gloo: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(store, rank, size, timeout)
 
-    def getBackendName(self) -> str:  # noqa: N802  (the name torch's C++ asks for)
+    def getBackendName(self) -> str:  # the name torch's C++ asks for
         return BACKEND
 
     def _run(self, what: str, gloo_method: str, *args: object) -> _Work:
@@ -175,8 +175,11 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         return summed
 
     # ---- collectives ----
-    def allreduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: dist.AllreduceOptions | None = None) -> dist.Work:
+    def allreduce(  # type: ignore[override]
+        self,
+        tensors: list[torch.Tensor],
+        opts: dist.AllreduceOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
         opts = self._reduce_op("all_reduce", tensors, opts, dist.AllreduceOptions)
         return self._run("all_reduce", "allreduce", tensors, opts)
@@ -188,20 +191,30 @@ class OpenRegProcessGroup(dist.ProcessGroup):
                                dist.AllreduceCoalescedOptions)
         return self._run("all_reduce_coalesced", "allreduce_coalesced", tensors, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: dist.BroadcastOptions | None = None) -> dist.Work:
+    def broadcast(  # type: ignore[override]
+        self,
+        tensors: list[torch.Tensor],
+        opts: dist.BroadcastOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else dist.BroadcastOptions()
         return self._run("broadcast", "broadcast", tensors, opts)
 
-    def reduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
-               opts: dist.ReduceOptions) -> dist.Work:
+    def reduce(  # type: ignore[override]
+        self,
+        tensors: list[torch.Tensor],
+        opts: dist.ReduceOptions,
+    ) -> dist.Work:
         if opts.reduceOp == _AVG:
             raise ValueError(f"reduce on the {BACKEND!r} process group does not support AVG "
                              f"(only all_reduce does)")
         return self._run("reduce", "reduce", tensors, opts)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]],  # type: ignore[override]
-                  inputs: list[torch.Tensor], opts: AllgatherOptions | None = None) -> dist.Work:
+    def allgather(  # type: ignore[override]
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else c10d.AllgatherOptions()
         return self._run("all_gather", "allgather", output_lists, inputs, opts)
 
@@ -212,9 +225,12 @@ class OpenRegProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def reduce_scatter(self, outputs: list[torch.Tensor],  # type: ignore[override]
-                       input_lists: list[list[torch.Tensor]],
-                       opts: dist.ReduceScatterOptions | None = None) -> dist.Work:
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run("reduce_scatter", "reduce_scatter", outputs, input_lists, opts)
 
@@ -225,29 +241,47 @@ class OpenRegProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
-    def gather(self, output_lists: list[list[torch.Tensor]],  # type: ignore[override]
-               inputs: list[torch.Tensor], opts: dist.GatherOptions) -> dist.Work:
+    def gather(  # type: ignore[override]
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: dist.GatherOptions,
+    ) -> dist.Work:
         return self._run("gather", "gather", output_lists, inputs, opts)
 
-    def scatter(self, outputs: list[torch.Tensor],  # type: ignore[override]
-                input_lists: list[list[torch.Tensor]], opts: dist.ScatterOptions) -> dist.Work:
+    def scatter(  # type: ignore[override]
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: dist.ScatterOptions,
+    ) -> dist.Work:
         return self._run("scatter", "scatter", outputs, input_lists, opts)
 
-    def alltoall(self, outputs: list[torch.Tensor],  # type: ignore[override]
-                 inputs: list[torch.Tensor],
-                 opts: dist.AllToAllOptions | None = None) -> dist.Work:
+    def alltoall(  # type: ignore[override]
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: dist.AllToAllOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
         return self._run("all_to_all", "alltoall", outputs, inputs, opts)
 
-    def all_to_all_single(self, output: torch.Tensor,  # type: ignore[override]
-                          input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                          opts: dist.AllToAllOptions | None = None) -> dist.Work:
+    def all_to_all_single(  # type: ignore[override]
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: dist.AllToAllOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
         return self._run("all_to_all_single", "alltoall_base", output, input, output_splits,
                          input_splits, opts)
 
-    def barrier(self,  # type: ignore[override]
-                opts: dist.BarrierOptions | None = None) -> dist.Work:
+    def barrier(  # type: ignore[override]
+        self,
+        opts: dist.BarrierOptions | None = None,
+    ) -> dist.Work:
         return self._run("barrier", "barrier", dist.BarrierOptions())
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],

@@ -74,8 +74,9 @@ class OpenRegIpcHooks(IpcHooks):
 
     def can_map_on(self, memory: OpenedMemory, device: torch.device) -> bool:
         # Every openreg device's memory is host memory: any visible openreg device can use it.
-        return device.type == "openreg" and device.index is not None \
-            and 0 <= device.index < torch.openreg.device_count()  # type: ignore[attr-defined]
+        if device.type != "openreg" or device.index is None:
+            return False
+        return 0 <= device.index < torch.openreg.device_count()  # type: ignore[attr-defined]
 
     def reusable_mappings(self) -> bool:
         # a handle names its memfd by a random token; a mapping keeps the pages, freed or not

@@ -58,8 +58,10 @@ class Stream(torch.Stream):
         """Work queued on this stream afterwards waits for the work queued on `stream` so far."""
         self.wait_event(Stream.record_event(_openreg_stream(stream)))
 
-    def record_event(self: torch.Stream,  # type: ignore[override]
-                     event: "Event | None" = None) -> "Event":
+    def record_event(  # type: ignore[override]
+        self: torch.Stream,
+        event: "Event | None" = None,
+    ) -> "Event":
         """Records `event` (a new Event if None) on this stream and returns it."""
         if event is None:
             event = Event()
