@@ -290,6 +290,19 @@ def wait_until(condition, what, timeout: float = TIMEOUT, poll: float = 0.01,
         time.sleep(poll)
 
 
+def keep_collector_out(monkeypatch) -> None:
+    """devipc's collector thread's rounds do nothing from here on: once a round already under
+    way (a busy machine's may be long) has ended, only the test's own calls release or close."""
+    import threading
+
+    from devipc import _sharing
+
+    idle = threading.Event()
+    monkeypatch.setattr(_sharing._background, "_round", lambda: idle.set() or True)
+    _sharing._background.wake()
+    assert idle.wait(TIMEOUT), "the collector thread never came round"
+
+
 def foreign_memfd_maps() -> set[str]:
     """Mappings of devipc or openreg memfds that this process has no fd of: other processes'
     memory, counter files or event pages that it mapped."""

@@ -3,28 +3,18 @@ in one process and across processes, in both openreg IPC modes."""
 import gc
 import logging
 import textwrap
-import threading
 from multiprocessing.reduction import ForkingPickler
 
 import _workers
 import pytest
 import torch
-from _support import TIMEOUT, run_python, wait_until
+from _support import TIMEOUT, keep_collector_out, run_python, wait_until
 
 import devipc
 from devipc import _sharing
 from devipc._refcount import SENT
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
-
-
-def _keep_collector_out(monkeypatch):
-    """The collector thread's rounds do nothing from here on: once a round already under way
-    (a busy machine's may be long) has ended, only the test's own calls release or close."""
-    idle = threading.Event()
-    monkeypatch.setattr(_sharing._background, "_round", lambda: idle.set() or True)
-    _sharing._background.wake()
-    assert idle.wait(TIMEOUT), "the collector thread never came round"
 
 
 def _drain():
@@ -264,7 +254,7 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
         torch.accelerator.synchronize()
         wait_until(lambda: devipc.stats()["pending_releases"] == 0, "earlier releases ran",
                    collect=True)
-        _keep_collector_out(monkeypatch)  # its rounds would run the releases too
+        keep_collector_out(monkeypatch)  # its rounds would run the releases too
         before = devipc.stats()["mapped"]
         tensor, other = torch.arange(4.0, device="openreg"), torch.ones(4, device="openreg")
         received = [ForkingPickler.loads(ForkingPickler.dumps(t)) for t in (tensor, other)]
@@ -344,7 +334,7 @@ def test_a_new_tensor_per_send_maps_nothing_new_and_the_producer_reuses_its_memo
     from devipc._hooks import hooks_for
 
     _drain()
-    _keep_collector_out(monkeypatch)
+    keep_collector_out(monkeypatch)
     hooks = hooks_for(torch.device("openreg"))
     maps, open_handle = [], hooks.open_ipc_mem_handle
     monkeypatch.setattr(hooks, "open_ipc_mem_handle",

@@ -3,11 +3,13 @@
 info, ipc_collect, pinned host memory.
 """
 import os
+from multiprocessing.reduction import ForkingPickler
 
 import _native as native
 import pytest
 import torch
 import torch.nn.functional as F
+from _support import keep_collector_out
 from torch.utils.checkpoint import checkpoint
 
 import devipc_openreg  # noqa: F401  (registers the device where autoload is off)
@@ -203,8 +205,18 @@ def test_memory_summary_reports_the_statistics():
     del x
 
 
-def test_ipc_collect_runs_devipcs_collection():
-    assert torch.openreg.ipc_collect() == 0  # nothing was sent from this test
+def test_ipc_collect_runs_devipcs_collection(monkeypatch):
+    keep_collector_out(monkeypatch)  # else its rounds might end the send first
+    torch.openreg.synchronize()
+    torch.openreg.ipc_collect()  # sends of earlier tests out of the way
+    sent = torch.ones(1 << 20, dtype=torch.uint8, device="openreg")
+    received = ForkingPickler.loads(ForkingPickler.dumps(sent))  # a send to this process itself
+    del sent, received
+    torch.openreg.synchronize()  # the receiver's release is due: its work on the memory is done
+    held = torch.openreg.memory_allocated()
+    assert torch.openreg.ipc_collect() == 1  # the one send, released, ends
+    assert torch.openreg.memory_allocated() == held - (1 << 20)  # and its memory is freed
+    assert torch.openreg.ipc_collect() == 0
 
 
 # ---- pinned host memory ----

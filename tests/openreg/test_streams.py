@@ -4,11 +4,12 @@ swapped (test/test_multiprocessing.py: test_event_multiprocess, test_event_handl
 test_event_handle_exporter). Streams are held back by Gates, never by sleeps.
 """
 import pickle
+import time
 
 import _native as native
 import pytest
 import torch
-from _support import recv
+from _support import recv, wait_until
 
 import devipc_openreg  # registers the device where autoload is off
 from devipc_openreg import _runtime
@@ -17,6 +18,14 @@ from devipc_openreg import _runtime
 def held(stream, gate):
     """Holds `stream` (any openreg torch.Stream) at `gate`."""
     gate.hold_torch_stream(stream)
+
+
+def assert_times_the_hold(elapsed_ms, before, started, opened, after):
+    """`elapsed_ms` from a start event to an end event with a gate between them: at least the
+    time from seeing start done to opening the gate, at most the time around both records
+    (perf_counter and the runtime's steady_clock are both CLOCK_MONOTONIC)."""
+    assert 0 < (opened - started) * 1e3 <= elapsed_ms <= (after - before) * 1e3, \
+        (elapsed_ms, (opened - started) * 1e3, (after - before) * 1e3)
 
 
 @pytest.fixture
@@ -134,16 +143,22 @@ def test_an_event_times_and_orders_work(gate):
     s = torch.openreg.Stream()
     start, end = (torch.openreg.Event(enable_timing=True) for _ in range(2))
     assert start.query()  # never recorded: nothing to wait for
+    before = time.perf_counter()
     start.record(s)
     held(s, gate)
     end.record(s)
+    wait_until(start.query, "start's record ran")
+    started = time.perf_counter()
     waiter = torch.openreg.Stream()
     end.wait(waiter)
     assert not end.query() and not waiter.query()
+    opened = time.perf_counter()
     gate.open()
     end.synchronize()
     waiter.synchronize()
-    assert end.query() and start.elapsed_time(end) >= 0
+    after = time.perf_counter()
+    assert end.query()
+    assert_times_the_hold(start.elapsed_time(end), before, started, opened, after)
 
 
 def test_event_misuse_is_a_clear_error():
@@ -189,17 +204,22 @@ def test_torch_stream_event_and_accelerator_apis_work_on_openreg(gate, restore_c
     assert torch.openreg.current_stream() == s
     start = torch.Event("openreg", enable_timing=True)
     end = torch.Event("openreg", enable_timing=True)
+    before = time.perf_counter()
     start.record()
     held(s, gate)
     end.record(s)
+    wait_until(start.query, "start's record ran")
+    started = time.perf_counter()
     other = torch.Stream("openreg")
     other.wait_event(end)
     assert not end.query() and not other.query()
+    opened = time.perf_counter()
     gate.open()
     end.synchronize()
     other.synchronize()
     torch.accelerator.synchronize()
-    assert start.elapsed_time(end) >= 0
+    after = time.perf_counter()
+    assert_times_the_hold(start.elapsed_time(end), before, started, opened, after)
 
 
 # ---- PyTorch's multiprocessing event tests, device swapped -------------------------------------
