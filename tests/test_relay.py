@@ -11,16 +11,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 
+import _relay_workers
 import _workers
 import pytest
 import torch
-from _support import FRESH_TIMEOUT, TIMEOUT, nixl_missing, recv, use_ucx_loopback
+from _support import FRESH_TIMEOUT, TIMEOUT, Children, nixl_missing, recv, use_ucx_loopback
 
 import devipc
 from devipc import _relay, _remote_token, _wire
-from devipc._bench.common import Piped
 from devipc._relay import (
     CARD_BYTES,
     Card,
@@ -40,71 +39,39 @@ NIXL = nixl_missing()
 pytestmark = pytest.mark.xdist_group("relay")  # one worker starts the engines, its tests share them
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# An engine: commands from the test through a pipe, replies through another.
-ENGINE = textwrap.dedent("""
-    import hashlib, os, sys
-    from multiprocessing.connection import Connection
-    import torch, devipc, devipc_openreg
-    from devipc import _relay, p2p
+class Driven:
+    """A process of _relay_workers (spawned among `children`) driven through its pipe: `send`,
+    `reply` (an exception it replies is raised here), `ask`, and `stop` ("exit", then a kill
+    after 10 s)."""
 
-    p2p.Endpoint(transport="nixl").close()  # NIXL's first use keeps some fds
-
-    commands, replies = Connection(int(sys.argv[1])), Connection(int(sys.argv[2]))
-    fds = lambda: len(os.listdir("/proc/self/fd"))
-    sub = None
-    while True:
-        command, *args = commands.recv()
-        try:
-            if command == "open":
-                sub = devipc.WeightSubscriber(args[0], share=args[1], prefetch=args[2:] == [True])
-                replies.send(os.getpid())
-            elif command == "stall":
-                _relay.RELAY_STALL = args[0]
-                replies.send(None)
-            elif command == "take":
-                generation = sub.wait(timeout=60)
-                digest = hashlib.sha256()
-                for name, view in sorted(sub.tensors().items()):
-                    digest.update(name.encode() + view.cpu().numpy().tobytes())
-                del view  # the engine's memory goes once it closed
-                sub.ack()
-                replies.send((generation, digest.hexdigest(), sub._backend.counts()))
-            elif command == "hold":  # the next generation, not acknowledged
-                replies.send(sub.wait(timeout=60))
-            elif command == "copy":  # the held one into the engine's own tensors, then ack
-                own = {name: torch.empty_like(view) for name, view in sub.tensors().items()}
-                sub.copy_into(own)
-                sub.ack()
-                digest = hashlib.sha256()
-                for name, tensor in sorted(own.items()):
-                    digest.update(name.encode() + tensor.cpu().numpy().tobytes())
-                replies.send((sub.generation, digest.hexdigest()))
-            elif command == "close":
-                sub.close()
-                sub = None
-                devipc.ipc_collect()  # what the relay's buffers were exported as
-                torch.accelerator.empty_cache()  # the allocator's cached segments: memfds
-                replies.send(fds())
-            else:
-                break
-        except Exception as error:
-            replies.send(error)
-""")
-
-
-class Engine(Piped):
-    """An engine process driven through two pipes."""
-
-    def __init__(self):
-        super().__init__([sys.executable, "-c", ENGINE], "engine", FRESH_TIMEOUT)
+    def __init__(self, children: Children, target):
+        self.proc, self.conn = children.start_piped(target)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.is_alive()
 
-    def stop(self):
+    def send(self, *command) -> None:
+        self.conn.send(command)
+
+    def reply(self):
+        answer = recv(self.conn, FRESH_TIMEOUT)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def ask(self, *command):
+        self.send(*command)
+        return self.reply()
+
+    def stop(self) -> None:
         with contextlib.suppress(OSError):
             os.kill(self.proc.pid, signal.SIGCONT)  # a frozen one must hear "exit"
-        super().stop()
+        with contextlib.suppress(OSError):
+            self.send("exit")
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(TIMEOUT)
 
 
 @pytest.fixture(autouse=True)
@@ -124,16 +91,18 @@ def fleet():
         pytest.skip(f"NIXL is not installed ({NIXL})")
     import devipc_openreg  # noqa: F401 - openreg tensors in this process too
 
-    engines: list[Engine] = []
+    engines: list[Driven] = []
+    children = Children()
     with pytest.MonkeyPatch.context() as patch:
         use_ucx_loopback(patch)
         devipc.p2p.Endpoint(transport="nixl").close()  # NIXL's first use keeps some fds
 
-        def give(count: int) -> list[Engine]:
+        def give(count: int) -> list[Driven]:
             for engine in [e for e in engines if not e.alive() or e.proc.pid in frozen]:
                 engines.remove(engine)
                 engine.stop()
-            engines.extend(Engine() for _ in range(count - len(engines)))
+            engines.extend(Driven(children, _relay_workers.engine)
+                           for _ in range(count - len(engines)))
             return engines[:count]
 
         frozen: set[int] = set()
@@ -143,6 +112,7 @@ def fleet():
         finally:
             for engine in engines:
                 engine.stop()
+            children.reap()
 
 
 def _weights(copy: bool) -> dict[str, torch.Tensor]:
@@ -163,11 +133,11 @@ def _step(weights: dict[str, torch.Tensor], seed: int) -> str:
     return digest.hexdigest()
 
 
-def _stop(fleet, engine: Engine, how: str) -> None:
+def _stop(fleet, engine: Driven, how: str) -> None:
     """Kill the engine (SIGKILL) or freeze it (SIGSTOP: the fleet replaces it later)."""
     if how == "killed":
         engine.proc.kill()
-        engine.proc.wait(TIMEOUT)
+        engine.proc.join(TIMEOUT)
     else:
         os.kill(engine.proc.pid, signal.SIGSTOP)
         fleet.frozen.add(engine.proc.pid)
@@ -503,29 +473,14 @@ def test_a_follower_looks_at_its_leaders_word_after_the_bytes_were_read(fleet, m
         b.close()
 
 
-TRAINER = textwrap.dedent("""
-    import sys
-    from multiprocessing.connection import Connection
-    import torch, devipc, devipc_openreg
-
-    commands, replies = Connection(int(sys.argv[1])), Connection(int(sys.argv[2]))
-    weights = devipc.pack({"w": torch.ones(1 << 18, device="openreg")})
-    publisher = devipc.WeightPublisher(weights, transport="nixl", relay=True)
-    replies.send([publisher.token() for _ in range(2)])
-    commands.recv()
-    publisher.wait_subscribers(2, timeout=60)
-    replies.send(publisher.publish(wait=False))
-    commands.recv()
-""")
-
-
-def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(fleet, monkeypatch):
+def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(fleet, monkeypatch,
+                                                                          children):
     """In this process, B follows A, which does not pull; B leaves A (RELAY_STALL, 0.5 s here)
     and makes its own relay to pull generation 0 from the trainer, which was killed meanwhile:
     PeerGoneError, as every way an engine learns of a dead trainer, not NIXL's failure to
     load its metadata (InvalidHandleError)."""
     monkeypatch.setattr(_relay, "RELAY_STALL", 0.5)
-    trainer = Piped([sys.executable, "-c", TRAINER], "trainer", FRESH_TIMEOUT)
+    trainer = Driven(children, _relay_workers.trainer)
     try:
         a, b = (devipc.WeightSubscriber(token) for token in trainer.reply())
         assert trainer.ask("publish") == 0
@@ -533,7 +488,7 @@ def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(fleet,
 
         def trainer_killed_first():
             trainer.proc.kill()
-            trainer.proc.wait(TIMEOUT)
+            trainer.proc.join(TIMEOUT)
             return own_relay()
 
         monkeypatch.setattr(b._backend, "_own_relay", trainer_killed_first)
