@@ -1,6 +1,26 @@
-"""Shared fixtures: spawned children that are always reaped, both openreg IPC modes, leak checks."""
+"""Shared fixtures: spawned children that are always reaped, both openreg IPC modes, leak checks;
+xdist groups that hold on pytest 9.2."""
 import pytest
 from _support import Children, shm_entries
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """`--dist loadgroup` sends a test to its `xdist_group`'s worker by a suffix of its node id,
+    "@group", that pytest-xdist 3.8 writes into a field pytest 9.2 no longer reads (structured
+    node ids; pytest-dev/pytest-xdist#1386): no test stayed in its group, so a module's shared
+    set-up (vLLM's engine, the relay's engines, a Ray cluster) started in each worker, and two
+    Ray clusters ran at once. The suffix goes where pytest 9.2 reads it, as xdist's fix does."""
+    if not config.getoption("loadgroup", False):
+        return
+    for item in items:
+        groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                         for mark in item.iter_markers("xdist_group")})
+        nodeid = item.nodeid
+        if groups and nodeid.rfind("@") <= nodeid.rfind("]"):  # no suffix (xdist's test)
+            from _pytest.nodeid import NodeId  # pytest >= 9.2: older ones took xdist's suffix
+
+            item._id = NodeId.parse(f"{nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture

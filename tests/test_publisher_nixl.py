@@ -38,7 +38,8 @@ def _unshare_works() -> str | None:
     return None if probe.returncode == 0 else f"unshare --pid is not permitted: {probe.stderr}"
 
 
-pytestmark = pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})")
+pytestmark = [pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})"),
+              pytest.mark.xdist_group("publisher_nixl")]  # one worker starts `remote`
 
 # The subscriber: commands from the test through a pipe, replies through another.
 SUBSCRIBER = textwrap.dedent("""

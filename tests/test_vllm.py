@@ -30,6 +30,8 @@ import devipc
 from devipc.vllm import DevipcTrainerInitInfo, manifest_of
 
 PROMPT, TOKENS, REPEAT = [1, 17, 42, 99, 5], 8, 7
+# one xdist worker starts the engine (`llm`), and its tests share it: not one engine a worker
+pytestmark = pytest.mark.xdist_group("vllm")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -13,7 +13,8 @@ import pytest
 from _native import PYTHONPATH
 from _support import json_of
 
-pytestmark = pytest.mark.slow  # a fresh interpreter that compiles: ~10 s a test here
+pytestmark = [pytest.mark.slow,  # a fresh interpreter that compiles: ~10 s a test here
+              pytest.mark.xdist_group("compile")]  # one worker, one warm `shared_cache`
 
 
 def compiled(code, cache, **env):

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg")
 from _native import held_stream
 
 NBYTES = 1 << 16
+pytestmark = pytest.mark.xdist_group("p2p_batch")  # one worker starts the module's `owner`
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "openreg")
 from _native import held_stream
 
 both_modes = pytest.mark.usefixtures("ipc_mode")
+pytestmark = pytest.mark.xdist_group("p2p_endpoint")  # one worker starts the module's `owner`
 
 
 class Owner:

@@ -11,6 +11,8 @@ from _support import TIMEOUT
 
 import devipc.p2p as p2p
 
+pytestmark = pytest.mark.xdist_group("p2p_pins")  # one worker starts the module's `owner`
+
 
 def _entries(connection):
     return list(connection._link._peer._entries.values())
