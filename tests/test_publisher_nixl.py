@@ -572,6 +572,10 @@ def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loo
     assert got["generation"] == 1 and got["whole"], got
 
 
+# 11 pulls of 512 MiB (~35 s on 2 cores); without -m slow, Ctrl-C landing at once during a pull
+# and then a whole pull is the test above, and within 0.5 s of a poll that sits in C for seconds,
+# tests/p2p/test_nixl_inflight.py::test_ctrl_c_lands_at_once_while_a_nixl_poll_sits_in_c
+@pytest.mark.slow
 def test_ctrl_c_lands_within_half_a_second_of_a_512_mib_pull_and_the_next_is_exact(
         loopback, children):
     """Issue 53, item 1: a 512 MiB pull over NIXL (TCP loopback) interrupted 50 ms into its
