@@ -661,12 +661,16 @@ def _no_cluster() -> str | None:
 def test_the_emulated_cluster_smoke_run_delivers_every_engines_bytes():
     """benchmarks/fleet_relay.py --smoke: 2 hosts x 2 engines in network namespaces with
     rate-limited links, relay and one-hop, every engine's bytes checked; nothing left behind."""
-    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                                check=True).stdout.split())
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fleet_relay.py"),
-                           "--smoke"], capture_output=True, text=True, timeout=4 * FRESH_TIMEOUT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "every engine's bytes exact in 2 settings" in done.stdout
-    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                               check=True).stdout.split())
-    assert {name for name in after - before if name.startswith("dvf")} == set()
+    with subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "fleet_relay.py"),
+                           "--smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as run:
+        try:
+            stdout, stderr = run.communicate(timeout=4 * FRESH_TIMEOUT)
+        finally:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    assert "every engine's bytes exact in 2 settings" in stdout
+    # its namespaces are named after its pid: another run's (beside this suite) are not its own
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert [name for name in after if name.startswith(f"dvf{run.pid % 100000}h")] == []
