@@ -82,6 +82,18 @@ def test_device_memory_reads_on_the_cpu_only_where_it_is_host_memory(monkeypatch
         _host.as_host(device.untyped_storage(), "x")
 
 
+def test_host_addressable_is_the_cpu_and_dram_devices(monkeypatch):
+    """One answer for `as_host`, the checksum and p2p's copies made by the CPU."""
+    import devipc_openreg  # noqa: F401
+    from devipc_openreg import _ipc_hooks
+
+    assert _host.host_addressable(torch.device("cpu"))
+    assert _host.host_addressable(torch.device("openreg", 0))
+    assert not _host.host_addressable(torch.device("meta"))  # no hooks
+    monkeypatch.setattr(_ipc_hooks.OpenRegIpcHooks, "memory_kind", lambda self, index: "VRAM")
+    assert not _host.host_addressable(torch.device("openreg", 0))  # asked anew, not cached
+
+
 def test_the_wire_form_holds_what_it_names():
     send = _host.HostSend.of(_host.shared_host_storage(8))
     again = _host.HostSend.from_bytes(bytes(send))

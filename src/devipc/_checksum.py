@@ -41,7 +41,7 @@ def crc32(storage: torch.UntypedStorage, start: int, nbytes: int) -> int:
                          f"{storage.nbytes()} bytes")
     if not nbytes:
         return 0
-    if storage.device.type == "cpu" or host_addressable(storage.device):
+    if host_addressable(storage.device):
         return zlib.crc32((ctypes.c_char * nbytes).from_address(storage.data_ptr() + start))
     whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     crc = 0

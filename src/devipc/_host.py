@@ -18,7 +18,7 @@ import torch
 
 from . import _wire
 from ._errors import InvalidHandleError, UnsupportedDeviceError
-from ._hooks import sharing_hooks
+from ._hooks import get_ipc_hooks
 from ._memfd import open_peer_fd, reach_tag
 
 __all__ = ["HostSend", "as_host", "host_addressable", "map_shared_file", "not_host_memory",
@@ -117,8 +117,11 @@ def map_shared_file(fd: int, nbytes: int) -> torch.UntypedStorage:
 
 
 def host_addressable(device: torch.device) -> bool:
-    """Whether `device`'s memory is host memory this process can address where it is mapped."""
-    hooks = sharing_hooks(device.type)
+    """Whether the CPU may read and write `device`'s memory at its tensors' addresses: the CPU's
+    own, or a device whose hooks report its memory as "DRAM" (`IpcHooks.memory_kind`)."""
+    if device.type == "cpu":
+        return True
+    hooks = get_ipc_hooks(device.type)
     return hooks is not None and hooks.memory_kind(device.index or 0) == "DRAM"
 
 

@@ -11,7 +11,6 @@ it: a device allocation is held by the slot the peer took, a shared file's pages
 import contextlib
 import ctypes
 import errno
-import functools
 import os
 import select
 import threading
@@ -27,8 +26,8 @@ from .._errors import (
     PeerGoneError,
     RemoteTensorFreedError,
 )
-from .._hooks import get_ipc_hooks, hooks_for
-from .._host import map_shared_file
+from .._hooks import hooks_for
+from .._host import host_addressable, map_shared_file
 from .._lifeline import TID_MASK as LIFELINE_TID
 from .._memfd import MappedFile, open_shared_file, pid_alive
 from .._refcount import open_counter_file
@@ -110,16 +109,6 @@ def host_bytes(address: int, nbytes: int) -> memoryview:
         view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
         _views[(address, nbytes)] = view
     return view
-
-
-@functools.lru_cache(maxsize=64)
-def host_addressable(device: torch.device) -> bool:
-    """Whether the CPU may read and write `device`'s memory at its tensors' addresses: the
-    device's hooks report its memory as "DRAM" (`IpcHooks.memory_kind`)."""
-    if device.type == "cpu":
-        return True
-    hooks = get_ipc_hooks(device.type)
-    return hooks is not None and hooks.memory_kind(device.index or 0) == "DRAM"
 
 
 def where(desc: Descriptor) -> tuple:
