@@ -35,6 +35,16 @@ def test_optional_hooks_default_to_the_safe_answer():
     assert hooks.memory_kind(0) is None  # not registrable with a network engine
 
 
+def test_the_hooks_beyond_the_methods_are_declared_with_their_defaults():
+    """`make_resizable` and `copy_batch` are part of the contract: a device without them keeps
+    defaults callers use as they are, no lookup by name."""
+    hooks = devipc.hooks.IpcHooks()
+    storage = torch.UntypedStorage(8)
+    assert hooks.make_resizable(storage) is None and storage.nbytes() == 8  # nothing done
+    assert hooks.copy_batch is None  # no batch: copies go pair by pair
+    assert _Unable().copy_batch is None
+
+
 def test_unregistered_devices_do_not_support_ipc():
     assert devipc.hooks.device_supports_ipc("no_such_device") is False
     assert devipc.hooks.device_supports_ipc("cuda") is False

@@ -181,9 +181,7 @@ class Exports:
         # The alias now owns the allocation, `storage` aliases it.
         storage._swap_data_ptr_(alias)  # type: ignore[attr-defined]
         export.owner = alias
-        make_resizable = getattr(hooks_for(storage.device), "make_resizable", None)
-        if make_resizable is not None:
-            make_resizable(storage)
+        hooks_for(storage.device).make_resizable(storage)
         self._by_id[export.id] = export
         self._by_key[key] = export
         return export

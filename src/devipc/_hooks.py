@@ -118,22 +118,22 @@ class IpcHooks:
         path refuses it with a clear error. Default None: a device must say so to be sent."""
         return None
 
-    # Optional, and absent by default (callers test `getattr(hooks, name, None)`):
-    # make_resizable(storage) -> None
-    #     Give `storage` the device's allocator back and make it resizable. devipc calls it once it
-    #     took over a sent (or registered) allocation: the producer's storage then reaches that
-    #     memory through a DataPtr that keeps it alive for consumers, and with the allocator back,
-    #     resize_ (FSDP's resize_(0) and regrowth included) gives the storage new memory while the
-    #     old block stays for those who may still reach it, as CUDA's sender does. Without it, a
-    #     sent or registered storage cannot be resized (resize_ raises).
-    #
-    # copy_batch(device_index, table) -> None
+    def make_resizable(self, storage: torch.UntypedStorage) -> None:
+        """Give `storage` the device's allocator back and make it resizable. devipc calls it once
+        it took over a sent (or registered) allocation: the producer's storage then reaches that
+        memory through a DataPtr that keeps it alive for consumers, and with the allocator back,
+        resize_ (FSDP's resize_(0) and regrowth included) gives the storage new memory while the
+        old block stays for those who may still reach it, as CUDA's sender does. Default:
+        nothing, so a sent or registered storage cannot be resized (resize_ raises)."""
+
+    # copy_batch(device_index, table) -> None, a method of a device that has it. Default None:
+    # none, and devipc copies pair by pair with `Tensor.copy_` (`_copies.batch_copier`).
     #     Queue the byte copies of `table`, an int64 CPU tensor of shape (N, 3) whose rows are
     #     (destination address, source address, bytes), on the device's current stream of the
     #     calling thread as ONE stream operation, ordered with the caller's other work there (as
     #     CUDA's cudaMemcpyBatchAsync). Every copy has at least one side in this device's memory;
-    #     the other may be host memory. Raises for an address outside the device's memory. Without
-    #     it, devipc.p2p copies pair by pair with `Tensor.copy_`.
+    #     the other may be host memory. Raises for an address outside the device's memory.
+    copy_batch: Callable[[int, torch.Tensor], None] | None = None
 
 
 _lock = threading.Lock()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -11,7 +10,7 @@ import devipc
 
 from . import _device
 from ._peers import Peer, Peers
-from ._verdicts import CheckFailed, Skip
+from ._verdicts import CheckFailed
 
 WAIT = 15.0  # seconds for a background effect (a release, a reclaim) to show
 
@@ -58,13 +57,6 @@ class Kit:
 
     def memory_allocated(self) -> int | None:
         return _device.memory_allocated(self.device)
-
-    def require(self, hook: str) -> Callable[..., Any]:
-        """The optional hook `hook` of the device, or Skip saying it has none."""
-        method = getattr(self.hooks, hook, None)
-        if method is None:
-            raise Skip(f"the device's hooks have no {hook} hook")
-        return method
 
     def overrides(self, hook: str) -> bool:
         """Whether the device's hooks define `hook` themselves instead of the default."""

@@ -34,7 +34,9 @@ def batch_case(kit: Kit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
        "operation ordered with the caller's work, equal to per-pair Tensor.copy_, and raises "
        "for a copy outside the device's memory")
 def copy_batch(kit: Kit) -> str:
-    batch = kit.require("copy_batch")
+    batch = kit.hooks.copy_batch
+    if batch is None:
+        raise Skip("the device keeps the default copy_batch (none: copies go pair by pair)")
     device_src, device_dst, host_dst, spans = batch_case(kit)
     expected_dst, expected_host = device_dst.clone(), host_dst.clone()
     device_src.add_(1)  # queued before the batch: the batch must copy its result
@@ -67,8 +69,7 @@ def copy_batch(kit: Kit) -> str:
        "for the next tensor on it), a handle names one allocation for good: an allocation "
        "freed back to the device (its cache emptied) and made again gets a new handle")
 def reusable_mappings(kit: Kit) -> str:
-    says = getattr(kit.hooks, "reusable_mappings", None)
-    if says is None or not says():
+    if not kit.hooks.reusable_mappings():
         raise Skip("the device closes a mapping with its last storage (reusable_mappings: no)")
     module = _device.module_of(kit.device)
     if getattr(module, "empty_cache", None) is None \
@@ -178,7 +179,9 @@ def memory_kind(kit: Kit) -> str:
        "a sent storage resizes (resize_(0) and regrowth), and the consumer keeps the sent "
        "block's values")
 def make_resizable(kit: Kit) -> str:
-    kit.require("make_resizable")
+    if not kit.overrides("make_resizable"):
+        raise Skip("the device keeps the default make_resizable (a sent storage cannot be "
+                   "resized)")
     peer = kit.peer()
     tensor = torch.arange(1024, dtype=torch.float32, device=kit.device)
     try:
