@@ -37,6 +37,7 @@ import torch
 
 from . import _futex, _handles, _locks, _sharing, _wire
 from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
+from ._devices import synchronize
 from ._errors import ChecksumError, InvalidHandleError, PeerGoneError
 from ._hooks import hooks_for
 from ._host import HostSend, as_host, host_addressable, not_host_memory, shared_host_storage
@@ -377,7 +378,7 @@ class Arena:
             base = (generation % self.buffers) * self.nbytes
             if fill is not None:
                 fill(self._storage, base)
-            torch.get_device_module(self.device).synchronize(self.device)  # before anyone reads
+            synchronize(self.device)  # before anyone reads
             self._records.set_checksum(generation, crc32(self._storage, base, self.nbytes)
                                        if checksum else NO_SUM)
             self.generation = generation
@@ -659,7 +660,7 @@ class ArenaReader:
                              f"{self._read})")
         if generation <= self.acknowledged:
             return
-        torch.get_device_module(self.device).synchronize(self.device)
+        synchronize(self.device)
         self._records.set_ack(self._index, generation)
         self.acknowledged = generation
         self._records.bump_acks()
@@ -676,7 +677,7 @@ class ArenaReader:
         if expected is None:
             raise ValueError(f"generation {generation} was published without a checksum: the "
                              f"{self._words.producer} publishes with checksum=True")
-        torch.get_device_module(self.device).synchronize(self.device)
+        synchronize(self.device)
         found = crc32(self._held(), (generation % self.buffers) * self.nbytes, self.nbytes)
         if found != expected:
             raise ChecksumError(f"generation {generation} holds other bytes here than the "
@@ -697,7 +698,7 @@ class ArenaReader:
         self._calls.release(self._detach)
 
     def _detach(self) -> None:
-        torch.get_device_module(self.device).synchronize(self.device)
+        synchronize(self.device)
         self._records.set_state(self._index, CLOSED)
         self._records.bump_acks()  # a producer waiting for this consumer stops
         self._mapping.close()  # the lock goes with it

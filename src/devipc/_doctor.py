@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from . import p2p
+from ._devices import synchronize
 from ._errors import DevIpcError
 from ._hooks import device_supports_ipc, get_ipc_hooks
 from ._memfd import HANDLE_SIZE, SharedFile, handle_pid, open_shared_file
@@ -302,7 +303,7 @@ def _child(inbox: Any, outbox: Any, modules: list[str]) -> None:
                 seen = float(tensor.sum())
                 tensor.fill_(7)
                 if tensor.device.type != "cpu":
-                    torch.accelerator.synchronize()
+                    synchronize(tensor.device)
                 del tensor, item
                 outbox.put(("ok", seen))
             else:  # ("p2p", device)

@@ -11,7 +11,7 @@ from typing import NamedTuple, cast
 
 import torch
 
-from ._devices import type_of
+from ._devices import current_stream, synchronize
 from ._hooks import IpcHooks, OpenedMemory
 from ._memory import reap_freed, storage_key
 
@@ -161,40 +161,6 @@ class ReceivedStorages:
             return next(reversed(receipts)) if receipts else None
 
 
-def current_stream(device: torch.device) -> torch.Stream:
-    """This thread's current stream of `device`: for the accelerator, one call into torch's C++
-    (torch.accelerator.current_stream checks its argument in Python first: ~2.5 us a call here,
-    against 0.15 us), else through the device's module."""
-    if device.index is not None and type_of(device) == _accelerator_type():
-        return torch._C._accelerator_getStream(device.index)
-    return torch.get_device_module(device).current_stream(device)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on every stream of `device` (as `current_stream`)."""
-    if device.index is not None and type_of(device) == _accelerator_type():
-        torch._C._accelerator_synchronizeDevice(device.index)
-    else:
-        torch.get_device_module(device).synchronize(device)
-
-
-def _accelerator_type() -> str | None:
-    """torch.accelerator's device type. A registered PrivateUse1 backend is the accelerator
-    for good (torch prefers it, and one stays registered): that answer is kept."""
-    global _final_accelerator
-    if _final_accelerator is not None:
-        return _final_accelerator
-    accelerator = torch._C._accelerator_getAccelerator()
-    if accelerator is None:
-        return None
-    if accelerator.type == torch._C._get_privateuse1_backend_name():
-        _final_accelerator = accelerator.type
-    return accelerator.type
-
-
-_final_accelerator: str | None = None
-
-
 class DeferredReleases:
     """Releases of received storages, in two steps. Once a storage died, `add` (from
     `reap_freed`, wherever it runs, the garbage collector included, so it takes no lock) notes
@@ -253,7 +219,7 @@ class DeferredReleases:
     def _done(self, events: list, device: torch.device) -> bool:
         for event in events:  # usually none: the streams were idle when the storage died
             if event is self._SYNCHRONIZE:
-                torch.accelerator.synchronize(device)
+                synchronize(device)
                 return True
             if not cast(torch.Event, event).query():
                 return False

@@ -49,10 +49,10 @@ import torch
 
 from . import _wire, p2p
 from ._backoff import SLICE, Backoff, polling
+from ._devices import synchronize
 from ._errors import InvalidHandleError, PeerGoneError
 from ._hooks import sharing_hooks
 from ._memfd import host_identity
-from ._received import synchronize
 
 __all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Follower", "Member", "Moved", "Place", "Relay",
            "chain", "chunk_size", "chunks_of", "host_key", "progress_word", "share_key",

@@ -33,6 +33,7 @@ from . import _handles, _remote_token, p2p
 from ._arena import Calls, counted
 from ._backoff import Backoff
 from ._checksum import NO_SUM, crc32, pair
+from ._devices import synchronize
 from ._errors import NotRegisteredError
 from ._host import share_host, shared_host_storage
 from ._readers import (
@@ -223,7 +224,7 @@ class NixlPublisher:
                 self._words[FILLING] = generation  # subscribers reading it drop the pull
                 fill(self._storage, (generation % 2) * self._nbytes, self._table,
                      named_weights(self._source, detach=False))
-            torch.get_device_module(self.device).synchronize(self.device)
+            synchronize(self.device)
             assert self._storage is not None
             word = SUMS + pair(generation)  # nobody holds generation - 2 any more
             self._words[word + 1] = crc32(self._storage, (generation % self._buffers)

@@ -27,6 +27,7 @@ from . import _relay, _remote_token, p2p
 from ._arena import Calls, counted
 from ._backoff import SLICE, polling
 from ._checksum import crc32, published_sum
+from ._devices import synchronize
 from ._errors import (
     ChecksumError,
     DevIpcError,
@@ -35,7 +36,6 @@ from ._errors import (
     RemoteTensorFreedError,
 )
 from ._readers import ATTACHED, CLOSED, MAX_READERS, PENDING
-from ._received import synchronize
 from ._relay import CARD_BYTES, Follower, Moved, Relay, chunks_of, host_key, share_key, written
 from ._remote_token import (
     CLAIMED,
@@ -459,7 +459,7 @@ class NixlSubscriber:
             if self._torn:
                 raise ValueError("the last wait() was cut short while it pulled a generation "
                                  "into this memory: wait() again")
-            torch.get_device_module(self.device).synchronize(self.device)
+            synchronize(self.device)
             held = self._held_at
             found = crc32(held.untyped_storage(), int(held.storage_offset()), self._nbytes)
             self._still_held(read=True)

@@ -19,7 +19,7 @@ import torch
 
 from . import _memory, _statspage, _wire
 from ._background import Background
-from ._devices import count_of, name_of, present
+from ._devices import count_of, current_stream, name_of, present, synchronize
 from ._errors import (
     DevIpcError,
     InvalidHandleError,
@@ -36,8 +36,6 @@ from ._received import (
     OpenedAllocations,
     Receipt,
     ReceivedStorages,
-    current_stream,
-    synchronize,
 )
 from ._refcount import ConsumerCounters, check_slot
 

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from .. import _sharing
+from .._devices import synchronize
 from .._errors import ReshareError
 from .._hooks import hooks_for
 from ._registry import Registration
@@ -84,5 +85,5 @@ def order_for_peers(device: torch.device) -> bytes:
     hooks = hooks_for(device)
     if hooks.requires_event_sync():
         return hooks.get_ipc_event_handle(device)
-    torch.get_device_module(device).synchronize(device)
+    synchronize(device)
     return b""

@@ -53,6 +53,7 @@ import torch
 from .. import _wire
 from .._background import Background
 from .._backoff import Backoff
+from .._devices import synchronize
 from .._errors import (
     DevIpcError,
     InvalidHandleError,
@@ -361,7 +362,7 @@ class NixlTransport:
     def describe(self, reg: Registration, offset: int, nbytes: int) -> dict:
         extra = self.descriptor_extra(reg, offset, nbytes)
         if reg.device.type != "cpu":  # no events across hosts: the queued work ends now
-            torch.get_device_module(reg.device).synchronize(reg.device)
+            synchronize(reg.device)
         return {"extra": extra}
 
     def descriptor_extra(self, reg: Registration, offset: int, nbytes: int) -> bytes:
@@ -707,12 +708,9 @@ class NixlLink:
 
 def _synchronize(devices: Iterable[torch.device]) -> None:
     """NIXL moves the bytes outside the devices' streams: the work queued on them first."""
-    accelerator = torch.accelerator.current_accelerator()
     for device in devices:
-        if accelerator is not None and device.type == accelerator.type:
-            torch.accelerator.synchronize(device.index)  # the cheaper call of the two
-        elif device.type != "cpu":
-            torch.get_device_module(device).synchronize(device)
+        if device.type != "cpu":
+            synchronize(device)
 
 
 class NixlPrepared:

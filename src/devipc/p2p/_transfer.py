@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from .._backoff import Backoff
+from .._devices import current_stream
 from .._sharing import keep_until_done
 
 __all__ = ["DONE", "Transfer", "run_on_host"]
@@ -111,6 +112,6 @@ def record_events(devices: Iterable[torch.device]) -> list:
     events = []
     for device in devices:
         event = torch.Event(device=device)
-        event.record(torch.get_device_module(device).current_stream(device))
+        event.record(current_stream(device))
         events.append(event)
     return events
