@@ -14,7 +14,7 @@ from itertools import compress, repeat
 import torch
 
 from . import _sharing, _wire
-from ._copies import copy_columns, copy_pairs
+from ._copies import copy_batched, copy_pairs
 from ._errors import InvalidHandleError
 from ._hooks import hooks_for
 from ._host import HostSend, shared_host_storage
@@ -291,10 +291,11 @@ def fill(storage: torch.UntypedStorage, base: int, table: Table,
         # columns made by C loops: destinations, sources, sizes; empty tensors left out
         sizes = list(map(_nbytes_of, tensors))
         kept = list(map(bool, sizes))
-        columns = array.array("q", compress(map(operator.add, table.offsets, repeat(start)), kept))
-        columns.extend(compress(map(torch.Tensor.data_ptr, tensors), kept))
-        columns.extend(compress(sizes, kept))
-        if copy_columns(storage.device, columns):
+        if copy_batched(
+                storage.device,
+                array.array("q", compress(map(operator.add, table.offsets, repeat(start)), kept)),
+                array.array("q", compress(map(torch.Tensor.data_ptr, tensors), kept)),
+                array.array("q", compress(sizes, kept))):
             return
     views = table.views(storage, shift=base)
     copy_pairs(list(zip(views.values(), tensors)))

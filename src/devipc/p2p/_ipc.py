@@ -13,7 +13,6 @@ the order is the same.
 """
 import array
 import ctypes
-import functools
 import operator
 import threading
 from collections.abc import Callable, Iterable
@@ -22,13 +21,16 @@ from typing import NamedTuple, TypeVar, cast
 
 import torch
 
+from .._copies import copy_table
+from .._devices import accelerator_index, accelerator_streams
 from .._errors import NotRegisteredError, TransferSizeError, UnsupportedDeviceError
 from .._hooks import hooks_for
+from .._host import host_addressable
 from .._sharing import wait_for_producer
 from ._descriptor import CPU, DEVICE, Descriptor, Metadata, host_identity
 from ._export import CpuExport, DeviceExport, export_of, order_for_peers
 from ._registry import Registration
-from ._remote import Peer, RemoteEntry, host_addressable, host_bytes
+from ._remote import Peer, RemoteEntry, host_bytes
 from ._transfer import DONE, Transfer, record_events, run_on_host
 from ._transport import READ
 
@@ -191,7 +193,7 @@ class IpcLink:
             entry, desc = entries[0], descs[0]
             device = None if entry.device.type == "cpu" else entry.device
             assert entry.address is not None  # `_host_rows` took it
-            stream = None if device is None else _stream_index(device)
+            stream = None if device is None else accelerator_index(device)
             self._keep(self._singles, id(desc), _SinglePlan(
                 descs=[desc], entries=[entry], device=device,
                 stream=-1 if stream is None else stream,
@@ -296,7 +298,7 @@ class _BatchPlan:
         while this thread reads the next local tensors' addresses (two cores, not one after the
         other). Every local tensor is checked before any slice goes."""
         device, kept = self.device, self.table
-        copy_batch = getattr(hooks_for(device), "copy_batch", None)
+        copy_batch = hooks_for(device).copy_batch
         if copy_batch is None or not all(map(_contiguous, locals_)) \
                 or not set(map(_device_of, locals_)) <= {device, _CPU}:
             return None  # (the checks are C loops: map, no Python per pair)
@@ -310,8 +312,8 @@ class _BatchPlan:
                 mine = torch.frombuffer(array.array("q", map(_address, locals_[start:end])),
                                         dtype=torch.int64)
                 remote, sizes = kept[0, start:end], kept[1, start:end]
-                table = torch.stack((mine, remote, sizes) if op == READ else (remote, mine, sizes),
-                                    dim=1)
+                table = copy_table(mine, remote, sizes) if op == READ \
+                    else copy_table(remote, mine, sizes)
                 copy_batch(device.index, table)
                 tables.append(table)
             transfer = Transfer(record_events((device,)),
@@ -354,7 +356,7 @@ class _PreparedPlan:
         devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
         devices.update(local.device for local in locals_ if not local.is_cpu)
         rows = _host_rows(op, locals_, entries, descs, events=False)
-        streams = [] if rows is None else [_stream_index(device) for device in rows[1]]
+        streams = [] if rows is None else [accelerator_index(device) for device in rows[1]]
         small = rows is not None and None not in streams \
             and len(rows[0]) <= _INLINE_PAIRS and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
         batch = _batch(op, locals_, entries, descs, devices)
@@ -458,29 +460,19 @@ def _idle(devices: Iterable[torch.device]) -> bool:
     """Whether the current stream of each device (the accelerator's) ran all its work: a copy
     the calling thread makes now is then ordered after that work as one queued there would be,
     and without the hand-over to the stream and back (most of a small copy's cost)."""
-    indices = [_stream_index(device) for device in devices]
+    indices = [accelerator_index(device) for device in devices]
     return None not in indices and _all_idle(cast(list[int], indices))
 
 
 def _all_idle(indices: list[int]) -> bool:
-    """`_idle` of the devices of these indices (`_stream_index`)."""
+    """`_idle` of the devices of these indices (`accelerator_index`)."""
     for index in indices:
         if not _current_stream(index).query():
             return False
     return True
 
 
-# The accelerator's current stream of device `index`: torch.accelerator.current_stream without its
-# checks of the argument in Python (the index comes from `_stream_index`), called directly.
-_current_stream: Callable[[int], torch.Stream] = torch._C._accelerator_getStream
-
-
-@functools.lru_cache(maxsize=64)
-def _stream_index(device: torch.device) -> int | None:
-    """`device`'s index for `torch.accelerator.current_stream`; None if it is not the
-    accelerator's (its streams are not known here)."""
-    accelerator = torch.accelerator.current_accelerator()
-    return device.index if accelerator is not None and device.type == accelerator.type else None
+_current_stream = accelerator_streams()  # of an `accelerator_index`: torch's C++ call itself
 
 
 def _move(rows: Iterable[tuple[int, int, int]]) -> None:
@@ -515,12 +507,11 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
     if len(descs) < _BATCH_MIN or len(devices) != 1:
         return None
     (device,) = devices
-    copy_batch = getattr(hooks_for(device), "copy_batch", None)
+    copy_batch = hooks_for(device).copy_batch
     if copy_batch is None:
         return None
     bases: dict[int, int] = {}  # id(entry) -> its first byte's address
-    rows = array.array("q")  # flat (destination, source, bytes) rows
-    add = rows.extend
+    remote = array.array("q")  # each pair's address in the peer's memory
     for local, entry, desc in zip(locals_, entries, descs):
         base = bases.get(id(entry))  # `entries` holds them: ids stay theirs
         if base is None:
@@ -529,11 +520,11 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
             base = bases[id(entry)] = entry.data.data_ptr()
         if not local.is_contiguous():  # (a local tensor not on the CPU is on `device`)
             return None
-        if op == READ:
-            add((local.data_ptr(), base + desc.offset, desc.nbytes))
-        else:
-            add((base + desc.offset, local.data_ptr(), desc.nbytes))
-    return _Batch(copy_batch, device.index, torch.frombuffer(rows, dtype=torch.int64).view(-1, 3))
+        remote.append(base + desc.offset)
+    mine = array.array("q", map(_address, locals_))
+    sizes = array.array("q", [desc.nbytes for desc in descs])
+    return _Batch(copy_batch, device.index, copy_table(mine, remote, sizes) if op == READ
+                  else copy_table(remote, mine, sizes))
 
 
 def _copy(pairs: Iterable[tuple]) -> None:
