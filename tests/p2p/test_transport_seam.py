@@ -12,6 +12,7 @@ from _support import TIMEOUT
 import devipc.p2p as p2p
 from devipc.p2p._descriptor import NONE, Descriptor, Metadata
 from devipc.p2p._transfer import Transfer
+from devipc.p2p._transport import LinkExtras
 
 
 class FakeLink:
@@ -151,4 +152,33 @@ def test_a_link_without_prepare_or_sub_ranges_gets_the_defaults():
         with pytest.raises(ValueError, match="does not move sub-ranges"):
             connection.read(torch.zeros(2), data, offset=4)
         assert len(fake.posts) == 4
+    p2p.free_tensor(tensor)
+
+
+def test_a_links_optional_members_are_its_own_or_the_declared_defaults():
+    class MappingLink(FakeLink):
+        sub_ranges = True
+
+        def map(self, desc):
+            return torch.full((desc.nbytes,), 7, dtype=torch.uint8)
+
+    class Mapping(FakeTransport):
+        def connect(self, meta):
+            self.links += 1
+            return MappingLink(self)
+
+    assert LinkExtras.of(FakeLink(FakeTransport())) == LinkExtras()  # every default
+    extras = LinkExtras.of(MappingLink(FakeTransport()))
+    assert extras.sub_ranges and extras.map is not None
+    assert (extras.prepare, extras.again, extras.liveness) == (None, None, None)
+    tensor, _ = p2p.create_tensor((16,), torch.float32, "cpu")
+    for transport, maps in ((FakeTransport(), False), (Mapping(), True)):
+        with p2p.Endpoint(transport=transport) as endpoint:
+            connection = endpoint.connect(endpoint.metadata())
+            data = endpoint.advertise(tensor[4:8])
+            if maps:
+                assert connection.map(data).tolist() == [7] * 16
+            else:
+                with pytest.raises(ValueError, match="cannot map"):
+                    connection.map(data)
     p2p.free_tensor(tensor)

@@ -11,7 +11,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -23,7 +23,7 @@ from . import _transport
 from ._descriptor import NONE, Descriptor, Metadata, check_name, host_identity
 from ._registry import Registration, registry
 from ._transfer import Transfer
-from ._transport import READ, WRITE, Link, Transport, operation
+from ._transport import READ, WRITE, Link, LinkExtras, Transport, operation
 
 __all__ = ["Connection", "Endpoint", "PreparedTransfer"]
 
@@ -187,13 +187,10 @@ class Connection:
         self._decoded = _wire.Decoded(Descriptor.from_bytes, _DECODED_KEPT)
         self._vectors: dict[tuple, list[Descriptor]] = {}  # vectors of bytes, decoded and checked
         self._link: Link | None = endpoint._transport.connect(meta)
-        self._sub_ranges = bool(getattr(self._link, "sub_ranges", False))
-        if not liveness and hasattr(self._link, "liveness"):  # a NIXL link's
-            self._link.liveness = False
-        # a link's optional `again(op, local, desc) -> bool`: a synchronous copy of one whole
-        # descriptor made again as before, or False for `post`
-        self._again: Callable[[str, torch.Tensor, Descriptor], bool] | None = \
-            getattr(self._link, "again", None)
+        self._extras = LinkExtras.of(self._link)
+        if not liveness and self._extras.liveness is not None:  # a NIXL link's
+            self._link.liveness = False  # type: ignore[attr-defined]
+        self._sub_ranges, self._again = bool(self._extras.sub_ranges), self._extras.again
         # (id(descriptor), offset, nbytes) -> (descriptor, its sub-range)
         self._narrowed: dict[tuple[int, int, int], tuple[Descriptor, Descriptor]] = {}
         self._prepared: weakref.WeakSet[PreparedTransfer] = weakref.WeakSet()
@@ -238,8 +235,8 @@ class Connection:
         kind = operation(op)
         locals_ = list(locals_)
         descs = self._descs(locals_, list(remotes), offsets)
-        prepared = PreparedTransfer(self, _transport.prepare(self._open_link(), kind,
-                                                             locals_, descs))
+        prepared = PreparedTransfer(self, self._extras.prepared(self._open_link(), kind,
+                                                                locals_, descs))
         self._prepared.add(prepared)
         return prepared
 
@@ -248,8 +245,8 @@ class Connection:
         memory, no copy (same host, `transport="ipc"`). It sees the owner's writes, and keeps
         that memory for as long as it lives, also once the owner freed its tensor or exited.
         ValueError for a transport that cannot map (NIXL: `read` a copy)."""
-        link = self._open_link()
-        map_range = getattr(link, "map", None)
+        self._open_link()
+        map_range = self._extras.map
         if map_range is None:
             raise ValueError(f"transport {self._endpoint.transport!r} cannot map a peer's "
                              f"memory into this process: read a copy instead")

@@ -10,6 +10,8 @@ The Endpoint does what every transport needs: it validates the descriptors and l
 a call, keeps the registry (ids, liveness words, holds), and writes the wire bytes; a transport
 adds only its own part of a descriptor and moves the bytes.
 """
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -19,8 +21,8 @@ if TYPE_CHECKING:
     from ._registry import Registration
     from ._transfer import Transfer
 
-__all__ = ["OPERATIONS", "READ", "WRITE", "Link", "Prepared", "Reposted", "Transport", "operation",
-           "prepare"]
+__all__ = ["OPERATIONS", "READ", "WRITE", "Link", "LinkExtras", "Prepared", "Reposted", "Transport",
+           "operation"]
 
 # A link's two operations, in NIXL's words: READ copies remote ranges into local tensors, WRITE
 # the other way. Users name them "read" and "write" (`operation`).
@@ -42,15 +44,8 @@ class Prepared(Protocol):
 
 
 class Link(Protocol):
-    """A transport's connection to one peer endpoint.
-
-    A descriptor handed to a link may be a sub-range of what the owner advertised
-    (`Descriptor.narrow`): `offset`/`nbytes` are the range to move and `shift` how far it starts
-    past the advertised one. Only a link with `sub_ranges = True` is given such descriptors (a
-    transport whose `extra` names an address adds `shift` to it); an optional
-    `prepare(op, locals_, descs) -> Prepared` replaces the default, which re-posts; an optional
-    `again(op, local, desc) -> bool` may make a synchronous `read`/`write` of one whole
-    descriptor itself (True once done; False: the connection calls `post`)."""
+    """A transport's connection to one peer endpoint: these members, and any of the optional
+    ones `LinkExtras` declares with their defaults."""
 
     def post(self, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]",
              wait: bool) -> "Transfer":
@@ -95,6 +90,43 @@ class Transport(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LinkExtras:
+    """A link's optional members, each declared with the default a link without it gets: what a
+    link may do beyond `post`. The connection reads them once (`of`)."""
+
+    # Given descriptors of a sub-range of what the owner advertised (`Descriptor.narrow`:
+    # `offset`/`nbytes` the range to move, `shift` how far it starts past the advertised one; a
+    # transport whose `extra` names an address adds `shift` to it). Default: never, and a
+    # sub-range is refused.
+    sub_ranges: bool = False
+    # prepare(op, locals_, descs) -> Prepared: a transfer validated once. Default: `Reposted`,
+    # which calls `post` at each post.
+    prepare: "Callable[[str, list[torch.Tensor], list[Descriptor]], Prepared] | None" = None
+    # again(op, local, desc) -> bool: a synchronous `read`/`write` of one whole descriptor made
+    # by the link itself (True once done; False: the connection calls `post`). Default: `post`.
+    again: "Callable[[str, torch.Tensor, Descriptor], bool] | None" = None
+    # map(desc) -> torch.Tensor: the remote range mapped into this process. Default: none,
+    # `Connection.map` refuses.
+    map: "Callable[[Descriptor], torch.Tensor] | None" = None
+    # liveness: bool, settable: whether a transfer first checks that the remote registrations
+    # live; `connect(liveness=False)` sets it False. Default: a link without it ignores that.
+    liveness: bool | None = None
+
+    @classmethod
+    def of(cls, link: Link) -> "LinkExtras":
+        """The optional members `link` has, and the defaults of the others."""
+        default = cls()
+        return cls(**{member.name: getattr(link, member.name, getattr(default, member.name))
+                      for member in fields(cls)})
+
+    def prepared(self, link: Link, op: str, locals_: "list[torch.Tensor]",
+                 descs: "list[Descriptor]") -> Prepared:
+        """The link's own prepared transfer, or the default one."""
+        own = self.prepare
+        return Reposted(link, op, locals_, descs) if own is None else own(op, locals_, descs)
+
+
 class Reposted:
     """The default prepared transfer of a link without `prepare`: each post is a `post`."""
 
@@ -111,13 +143,6 @@ class Reposted:
 
     def close(self) -> None:
         self._link, self._locals, self._descs = None, [], []
-
-
-def prepare(link: Link, op: str, locals_: "list[torch.Tensor]",
-            descs: "list[Descriptor]") -> Prepared:
-    """The link's own prepared transfer, or the default one."""
-    own = getattr(link, "prepare", None)
-    return Reposted(link, op, locals_, descs) if own is None else own(op, locals_, descs)
 
 
 def operation(op: object) -> str:
