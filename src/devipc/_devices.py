@@ -76,10 +76,7 @@ def accelerator_streams() -> Callable[[int], torch.Stream]:
 def accelerator_index(device: torch.device) -> int | None:
     """`device`'s index for `accelerator_streams`; None if it is not the accelerator's (its
     streams are not known there)."""
-    import torch
-
-    accelerator = torch.accelerator.current_accelerator()
-    return device.index if accelerator is not None and device.type == accelerator.type else None
+    return device.index if type_of(device) == _accelerator_type() else None
 
 
 def _accelerator_type() -> str | None:
