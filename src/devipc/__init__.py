@@ -36,7 +36,9 @@ from ._errors import (
 from . import rfc
 from ._arena import Arena, ArenaReader, Chunk, open_arena
 from ._handles import Handle, open, open_tensors, pack, share, share_tensors
+from ._layout import ParamLayout, layout_of, tp_slices
 from ._publisher import WeightPublisher, WeightSubscriber
+from ._sharded import ShardedPublisher, ShardedSubscriber
 from ._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
 from ._state_dict import open_state_dict, share_state_dict
 from ._weights import pack_module
@@ -51,14 +53,18 @@ __all__ = [
     "DevIpcError",
     "Handle",
     "InvalidHandleError",
+    "ParamLayout",
     "PeerGoneError",
     "ReshareError",
+    "ShardedPublisher",
+    "ShardedSubscriber",
     "SpentHandleError",
     "UnsupportedDeviceError",
     "UnsupportedTensorError",
     "WeightPublisher",
     "WeightSubscriber",
     "hooks",
+    "layout_of",
     "ipc_collect",
     "open",
     "open_arena",
@@ -74,6 +80,7 @@ __all__ = [
     "share_state_dict",
     "share_tensors",
     "stats",
+    "tp_slices",
 ]
 
 _public.name_as_public(__name__, globals(), __all__)
