@@ -36,8 +36,8 @@ from ._errors import (
 from . import rfc
 from ._arena import Arena, ArenaReader, Chunk, open_arena
 from ._handles import Handle, open, open_tensors, pack, share, share_tensors
-from ._layout import ParamLayout, layout_of, tp_slices
 from ._publisher import WeightPublisher, WeightSubscriber
+from ._shard_layout import ParamLayout, layout_of, tp_slices
 from ._sharded import ShardedPublisher, ShardedSubscriber
 from ._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
 from ._state_dict import open_state_dict, share_state_dict

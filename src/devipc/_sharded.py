@@ -17,8 +17,8 @@ import torch
 
 from ._copies import copy_pairs
 from ._errors import PeerGoneError
-from ._layout import Layout, ParamLayout, Slice, layout_of, plan, world_of
 from ._publisher import WeightPublisher, WeightSubscriber
+from ._shard_layout import Layout, ParamLayout, Slice, layout_of, plan, world_of
 from ._weights import Names, copy_into, named_weights
 
 __all__ = ["ShardedPublisher", "ShardedSubscriber"]
