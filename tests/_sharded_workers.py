@@ -21,7 +21,7 @@ def shard_of(tensor, box):
     return tensor[tuple(slice(start, stop) for start, stop in box)]
 
 
-def trainer_rank(conn, rank, layout, engines, device):
+def trainer_rank(conn, rank, layout, engines, device, transport="ipc"):
     """Rank `rank`: its shards packed in one allocation (copy=False), one token per engine;
     then at each "publish" from the test writes the next generation's shards in place and
     publishes it (with its checksum), reporting once every engine took it; "stop" ends it."""
@@ -30,7 +30,7 @@ def trainer_rank(conn, rank, layout, engines, device):
     full = full_model(layout, 0)
     local = devipc.pack({name: shard_of(full[name], param.box(rank)).to(device)
                          for name, param in layout.items() if param.box(rank) is not None})
-    with devipc.ShardedPublisher(local, layout, rank=rank) as publisher:
+    with devipc.ShardedPublisher(local, layout, rank=rank, transport=transport) as publisher:
         conn.send([publisher.token() for _ in range(engines)])
         generation = 0
         while conn.recv() == "publish":

@@ -9,7 +9,7 @@ import _sharded_workers
 import pytest
 import torch
 from _sharded_workers import full_model, shard_of
-from _support import TIMEOUT, Children, recv
+from _support import TIMEOUT, Children, nixl_missing, recv, use_ucx_loopback
 
 import devipc
 from devipc import ParamLayout
@@ -113,10 +113,10 @@ def _engines(layout):
         for size in (2, 4) for rank in range(size)]
 
 
-def _start_trainers(children, layout, engines):
+def _start_trainers(children, layout, engines, transport="ipc"):
     world = 1 + max(max(param.owners) for param in layout.values())
     conns = [children.start_piped(_sharded_workers.trainer_rank, rank, layout, engines,
-                                  "openreg:0")[1] for rank in range(world)]
+                                  "openreg:0", transport)[1] for rank in range(world)]
     tokens = [recv(conn) for conn in conns]  # tokens[rank][engine]
     return conns, tokens
 
@@ -199,6 +199,48 @@ def test_a_rank_killed_mid_generation_leaves_every_engine_its_generation_and_nam
         assert recv(conns[0]) == "closed"
         children.procs[0].join(TIMEOUT)
         assert children.procs[0].exitcode == 0
+    finally:
+        children.reap()
+
+
+@pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL is not installed ({nixl_missing()})")
+def test_across_hosts_an_engine_pulls_only_the_bytes_of_its_slices(monkeypatch):
+    use_ucx_loopback(monkeypatch)
+    layout = two_ranks()
+    children = Children()
+    try:
+        conns, tokens = _start_trainers(children, layout, 2, transport="nixl")
+        slices = devipc.tp_slices(layout, 1, 2, TP_DIMS)  # w1 rows 4..7: all in rank 1
+        partial = devipc.ShardedSubscriber([tokens[0][0], tokens[1][0]], layout, slices, "cpu")
+        whole = devipc.ShardedSubscriber([tokens[0][1], tokens[1][1]], layout, None, "cpu")
+        served = sum(tensor.nbytes for tensor in expected_slices(layout, slices, 0).values())
+        assert partial.pull_bytes < whole.pull_bytes / 1.5
+        for generation in range(2):
+            for conn in conns:
+                conn.send("publish")
+            for subscriber, asked in ((partial, slices), (whole, dict.fromkeys(layout))):
+                assert subscriber.wait(TIMEOUT) == generation
+                expected = expected_slices(layout, asked, generation)
+                for name, tensor in subscriber.tensors().items():
+                    assert torch.equal(tensor, expected[name]), name
+            # what the partial engine holds of rank 0's shards beyond its slices never came
+            untouched = partial._subs[0].tensors()["w1"]  # rows 0..3, none of them served
+            assert not untouched.any()
+            with pytest.raises(ValueError, match="only part of each generation"):
+                partial.verify()
+            for subscriber in (partial, whole):
+                subscriber.ack()
+            for conn in conns:
+                assert recv(conn) == ("published", generation)
+        # exactly the slices' bytes, each replicated tensor from one rank
+        assert partial.pull_bytes == served
+        assert whole.pull_bytes == sum(t.nbytes for t in full_model(layout, 0).values())
+        for subscriber in (partial, whole):
+            subscriber.close()
+        for conn in conns:
+            conn.send("stop")
+            assert recv(conn) == "closed"
+        children.join_ok()
     finally:
         children.reap()
 

@@ -18,7 +18,7 @@ from another thread ends a wait under way there with ValueError.
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -51,6 +51,8 @@ from ._remote_token import (
     RemoteToken,
     let_go,
 )
+from ._shard_layout import byte_runs
+from ._table import Table
 from ._weights import engine_device
 from .p2p._descriptor import Descriptor, Metadata
 from .p2p._nixl_wire import Remote, agent_metadata_from_bytes
@@ -91,11 +93,15 @@ class NixlSubscriber:
 
     def __init__(self, token: bytes | bytearray | memoryview,
                  device: torch.device | str | int | None = None, share: bool = True,
-                 prefetch: bool = False):
+                 prefetch: bool = False,
+                 parts: Mapping[str, tuple[slice, ...]] | None = None):
+        """`parts` (a sharded engine's, `_sharded`): pull only these boxes of these tensors,
+        not the whole generation (without a relay: a relay passes generations whole)."""
         opened = RemoteToken.from_bytes(token)
         metadata, nbytes, chunk, control = opened.metadata, opened.nbytes, opened.chunk, \
             opened.control
         self._table, self._buffers, self._data = opened.table, len(opened.data), list(opened.data)
+        self._runs = None if parts is None or chunk else _runs_of(self._table, parts)
         _check_descriptors(metadata, [*control.sizes(relay=bool(chunk)),
                                       *((desc, nbytes) for desc in self._data)])
         self.device = engine_device(opened.device, device)
@@ -228,8 +234,17 @@ class NixlSubscriber:
                                                       self.device)
             self._ids.append(local_id)
         self._torn = True
-        self._cut = transfer = self._remote(
-            lambda: self._connection.read_async(self._local, data))
+        runs = self._runs
+        if runs is None:
+            self._cut = transfer = self._remote(
+                lambda: self._connection.read_async(self._local, data))
+        elif runs:  # only the engine's parts, each run into its own place
+            self._cut = transfer = self._remote(lambda: self._connection.readv_async(
+                [self._local[start:start + length] for start, length in runs],
+                [data] * len(runs), [start for start, _ in runs]))
+        else:
+            self._torn, self._held_at = False, self._local
+            return True
         while True:
             try:
                 self._remote(lambda: transfer.wait(SLICE))
@@ -403,6 +418,11 @@ class NixlSubscriber:
         return state != ATTACHED or (published > self.generation
                                      and filling < published + self._buffers)
 
+    @property
+    def pull_bytes(self) -> int:
+        """The bytes of a generation one pull reads: all of it, or the runs of `parts`."""
+        return self._nbytes if self._runs is None else sum(n for _, n in self._runs)
+
     @counted
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held generation's tensors by name, in this process's memory: valid until the next
@@ -453,6 +473,9 @@ class NixlSubscriber:
         if self.generation < 0:
             raise ValueError("no generation to verify: wait() first")
         with self._turns:
+            if self._runs is not None:
+                raise ValueError("this subscriber pulls only part of each generation, and its "
+                                 "checksum covers all of it: nothing to verify it against")
             if self._checksum is None:
                 raise ValueError(f"generation {self.generation} was published without a "
                                  f"checksum: the WeightPublisher publishes with checksum=True")
@@ -508,6 +531,25 @@ class NixlSubscriber:
         self._relay, self._in_leader = None, False
         if self._follower is not None:
             self._follower.drop()
+
+
+def _runs_of(table: Table, parts: Mapping[str, tuple[slice, ...]]) -> list[tuple[int, int]]:
+    """The byte runs of a generation that hold `parts` (a box per tensor name), in order."""
+    rows = {name: row for row, name in enumerate(table.names)}
+    unknown = sorted(set(parts) - rows.keys())
+    if unknown:
+        raise KeyError(f"the publisher publishes no tensors named {unknown[:5]}")
+    runs = sorted(run for name, box in parts.items() for run in byte_runs(
+        table.offsets[rows[name]], table.shapes[rows[name]], table.strides[rows[name]],
+        table.dtypes[rows[name]].itemsize, box))
+    merged: list[tuple[int, int]] = []
+    for start, length in runs:
+        if merged and merged[-1][0] + merged[-1][1] >= start:
+            end = max(merged[-1][0] + merged[-1][1], start + length)
+            merged[-1] = (merged[-1][0], end - merged[-1][0])
+        else:
+            merged.append((start, length))
+    return merged
 
 
 

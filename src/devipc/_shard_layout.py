@@ -8,6 +8,7 @@ last ones shorter or empty: uneven shards), one axis after the other, so each ra
 of the full tensor. What an engine asks for is a box too (a range of one dim); `plan` says, once,
 from which rank and where in its local shard each part of it comes.
 """
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["REPLICATE", "Layout", "ParamLayout", "Piece", "layout_of", "plan", "tp_slices"]
+__all__ = ["REPLICATE", "Layout", "ParamLayout", "Piece", "byte_runs", "layout_of", "plan",
+           "tp_slices", "world_of"]
 
 REPLICATE = -1  # a placement code: the mesh axis replicates; a code d >= 0 shards dim d
 
@@ -186,3 +188,36 @@ def plan(layout: Layout, slices: Mapping[str, Slice]) -> dict[str, tuple[tuple[i
 def _relative(box: Sequence[tuple[int, int]], origin: Sequence[tuple[int, int]],
               ) -> tuple[slice, ...]:
     return tuple(slice(low - base, high - base) for (low, high), (base, _) in zip(box, origin))
+
+
+def byte_runs(offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int,
+              box: Sequence[slice]) -> list[tuple[int, int]]:
+    """The contiguous byte runs (start, length) that hold `box` of a tensor lying at byte
+    `offset` of its buffer: what an engine pulls of it across hosts. A tensor that is not
+    row-major contiguous is pulled whole."""
+    ranges = [(part.start, part.stop) for part in box]
+    if any(start >= stop for start, stop in ranges):
+        return []
+    expected, step = [], 1
+    for size in reversed(shape):
+        expected.append(step)
+        step *= size
+    if tuple(strides) != tuple(reversed(expected)):
+        return [(offset, step * itemsize)] if step else []
+    if not ranges:  # a scalar
+        return [(offset, itemsize)]
+    # the dims after `last` are whole: one run per index of the dims before it
+    last = max((dim for dim, (start, stop) in enumerate(ranges)
+                if (start, stop) != (0, shape[dim])), default=0)
+    length = (ranges[last][1] - ranges[last][0]) * math.prod(shape[last + 1:]) * itemsize
+    runs: list[tuple[int, int]] = []
+    outer = [range(start, stop) for start, stop in ranges[:last]]
+    for index in itertools.product(*outer):
+        element = sum(i * stride for i, stride in zip(index, strides)) \
+            + ranges[last][0] * strides[last]
+        start = offset + element * itemsize
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + length)
+        else:
+            runs.append((start, length))
+    return runs

@@ -12,14 +12,19 @@ names it.
 """
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._copies import copy_pairs
 from ._errors import PeerGoneError
-from ._publisher import WeightPublisher, WeightSubscriber
+from ._publisher import WeightPublisher
+from ._publisher_local import LocalSubscriber
 from ._shard_layout import Layout, ParamLayout, Slice, layout_of, plan, world_of
-from ._weights import Names, copy_into, named_weights
+from ._weights import Names, copy_into, named_weights, token_reader
+
+if TYPE_CHECKING:
+    from ._publisher_remote import NixlSubscriber
 
 __all__ = ["ShardedPublisher", "ShardedSubscriber"]
 
@@ -113,10 +118,12 @@ class ShardedSubscriber:
                              f"rank, in rank order")
         self._plan = plan(self.layout, {name: None for name in self.layout}
                           if slices is None else slices)
-        self._subs: list[WeightSubscriber] = []
+        self._subs: list[LocalSubscriber | NixlSubscriber] = []
         try:
-            for token in tokens:
-                self._subs.append(WeightSubscriber(token, device, **options))
+            for rank, token in enumerate(tokens):
+                parts = {name: piece.source for name, (_, pieces) in self._plan.items()
+                         for piece in pieces if piece.rank == rank}
+                self._subs.append(_subscriber(token, device, parts, options))
         except BaseException:
             self.close()
             raise
@@ -183,6 +190,8 @@ class ShardedSubscriber:
                           for piece in pieces]
                 held[name] = buffer
             copy_pairs(pairs)
+            for sub in self._subs:
+                sub.check_held()  # (a relay's follower: its leader's buffer still holds it)
             self._held = held
         return self._held
 
@@ -230,8 +239,23 @@ class ShardedSubscriber:
         for sub in self._subs:
             sub.close()
 
-    def __enter__(self) -> "ShardedSubscriber":
-        return self
+    @property
+    def pull_bytes(self) -> int:
+        """The bytes of each generation this engine pulls across hosts, from all ranks (0 on one
+        host: there it maps the ranks' memory)."""
+        return sum(getattr(sub, "pull_bytes", 0) for sub in self._subs)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _subscriber(token: bytes, device: torch.device | str | int | None,
+                parts: dict[str, tuple[slice, ...]], options: dict[str, bool],
+                ) -> "LocalSubscriber | NixlSubscriber":
+    """One rank's subscriber, as `WeightSubscriber` makes it; across hosts it pulls only
+    `parts` of each generation (on one host nothing is pulled: the rank's memory is mapped)."""
+    transport, _ = token_reader(token)
+    if transport == "nixl":
+        from ._publisher_remote import NixlSubscriber
+
+        return NixlSubscriber(token, device, parts=parts, **options)
+    if options:
+        raise ValueError(f"{sorted(options)}: options of subscribers across hosts "
+                         f"(transport='nixl'); on one host there is nothing to pull")
+    return LocalSubscriber(token, device)
