@@ -354,18 +354,18 @@ def test_an_engine_that_joins_between_two_ranks_publishes_takes_the_next_whole_g
     publishers = _publishers(layout)
     try:
         publishers[0].publish()  # generation 0 from rank 0 only; an engine joining now gets 1
-        subscriber = devipc.ShardedSubscriber([p.token() for p in publishers], layout)
-        publishers[1].publish(wait=False)
-        waited = []
-        engine = threading.Thread(target=lambda: waited.append(subscriber.wait(TIMEOUT)))
-        engine.start()
-        publishers[0].publish(wait=False)  # generation 1 from rank 0: the engine's first
-        publishers[1].wait_acks(0, TIMEOUT)  # the engine let rank 1's generation 0 go
-        publishers[1].publish(wait=False)
-        engine.join(TIMEOUT)
-        assert waited == [1]
-        subscriber.ack()
-        subscriber.close()
+        with devipc.ShardedSubscriber([p.token() for p in publishers], layout) as subscriber:
+            publishers[1].publish(wait=False)
+            waited = []
+            engine = threading.Thread(target=lambda: waited.append(subscriber.wait(TIMEOUT)))
+            engine.start()
+            publishers[0].publish(wait=False)  # generation 1 from rank 0: the engine's first
+            publishers[1].wait_acks(0, TIMEOUT)  # the engine let rank 1's generation 0 go
+            publishers[1].publish(wait=False)
+            engine.join(TIMEOUT)
+            assert waited == [1]
+            subscriber.ack()
+        assert [r["state"] for r in publishers[0].subscribers().values()] == ["closed"]
     finally:
         for publisher in publishers:
             publisher.close()

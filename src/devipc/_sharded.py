@@ -245,6 +245,12 @@ class ShardedSubscriber:
         host: there it maps the ranks' memory)."""
         return sum(getattr(sub, "pull_bytes", 0) for sub in self._subs)
 
+    def __enter__(self) -> "ShardedSubscriber":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 def _subscriber(token: bytes, device: torch.device | str | int | None,
                 parts: dict[str, tuple[slice, ...]], options: dict[str, bool],
                 ) -> "LocalSubscriber | NixlSubscriber":

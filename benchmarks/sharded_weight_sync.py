@@ -1,0 +1,213 @@
+"""Sharded weight sync against gather-then-publish, in one run: 4 trainer ranks (FSDP-like:
+every weight sharded on dim 0 over the ranks, CPU, gloo) feed 4 tensor-parallel engines
+(Megatron-style: qkv and up split on dim 0, o and down on dim 1) over NIXL (UCX over TCP
+loopback: every byte an engine reads crosses a socket, as between hosts).
+
+  sharded    each rank publishes its own shards (`ShardedPublisher`, copy=False); each engine
+             (`ShardedSubscriber`, `tp_slices`) pulls only its slices, from the ranks that hold
+             them (o and down: a column block, from all 4)
+  gathered   the whole-model path: rank 0 gathers the full model (gloo) into a buffer it
+             publishes (`WeightPublisher`, copy=False); each engine pulls it whole and keeps its
+             slices
+
+Per way: bytes each engine pulls per generation (the subscribers' own count of the runs they
+read) against the model's; the trainer's peak memory (the largest growth of a rank's peak RSS
+past its RSS once it held its shards: the sync's own memory, NIXL's agent included,
+in model sizes); seconds per generation, from the ranks' start (for
+gathered: the gather) until every engine acknowledged, median of the generations. All 8
+processes share this machine's cores and its loopback.
+
+Usage: python benchmarks/sharded_weight_sync.py [--mib 64] [--generations 3] [--no-doc]
+"""
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+import devipc
+from devipc._bench.common import markdown, replace_section
+
+RANKS = TP = 4
+TIMEOUT = 600
+DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
+SECTION = "## Sharded weight sync (`benchmarks/sharded_weight_sync.py`)"
+TP_DIMS = {"qkv": 0, "o": 1, "up": 0, "down": 1}
+
+
+def layout_of_model(hidden: int, layers: int) -> dict[str, devipc.ParamLayout]:
+    shapes = {"qkv": (3 * hidden, hidden), "o": (hidden, hidden), "up": (4 * hidden, hidden),
+              "down": (hidden, 4 * hidden)}
+    return {f"{layer}.{kind}": devipc.ParamLayout(shape, (RANKS,), [0])
+            for layer in range(layers) for kind, shape in shapes.items()}
+
+
+def tp_dim(name: str) -> int:
+    return TP_DIMS[name.split(".")[1]]
+
+
+def rss_kib() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def receive(conn):
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError(f"no reply within {TIMEOUT} s")
+    return conn.recv()
+
+
+def trainer(conn, rank, way, layout, engines, port):
+    """One rank: its shards only (random, never the full model), then per "go" a step that
+    writes them in place and a publish; replies its peak RSS growth past its baseline."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    local = devipc.pack({name: torch.randn(param.local_shape(rank))
+                         for name, param in layout.items()})
+    baseline = rss_kib()  # the rank's own shards held: what is measured is the sync's memory
+    if way == "sharded":
+        publisher = devipc.ShardedPublisher(local, layout, rank=rank, transport="nixl")
+    else:  # rank 0 keeps a buffer of the full model to gather into and publish
+        full = devipc.pack({name: torch.empty(param.shape) for name, param in layout.items()}
+                           ) if rank == 0 else None
+        publisher = devipc.WeightPublisher(full, transport="nixl") if full else None
+    conn.send([publisher.token() for _ in range(engines)] if publisher else None)
+    while receive(conn) == "go":
+        with torch.no_grad():
+            for tensor in local.values():
+                tensor.add_(1.0)
+        if way == "gathered":
+            for name, tensor in local.items():
+                pieces = list(full[name].chunk(RANKS)) if full else None
+                dist.gather(tensor, pieces, dst=0)
+        if publisher is not None:
+            publisher.publish(timeout=TIMEOUT)
+        dist.barrier()
+        conn.send("published")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if publisher is not None:
+        publisher.close()
+    dist.destroy_process_group()
+    conn.send((peak - baseline) * 1024)
+
+
+def engine(conn, way, layout, tokens, tp_rank):
+    """One tensor-parallel engine on the CPU: per generation waits, reads its slices (a sum, so
+    every byte is touched), acknowledges; replies the bytes it pulls per generation."""
+    torch.set_num_threads(1)
+    slices = devipc.tp_slices(layout, tp_rank, TP, tp_dim)
+    if way == "sharded":
+        subscriber = devipc.ShardedSubscriber(tokens, layout, slices, device="cpu")
+        pulled = subscriber.pull_bytes
+    else:
+        subscriber = devipc.WeightSubscriber(tokens[0], device="cpu")
+        pulled = sum(param.shape[0] * param.shape[1] * 4 for param in layout.values())
+    conn.send("ready")
+    while receive(conn) == "take":
+        subscriber.wait(TIMEOUT)
+        held = subscriber.tensors()
+        for name, (dim, start, stop) in slices.items():
+            tensor = held[name] if way == "sharded" else held[name].narrow(dim, start,
+                                                                           stop - start)
+            tensor.sum()
+        subscriber.ack()
+        conn.send("taken")
+    subscriber.close()
+    conn.send(pulled)
+
+
+def run(way, layout, generations, port):
+    ctx = mp.get_context("spawn")
+    trainers, engines = [], []
+    procs = []
+    try:
+        for rank in range(RANKS):
+            ours, theirs = ctx.Pipe()
+            procs.append(ctx.Process(target=trainer, args=(theirs, rank, way, layout, TP, port)))
+            procs[-1].start()
+            trainers.append(ours)
+        tokens = [receive(conn) for conn in trainers]
+        for tp_rank in range(TP):
+            mine = [tokens[rank][tp_rank] for rank in range(RANKS)] if way == "sharded" \
+                else [tokens[0][tp_rank]]
+            ours, theirs = ctx.Pipe()
+            procs.append(ctx.Process(target=engine, args=(theirs, way, layout, mine, tp_rank)))
+            procs[-1].start()
+            engines.append(ours)
+        for conn in engines:
+            assert receive(conn) == "ready"
+        seconds = []
+        for _ in range(generations):
+            for conn in engines:
+                conn.send("take")
+            start = time.perf_counter()
+            for conn in trainers:
+                conn.send("go")
+            for conn in engines:
+                assert receive(conn) == "taken"
+            seconds.append(time.perf_counter() - start)
+            for conn in trainers:
+                assert receive(conn) == "published"
+        for conn in engines:
+            conn.send("stop")
+        pulled = [receive(conn) for conn in engines]
+        for conn in trainers:
+            conn.send("stop")
+        peaks = [receive(conn) for conn in trainers]
+        for proc in procs:
+            proc.join(TIMEOUT)
+        return statistics.median(seconds), pulled, peaks
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=64, help="the model's size")
+    parser.add_argument("--generations", type=int, default=3)
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args()
+    os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES="lo")  # the children inherit it
+    layers = 4
+    hidden = 64 * max(1, round((args.mib * 2**20 / (4 * layers * 12)) ** 0.5 / 64))
+    layout = layout_of_model(hidden, layers)
+    model = sum(param.shape[0] * param.shape[1] * 4 for param in layout.values())
+    print(f"model: {layers} layers, hidden {hidden}: {model / 2**20:.1f} MiB float32; "
+          f"{RANKS} trainer ranks -> {TP} TP engines", file=sys.stderr)
+    results = {way: run(way, layout, args.generations, 29600 + index)
+               for index, way in enumerate(("sharded", "gathered"))}
+    rows = []
+    for way, (seconds, pulled, peaks) in results.items():
+        rows.append([way, f"{max(pulled) / model:.3f}", f"{sum(pulled) / model:.2f}",
+                     f"{max(peaks) / model:.2f}", f"{seconds:.3f}",
+                     f"{seconds / results['gathered'][0]:.2f}"])
+    table = markdown(["way", "pulled per engine (models)", "pulled by all engines (models)",
+                      "trainer peak beyond its shards (models, largest rank)", "s / generation",
+                      "vs gathered"], rows)
+    sharded, gathered = results["sharded"], results["gathered"]
+    notes = (f"- each engine pulls {max(sharded[1]) / model:.3f} of the model (goal ~1/{TP}), "
+             f"all engines {sum(sharded[1]) / model:.2f} (goal ~1)\n"
+             f"- trainer peak: sharded {max(sharded[2]) / model:.2f} models on its largest rank, "
+             f"gathered {max(gathered[2]) / model:.2f}\n"
+             f"- time per generation: sharded {sharded[0] / gathered[0]:.2f}x gathered's "
+             f"(goal <= 1/{TP} + 10% on an emulated cluster: not measured here, see the "
+             f"section's text)")
+    body = (f"A model of {model / 2**20:.1f} MiB float32 ({layers} layers, hidden {hidden}), "
+            f"median of {args.generations} generations.\n\n{table}\n\n{notes}\n")
+    print(body)
+    if not args.no_doc:
+        replace_section(DOC, SECTION, body)
+
+
+if __name__ == "__main__":
+    main()
