@@ -11,7 +11,8 @@ rank that dies mid-generation leaves every engine with the generation before, an
 names it.
 """
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -129,6 +130,9 @@ class ShardedSubscriber:
             raise
         self.device = self._subs[0].device
         self.generation = -1
+        pulls = sum(hasattr(sub, "pull_bytes") for sub in self._subs)  # across hosts
+        self._pool = ThreadPoolExecutor(len(self._subs), "devipc-sharded") if pulls > 1 \
+            else None
         self._checked = False
         self._buffers: dict[str, torch.Tensor] = {}
         self._held: dict[str, torch.Tensor] | None = None
@@ -140,21 +144,7 @@ class ShardedSubscriber:
         deadline = None if timeout is None else time.monotonic() + timeout
         target = self.generation + 1
         while True:
-            for rank, sub in enumerate(self._subs):
-                while sub.generation < target:
-                    left = None if deadline is None else max(deadline - time.monotonic(), 1e-9)
-                    try:
-                        sub.wait(left)
-                    except PeerGoneError as error:
-                        raise PeerGoneError(
-                            f"trainer rank {rank} of {len(self._subs)} is gone ({error}): "
-                            f"generation {target} is incomplete; this engine keeps generation "
-                            f"{self.generation}") from error
-                    except TimeoutError:
-                        late = [r for r, s in enumerate(self._subs) if s.generation < target]
-                        raise TimeoutError(f"generation {target} not published by trainer "
-                                           f"ranks {late} within {timeout} s (this engine "
-                                           f"keeps generation {self.generation})") from None
+            self._reach(target, deadline, timeout)
             newest = max(sub.generation for sub in self._subs)
             if all(sub.generation == newest for sub in self._subs):
                 break
@@ -165,6 +155,42 @@ class ShardedSubscriber:
             target = newest
         self.generation, self._held = newest, None
         return newest
+
+    def _reach(self, target: int, deadline: float | None, timeout: float | None) -> None:
+        """Every rank's subscriber holds `target` or a newer generation. On one host they are
+        waited for one after another (nothing is pulled); across hosts at once, each in a thread
+        of this subscriber's, so that the ranks' links carry their parts together."""
+        behind = [rank for rank, sub in enumerate(self._subs) if sub.generation < target]
+        if self._pool is None or len(behind) < 2:
+            errors = []
+            for rank in behind:
+                errors.append(_caught(self._wait_rank, rank, target, deadline))
+                if errors[-1] is not None:
+                    break
+        else:
+            futures = [self._pool.submit(_caught, self._wait_rank, rank, target, deadline)
+                       for rank in behind]
+            errors = [future.result() for future in futures]
+        gone = [(rank, error) for rank, error in zip(behind, errors)
+                if isinstance(error, PeerGoneError)]
+        if gone:
+            rank, why = gone[0]
+            raise PeerGoneError(f"trainer rank {rank} of {len(self._subs)} is gone ({why}): "
+                                f"generation {target} is incomplete; this engine keeps "
+                                f"generation {self.generation}") from why
+        if any(isinstance(error, TimeoutError) for error in errors):
+            late = [rank for rank, sub in enumerate(self._subs) if sub.generation < target]
+            raise TimeoutError(f"generation {target} not published by trainer ranks {late} "
+                               f"within {timeout} s (this engine keeps generation "
+                               f"{self.generation})")
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _wait_rank(self, rank: int, target: int, deadline: float | None) -> None:
+        sub = self._subs[rank]
+        while sub.generation < target:
+            sub.wait(None if deadline is None else max(deadline - time.monotonic(), 1e-9))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The slices served, by name, of the held generation: views of a rank's memory where
@@ -238,6 +264,9 @@ class ShardedSubscriber:
         self._held = None
         for sub in self._subs:
             sub.close()
+        pool = getattr(self, "_pool", None)  # (None too when the constructor failed first)
+        if pool is not None:
+            pool.shutdown()
 
     @property
     def pull_bytes(self) -> int:
@@ -265,3 +294,12 @@ def _subscriber(token: bytes, device: torch.device | str | int | None,
         raise ValueError(f"{sorted(options)}: options of subscribers across hosts "
                          f"(transport='nixl'); on one host there is nothing to pull")
     return LocalSubscriber(token, device)
+
+
+def _caught(call: "Callable[..., None]", *args: object) -> BaseException | None:
+    """What `call(*args)` raised, or None."""
+    try:
+        call(*args)
+    except Exception as error:  # noqa: BLE001 - the caller raises it, named by rank
+        return error
+    return None
