@@ -63,6 +63,14 @@ def tp_dim(name: str) -> int:
     return TP_DIMS[name.split(".")[1]]
 
 
+def known(shape, box=None) -> torch.Tensor:
+    """Generation 0 of a weight on the cluster (each publish adds 1 to every element): values
+    that say where they lie, exact in float32; `box` the part of it a rank holds."""
+    whole = (torch.arange(torch.Size(shape).numel(), dtype=torch.int64) % 65521).view(shape)
+    part = whole if box is None else whole[tuple(slice(*span) for span in box)]
+    return part.to(torch.float32)
+
+
 def rss_kib() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
@@ -153,27 +161,30 @@ def rank_role(commands: Connection, replies: Connection) -> None:
     engines) -> tokens (relayed: rank 0 publishes the full model, the others nothing);
     ("publish",) -> "published" once every engine took it; ("close",)."""
     torch.set_num_threads(1)
-    publisher = None
+    publisher = weights = None
     while (command := commands.recv())[0] != "exit":
         try:
             if command[0] == "sharded":
                 _, layout, rank, engines = command
-                local = devipc.pack({name: torch.randn(param.local_shape(rank))
-                                     for name, param in layout.items()})
-                publisher = devipc.ShardedPublisher(local, layout, rank=rank, transport="nixl")
+                weights = devipc.pack({name: known(param.shape, param.box(rank))
+                                       for name, param in layout.items()})
+                publisher = devipc.ShardedPublisher(weights, layout, rank=rank,
+                                                    transport="nixl")
                 replies.send([publisher.token() for _ in range(engines)])
             elif command[0] == "relayed":
                 _, layout, engines = command
-                full = devipc.pack({name: torch.randn(param.shape)
-                                    for name, param in layout.items()})
-                publisher = devipc.WeightPublisher(full, transport="nixl", relay=True)
+                weights = devipc.pack({name: known(param.shape) for name, param in layout.items()})
+                publisher = devipc.WeightPublisher(weights, transport="nixl", relay=True)
                 replies.send([publisher.token() for _ in range(engines)])
             elif command[0] == "publish":
+                with torch.no_grad():
+                    for tensor in weights.values():
+                        tensor.add_(1.0)
                 publisher.publish(timeout=TIMEOUT)
                 replies.send("published")
             elif command[0] == "close":
                 publisher.close()
-                publisher = None
+                publisher = weights = None
                 replies.send("closed")
         except Exception as error:  # noqa: BLE001 - the driver raises it
             replies.send(error)
@@ -181,7 +192,8 @@ def rank_role(commands: Connection, replies: Connection) -> None:
 
 def engine_role(commands: Connection, replies: Connection) -> None:
     """A TP engine on a host: ("open", tokens, layout, tp_rank) -> "ready" (one token: the
-    whole model's); ("take",) -> "taken" once it read its slices and acknowledged;
+    whole model's); ("take", check) -> once it read its slices and acknowledged, whether they
+    were those of the generation (`check`: compared with `known`'s, else only summed);
     ("close",)."""
     torch.set_num_threads(1)
     subscriber = slices = None
@@ -196,12 +208,18 @@ def engine_role(commands: Connection, replies: Connection) -> None:
                     devipc.ShardedSubscriber(tokens, layout, slices, device="cpu")
                 replies.send("ready")
             elif command[0] == "take":
-                subscriber.wait(TIMEOUT)
+                generation = subscriber.wait(TIMEOUT)
                 held = subscriber.tensors()
+                exact = True
                 for name, (dim, start, stop) in slices.items():
-                    (held[name].narrow(dim, start, stop - start) if whole else held[name]).sum()
+                    mine = held[name].narrow(dim, start, stop - start) if whole else held[name]
+                    if command[1]:
+                        expected = known(layout[name].shape).narrow(dim, start, stop - start)
+                        exact &= torch.equal(mine, expected + (generation + 1))
+                    else:
+                        mine.sum()
                 subscriber.ack()
-                replies.send("taken")
+                replies.send(exact)
             elif command[0] == "close":
                 subscriber.close()
                 replies.send("closed")
@@ -257,9 +275,10 @@ def run(way, layout, generations, port):
                 proc.join()
 
 
-def run_cluster(layout, generations, mbit, model):
-    """Each rank and each engine a host; per way: seconds per generation (median), and what
-    the busiest engine link and trainer link carried in, per generation, in models."""
+def run_cluster(layout, generations, mbit, model, check=False, ways=("sharded", "relayed")):
+    """Each rank and each engine a host; per way: seconds per generation (median), what the
+    busiest engine link and trainer link carried in, per generation, in models, and whether
+    every engine's slices were exact (`check`: each generation's compared, untimed)."""
     ranks = ["t", "h1", "h2", "h3"]
     engines_at = ["h4", "h5", "h6", "h7"]
     results = {}
@@ -267,7 +286,7 @@ def run_cluster(layout, generations, mbit, model):
         procs = [Host(cluster, host, "rank") for host in ranks] + [
             Host(cluster, host, "engine") for host in engines_at]
         try:
-            for way in ("sharded", "relayed"):
+            for way in ways:
                 print(f"cluster: {way}", file=sys.stderr, flush=True)
                 publishing = procs[:RANKS] if way == "sharded" else procs[:1]
                 tokens = [proc.ask("sharded", layout, rank, TP) if way == "sharded"
@@ -282,15 +301,17 @@ def run_cluster(layout, generations, mbit, model):
                         before = {h: (cluster.sent(h), cluster.received(h))
                                   for h in ranks + engines_at}
                     for proc in procs[RANKS:]:
-                        proc.send("take")
+                        proc.send("take", check)
                     start = time.perf_counter()
                     for proc in publishing:
                         proc.send("publish")
                     for proc in publishing:
                         assert proc.reply() == "published"
-                    for proc in procs[RANKS:]:
-                        assert proc.reply() == "taken"
+                    exact = all([proc.reply() for proc in procs[RANKS:]])
                     seconds.append(time.perf_counter() - start)
+                    if not exact:
+                        raise AssertionError(f"{way}: an engine's slices of generation "
+                                             f"{generation} were not the trainer's")
                 after = {h: (cluster.sent(h), cluster.received(h)) for h in ranks + engines_at}
                 for proc in procs[RANKS:] + publishing:
                     assert proc.ask("close") == "closed"
@@ -311,6 +332,9 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=3)
     parser.add_argument("--mbit", type=int, default=200, help="each emulated link's rate")
     parser.add_argument("--no-cluster", action="store_true", help="skip the emulated cluster")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the emulated cluster only, sharded only, a small model, every "
+                             "engine's slices checked each generation, no figures")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     parser.add_argument("--role", choices=("rank", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--fds", type=int, nargs=2, help=argparse.SUPPRESS)
@@ -322,6 +346,12 @@ def main() -> None:
     cluster = not args.no_cluster
     if cluster and (os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc")):
         sys.exit("the emulated cluster needs root, ip and tc (iproute2); --no-cluster skips it")
+    if args.smoke:
+        layout = layout_of_model(64, 2)
+        model = sum(param.shape[0] * param.shape[1] * 4 for param in layout.values())
+        run_cluster(layout, 2, args.mbit, model, check=True, ways=("sharded",))
+        print("every engine's slices exact, each generation")
+        return
     os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES="lo")  # the children inherit it
     layers = 4
     hidden = 64 * max(1, round((args.mib * 2**20 / (4 * layers * 12)) ** 0.5 / 64))

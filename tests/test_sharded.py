@@ -2,20 +2,35 @@
 nested, replicated, in DTensor's and vLLM's placement forms), engines of tensor-parallel size 1,
 2 and 4 read only their slices and find them equal to the full model's every generation; a rank
 killed mid-generation; FSDP2 over gloo; bad input."""
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import _sharded_workers
 import pytest
 import torch
 from _sharded_workers import full_model, shard_of
-from _support import TIMEOUT, Children, nixl_missing, recv, use_ucx_loopback
+from _support import (
+    FRESH_TIMEOUT,
+    TIMEOUT,
+    Children,
+    fresh_env,
+    nixl_missing,
+    recv,
+    use_ucx_loopback,
+)
 
 import devipc
 from devipc import ParamLayout
 
 Shard = pytest.importorskip("torch.distributed.tensor").Shard
 Replicate = pytest.importorskip("torch.distributed.tensor").Replicate
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Each engine's tensor-parallel dim per parameter (None: it serves the whole tensor).
 TP_DIMS = {"w1": 0, "w2": 1, "b": 0, "norm": None, "scalar": None, "e": 0, "tiny": 0}
@@ -243,6 +258,32 @@ def test_across_hosts_an_engine_pulls_only_the_bytes_of_its_slices(monkeypatch):
         children.join_ok()
     finally:
         children.reap()
+
+
+def _no_cluster() -> str | None:
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces)"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "the emulated cluster needs ip and tc (iproute2)"
+    return nixl_missing() and f"NIXL is not installed ({nixl_missing()})"
+
+
+@pytest.mark.skipif(_no_cluster() is not None, reason=str(_no_cluster()))
+def test_on_an_emulated_cluster_every_engine_gets_its_slices_from_the_ranks_hosts():
+    """benchmarks/sharded_weight_sync.py --smoke: 4 rank hosts and 4 TP engine hosts in network
+    namespaces with rate-limited links, each engine's slices checked every generation; nothing
+    left behind."""
+    def namespaces():
+        return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                  check=True).stdout.split())
+
+    before = namespaces()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sharded_weight_sync.py"),
+                           "--smoke"], capture_output=True, text=True, timeout=4 * FRESH_TIMEOUT,
+                          env=fresh_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "every engine's slices exact, each generation" in done.stdout
+    assert {name for name in namespaces() - before if name.startswith("dvf")} == set()
 
 
 def _free_port():
