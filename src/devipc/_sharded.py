@@ -107,7 +107,7 @@ class ShardedSubscriber:
     publisher's engine). The plan (from which rank each part comes) is made here, once.
     `tensors()` of a slice held by one rank is a view of that rank's memory (zero-copy on one
     host); one that spans ranks is assembled from each, its bytes only, into a buffer of this
-    engine made once."""
+    engine made once. `options`: `WeightSubscriber`'s `share` and `prefetch`, across hosts."""
 
     def __init__(self, tokens: Sequence[bytes], layout: Layout,
                  slices: Mapping[str, Slice] | None = None,
