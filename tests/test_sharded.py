@@ -273,17 +273,19 @@ def test_on_an_emulated_cluster_every_engine_gets_its_slices_from_the_ranks_host
     """benchmarks/sharded_weight_sync.py --smoke: 4 rank hosts and 4 TP engine hosts in network
     namespaces with rate-limited links, each engine's slices checked every generation; nothing
     left behind."""
-    def namespaces():
-        return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                                  check=True).stdout.split())
-
-    before = namespaces()
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sharded_weight_sync.py"),
-                           "--smoke"], capture_output=True, text=True, timeout=4 * FRESH_TIMEOUT,
-                          env=fresh_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "every engine's slices exact, each generation" in done.stdout
-    assert {name for name in namespaces() - before if name.startswith("dvf")} == set()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "sharded_weight_sync.py"),
+                             "--smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=fresh_env())
+    try:
+        out, err = proc.communicate(timeout=4 * FRESH_TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "every engine's slices exact, each generation" in out
+    ours = f"dvf{proc.pid % 100000}"  # its namespaces' prefix (fleet_relay's Cluster); others'
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    assert [name for name in left.stdout.split() if name.startswith(ours)] == []
 
 
 def _free_port():
