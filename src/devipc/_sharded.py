@@ -25,7 +25,7 @@ from ._shard_layout import Layout, ParamLayout, Slice, layout_of, plan, world_of
 from ._weights import Names, copy_into, named_weights, token_reader
 
 if TYPE_CHECKING:
-    from ._publisher_remote import NixlSubscriber
+    from ._remote_subscriber import NixlSubscriber
 
 __all__ = ["ShardedPublisher", "ShardedSubscriber"]
 
@@ -287,7 +287,7 @@ def _subscriber(token: bytes, device: torch.device | str | int | None,
     `parts` of each generation (on one host nothing is pulled: the rank's memory is mapped)."""
     transport, _ = token_reader(token)
     if transport == "nixl":
-        from ._publisher_remote import NixlSubscriber
+        from ._remote_subscriber import NixlSubscriber
 
         return NixlSubscriber(token, device, parts=parts, **options)
     if options:
