@@ -608,8 +608,9 @@ def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record(loopb
         assert token_reader(token)[0] == "nixl"
         record = RemoteToken.from_bytes(token)
         assert record.to_bytes() == token
-        # the header, the record whole, its claim, its ack, its heartbeat, the relay's cards
-        assert (record.device, len(record.control), len(record.data)) == (publisher.device, 6, 1)
+        # the header, the record whole, its claim, its ack, its heartbeat, the relay's cards,
+        # the block sums
+        assert (record.device, len(record.control), len(record.data)) == (publisher.device, 7, 1)
         assert (record.record, record.chunk, record.control[5]) == (0, 0, b"")  # no relay
         assert len(record.table) == len(publisher._backend)
         with pytest.raises(devipc.InvalidHandleError, match="transport 'nixl', not 'ipc'"):

@@ -219,7 +219,8 @@ def test_a_rank_killed_mid_generation_leaves_every_engine_its_generation_and_nam
 
 
 @pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL is not installed ({nixl_missing()})")
-def test_across_hosts_an_engine_pulls_only_the_bytes_of_its_slices(monkeypatch):
+def test_across_hosts_an_engine_pulls_only_the_blocks_of_its_slices_and_verifies_them(
+        monkeypatch):
     use_ucx_loopback(monkeypatch)
     layout = two_ranks()
     children = Children()
@@ -230,6 +231,7 @@ def test_across_hosts_an_engine_pulls_only_the_bytes_of_its_slices(monkeypatch):
         whole = devipc.ShardedSubscriber([tokens[0][1], tokens[1][1]], layout, None, "cpu")
         served = sum(tensor.nbytes for tensor in expected_slices(layout, slices, 0).values())
         assert partial.pull_bytes < whole.pull_bytes / 1.5
+        assert partial.pull_bytes == served  # without a checksum: exactly the slices' bytes
         for generation in range(2):
             for conn in conns:
                 conn.send("publish")
@@ -238,18 +240,31 @@ def test_across_hosts_an_engine_pulls_only_the_bytes_of_its_slices(monkeypatch):
                 expected = expected_slices(layout, asked, generation)
                 for name, tensor in subscriber.tensors().items():
                     assert torch.equal(tensor, expected[name]), name
-            # what the partial engine holds of rank 0's shards beyond its slices never came
-            untouched = partial._subs[0].tensors()["w1"]  # rows 0..3, none of them served
-            assert not untouched.any()
-            with pytest.raises(ValueError, match="only part of each generation"):
+            # what the partial engine holds beyond the blocks of its slices never came
+            for sub in partial._subs:
+                pulled = torch.zeros(sub._local.numel(), dtype=torch.bool)
+                for start, length in sub._checked_runs:
+                    pulled[start:start + length] = True
+                assert not sub._local[~pulled].any()
+            partial.verify()  # every block pulled, against the sums rank by rank
+            served_row = partial._subs[1].tensors()["w1"][1]  # row 5: in the engine's slice
+            served_row[2] += 1  # damaged after the pull
+            with pytest.raises(devipc.ChecksumError, match=f"generation {generation} holds "
+                                                           f"other bytes"):
                 partial.verify()
+            served_row[2] -= 1
+            partial.verify()
             for subscriber in (partial, whole):
                 subscriber.ack()
             for conn in conns:
                 assert recv(conn) == ("published", generation)
-        # exactly the slices' bytes, each replicated tensor from one rank
-        assert partial.pull_bytes == served
-        assert whole.pull_bytes == sum(t.nbytes for t in full_model(layout, 0).values())
+        # with a checksum, the slices' bytes rounded out to whole blocks (of 64 bytes here),
+        # each replicated tensor from one rank
+        for subscriber, nbytes in ((partial, served),
+                                   (whole, sum(t.nbytes for t in full_model(layout, 0).values()))):
+            runs = [run for sub in subscriber._subs for run in sub._checked_runs]
+            assert subscriber.pull_bytes == sum(length for _, length in runs)
+            assert nbytes <= subscriber.pull_bytes <= nbytes + 2 * 64 * len(runs)
         for subscriber in (partial, whole):
             subscriber.close()
         for conn in conns:

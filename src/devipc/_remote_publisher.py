@@ -32,7 +32,7 @@ import torch
 from . import _handles, _remote_token, p2p
 from ._arena import Calls, counted
 from ._backoff import Backoff
-from ._checksum import NO_SUM, crc32, pair
+from ._checksum import NO_SUM, block_crc32s, crc32, pair
 from ._devices import synchronize
 from ._errors import NotRegisteredError
 from ._host import share_host, shared_host_storage
@@ -72,6 +72,7 @@ from ._remote_token import (
     UP,
     Control,
     RemoteToken,
+    block_words,
     count,
     let_go,
     word,
@@ -145,6 +146,11 @@ class NixlPublisher:
             self._data = [self._endpoint.advertise(data, b * self._nbytes, self._nbytes)
                           for b in range(self._buffers)]
             self._header = self._control(0, HEADER)
+            self._blocks, blocks = p2p.create_tensor((2, block_words(self._nbytes)),
+                                                     torch.int64, "cpu")
+            self._ids.append(blocks)
+            self._blocks[:, 0] = -1  # no generation's sums yet
+            self._blocks_desc = self._endpoint.advertise(blocks)
             self._chunk = chunk_size(self._nbytes) if self.relay else 0
             self._cards, self._cards_desc = torch.empty(0, dtype=torch.uint8), b""
             if self.relay:  # one slot per record, where its subscriber writes its card
@@ -190,7 +196,7 @@ class NixlPublisher:
         control = Control(self._header, self._control(word(index, STATE), FIELDS),
                           self._control(word(index, STATE), CLAIMED),
                           self._control(word(index, ACK), 1), self._control(word(index, BEAT), 1),
-                          self._cards_desc)
+                          self._cards_desc, self._blocks_desc)
         return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial, index,
                            self._chunk, control, tuple(self._data), self._table).to_bytes()
 
@@ -227,9 +233,15 @@ class NixlPublisher:
             synchronize(self.device)
             assert self._storage is not None
             word = SUMS + pair(generation)  # nobody holds generation - 2 any more
-            self._words[word + 1] = crc32(self._storage, (generation % self._buffers)
-                                          * self._nbytes, self._nbytes) if checksum else NO_SUM
+            start = (generation % self._buffers) * self._nbytes
+            self._words[word + 1] = crc32(self._storage, start, self._nbytes) if checksum \
+                else NO_SUM
             self._words[word] = generation
+            row = self._blocks[pair(generation) // 2]  # for a partial pull's verify()
+            row[0] = -1
+            if checksum:
+                row[1:] = torch.tensor(block_crc32s(self._storage, start, self._nbytes))
+                row[0] = generation
             self.generation = generation
             if self.relay:
                 self._arrange()
@@ -334,6 +346,7 @@ class NixlPublisher:
         self._let_go()
         self._storage, self._source = None, {}
         self._cards = torch.empty(0, dtype=torch.uint8)  # its fd-backed memory goes
+        self._blocks = torch.empty(0, 0, dtype=torch.int64)  # as the block sums' does
         if hasattr(self, "_words"):  # its fd-backed memory goes; subscribers() still answers
             self._words = self._words.clone()
 

@@ -26,7 +26,7 @@ import torch
 from . import _relay, _remote_token, p2p
 from ._arena import Calls, counted
 from ._backoff import SLICE, polling
-from ._checksum import crc32, published_sum
+from ._checksum import block_size, crc32, pair, published_sum
 from ._devices import synchronize
 from ._errors import (
     ChecksumError,
@@ -49,6 +49,7 @@ from ._remote_token import (
     SUMS,
     UP,
     RemoteToken,
+    block_words,
     let_go,
 )
 from ._shard_layout import byte_runs
@@ -76,10 +77,12 @@ class _Polled(NamedTuple):
 
 
 class _Pulled(NamedTuple):
-    """A generation held here, with the checksum published with it (None: none)."""
+    """A generation held here, with the checksum published with it and, for a partial pull,
+    its blocks' (None: none)."""
 
     generation: int
     checksum: int | None
+    blocks: list[int] | None
 
 
 class NixlSubscriber:
@@ -101,8 +104,14 @@ class NixlSubscriber:
         metadata, nbytes, chunk, control = opened.metadata, opened.nbytes, opened.chunk, \
             opened.control
         self._table, self._buffers, self._data = opened.table, len(opened.data), list(opened.data)
-        self._runs = None if parts is None or chunk else _runs_of(self._table, parts)
-        _check_descriptors(metadata, [*control.sizes(relay=bool(chunk)),
+        # a partial pull's byte runs: its parts' own, and rounded out to whole blocks for a
+        # generation published with a checksum (so that verify() checks each block pulled)
+        self._runs = self._checked_runs = None
+        if parts is not None and not chunk:
+            self._runs = _runs_of(self._table, parts, 1, nbytes)
+            self._checked_runs = _runs_of(self._table, parts, block_size(nbytes), nbytes)
+        self._pulled_runs = self._runs  # those of the last pull
+        _check_descriptors(metadata, [*control.sizes(relay=bool(chunk), nbytes=nbytes),
                                       *((desc, nbytes) for desc in self._data)])
         self.device = engine_device(opened.device, device)
         self.generation = -1
@@ -112,6 +121,7 @@ class NixlSubscriber:
         self._cut: p2p.Transfer | None = None  # that pull's read, while it may be in flight
         self._header_seen: list[int] = []  # the header at the last poll
         self._checksum: int | None = None  # published with the held generation
+        self._block_sums: list[int] | None = None  # and its blocks', for a partial pull
         self._acked = -1  # the newest generation the engine acknowledged
         # (generation, its checksum) pulled by the prefetch thread, not yet handed to wait()
         self._prefetched: _Pulled | None = None
@@ -140,6 +150,10 @@ class NixlSubscriber:
             self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
             self._words, words_id = p2p.create_tensor((_BEATS.stop,), torch.int64, "cpu")
             self._ids.append(words_id)
+            if self._runs is not None:  # a row of the block sums, read with each pull
+                self._sums, sums_id = p2p.create_tensor((block_words(nbytes),), torch.int64,
+                                                        "cpu")
+                self._ids.append(sums_id)
             self._local = torch.empty(0, dtype=torch.uint8)  # one-hop pulls land here
             if not chunk:
                 self._local, local_id = p2p.create_tensor((nbytes,), torch.uint8, self.device)
@@ -234,7 +248,8 @@ class NixlSubscriber:
                                                       self.device)
             self._ids.append(local_id)
         self._torn = True
-        runs = self._runs
+        checked = published_sum(self._header_seen[SUMS:], generation) is not None
+        runs = self._pulled_runs = self._checked_runs if checked else self._runs
         if runs is None:
             self._cut = transfer = self._remote(
                 lambda: self._connection.read_async(self._local, data))
@@ -356,14 +371,15 @@ class NixlSubscriber:
             error, self._prefetch_error = self._prefetch_error, None
             raise error
         if self._prefetched is not None:  # pulled while the engine was busy
-            (self.generation, self._checksum), self._prefetched = self._prefetched, None
+            self.generation, self._checksum, self._block_sums = self._prefetched
+            self._prefetched = None
             return self.generation
         backoff = polling(timeout)
         while True:
             self._calls.check()
             fetched = self._fetch()
             if fetched is not None:
-                self.generation, self._checksum = fetched
+                self.generation, self._checksum, self._block_sums = fetched
                 return self.generation
             if backoff.expired():
                 raise TimeoutError(f"no new generation within {timeout} s (the newest is "
@@ -382,8 +398,20 @@ class NixlSubscriber:
         if published > self.generation and filling < published + self._buffers \
                 and self._pull(published) \
                 and self._poll().filling < published + self._buffers:  # nobody wrote meanwhile
-            return _Pulled(published, published_sum(self._header_seen[SUMS:], published))
+            checksum = published_sum(self._header_seen[SUMS:], published)
+            blocks = None if checksum is None or self._runs is None \
+                else self._blocks_of(published)
+            return _Pulled(published, checksum, blocks)
         return None
+
+    def _blocks_of(self, generation: int) -> list[int] | None:
+        """The CRC-32s of `generation`'s blocks, one NIXL read (None: not published with it).
+        Its row stays until this subscriber acknowledges it, as the generation's bytes do."""
+        row = pair(generation) // 2
+        self._remote(lambda: self._connection.read(self._sums, self._control.blocks,
+                                                   row * self._sums.nbytes))
+        words = self._sums.tolist()
+        return words[1:] if words[0] == generation else None
 
     def _prefetch(self) -> bool | None:
         """One look of the prefetch thread (`_prefetching`): whether it pulled a generation;
@@ -420,8 +448,10 @@ class NixlSubscriber:
 
     @property
     def pull_bytes(self) -> int:
-        """The bytes of a generation one pull reads: all of it, or the runs of `parts`."""
-        return self._nbytes if self._runs is None else sum(n for _, n in self._runs)
+        """The bytes of a generation one pull reads: all of it, or the runs of `parts` (at the
+        last pull: a generation with a checksum pulls whole blocks)."""
+        return self._nbytes if self._pulled_runs is None \
+            else sum(n for _, n in self._pulled_runs)
 
     @counted
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -473,10 +503,7 @@ class NixlSubscriber:
         if self.generation < 0:
             raise ValueError("no generation to verify: wait() first")
         with self._turns:
-            if self._runs is not None:
-                raise ValueError("this subscriber pulls only part of each generation, and its "
-                                 "checksum covers all of it: nothing to verify it against")
-            if self._checksum is None:
+            if self._checksum is None or (self._runs is not None and self._block_sums is None):
                 raise ValueError(f"generation {self.generation} was published without a "
                                  f"checksum: the WeightPublisher publishes with checksum=True")
             if self._torn:
@@ -484,12 +511,31 @@ class NixlSubscriber:
                                  "into this memory: wait() again")
             synchronize(self.device)
             held = self._held_at
+            if self._runs is not None:
+                self._verify_blocks(held)
+                return
             found = crc32(held.untyped_storage(), int(held.storage_offset()), self._nbytes)
             self._still_held(read=True)
             if found != self._checksum:
                 raise ChecksumError(f"generation {self.generation} holds other bytes here than "
                                     f"the WeightPublisher published (CRC-32 {found:08x}, "
                                     f"published {self._checksum:08x})")
+
+    def _verify_blocks(self, held: torch.Tensor) -> None:
+        """A partial pull's check: each block it pulled (whole ones: `_checked_runs`) against
+        the CRC-32 published for it."""
+        assert self._checked_runs is not None and self._block_sums is not None
+        block, storage = block_size(self._nbytes), held.untyped_storage()
+        bad = [index for start, length in self._checked_runs
+               for index in range(start // block, -(-(start + length) // block))
+               if crc32(storage, int(held.storage_offset()) + index * block,
+                        min(block, self._nbytes - index * block)) != self._block_sums[index]]
+        self._still_held(read=True)
+        if bad:
+            raise ChecksumError(f"generation {self.generation} holds other bytes here than the "
+                                f"WeightPublisher published: {len(bad)} of the blocks of "
+                                f"{block} bytes pulled differ (the first at byte "
+                                f"{bad[0] * block})")
 
     @counted
     def ack(self) -> None:
@@ -527,14 +573,17 @@ class NixlSubscriber:
     def _release(self) -> None:
         self._let_go()
         self._views.clear()
-        self._words = self._local = self._held_at = torch.empty(0)  # the memory goes with them
+        self._words = self._local = self._held_at = self._sums = torch.empty(0)  # the memory
+        # goes with them
         self._relay, self._in_leader = None, False
         if self._follower is not None:
             self._follower.drop()
 
 
-def _runs_of(table: Table, parts: Mapping[str, tuple[slice, ...]]) -> list[tuple[int, int]]:
-    """The byte runs of a generation that hold `parts` (a box per tensor name), in order."""
+def _runs_of(table: Table, parts: Mapping[str, tuple[slice, ...]], block: int,
+             nbytes: int) -> list[tuple[int, int]]:
+    """The byte runs of a generation of `nbytes` that hold `parts` (a box per tensor name), in
+    order, rounded out to whole blocks of `block` bytes."""
     rows = {name: row for row, name in enumerate(table.names)}
     unknown = sorted(set(parts) - rows.keys())
     if unknown:
@@ -542,14 +591,16 @@ def _runs_of(table: Table, parts: Mapping[str, tuple[slice, ...]]) -> list[tuple
     runs = sorted(run for name, box in parts.items() for run in byte_runs(
         table.offsets[rows[name]], table.shapes[rows[name]], table.strides[rows[name]],
         table.dtypes[rows[name]].itemsize, box))
-    merged: list[tuple[int, int]] = []
+    merged: list[tuple[int, int]] = []  # (start, end)
     for start, length in runs:
-        if merged and merged[-1][0] + merged[-1][1] >= start:
-            end = max(merged[-1][0] + merged[-1][1], start + length)
-            merged[-1] = (merged[-1][0], end - merged[-1][0])
+        if not length:
+            continue
+        start, end = start // block * block, min(-(-(start + length) // block) * block, nbytes)
+        if merged and merged[-1][1] >= start:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:
-            merged.append((start, length))
-    return merged
+            merged.append((start, end))
+    return [(start, end - start) for start, end in merged]
 
 
 

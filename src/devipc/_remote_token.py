@@ -15,6 +15,10 @@ The control block is a host tensor of int64 words:
 
 A subscriber writes its record's first CLAIMED words (its claim), its acknowledgement and its
 heartbeat; the publisher writes the rest.
+
+Beside it, the block sums: a host tensor of int64 words, a row per parity (`_checksum.pair`):
+generation | the CRC-32 of each of its blocks (`_checksum.blocks`), written before its generation
+word, once nobody holds the generation two back; a partial pull reads the row with its data.
 """
 import threading
 from typing import NamedTuple
@@ -22,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from . import p2p
-from ._checksum import SUM_WORDS
+from ._checksum import SUM_WORDS, blocks
 from ._readers import MAX_READERS
 from ._relay import CARD_BYTES
 from ._table import Table
@@ -30,7 +34,8 @@ from ._weights import token_reader, token_writer
 
 __all__ = ["ACK", "BEAT", "CARDS_BYTES", "CLAIMED", "CONTROL_WORDS", "FIELDS", "FILLING",
            "HEADER", "HEARTBEAT", "HOST", "LEADER", "LIVENESS", "PID", "PUBLISHED", "SERIAL",
-           "SHARE", "STATE", "SUMS", "UP", "Control", "RemoteToken", "count", "let_go", "word"]
+           "SHARE", "STATE", "SUMS", "UP", "Control", "RemoteToken", "block_words", "count",
+           "let_go", "word"]
 
 HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
 LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts as dead
@@ -55,6 +60,11 @@ def word(index: int, field: int) -> int:
     return HEADER + index * FIELDS + field
 
 
+def block_words(nbytes: int) -> int:
+    """The words of one row of the block sums of a generation of `nbytes`."""
+    return 1 + blocks(nbytes)
+
+
 def count(words: list[int]) -> int:
     """How many records a copy of the control words holds."""
     return (len(words) - HEADER) // FIELDS
@@ -62,7 +72,8 @@ def count(words: list[int]) -> int:
 
 class Control(NamedTuple):
     """A subscriber's descriptors of the publisher's control block: the header, its record
-    whole, its claim, its ack, its heartbeat; and the relay's cards (empty without relay)."""
+    whole, its claim, its ack, its heartbeat; the relay's cards (empty without relay); and
+    the block sums, both rows."""
 
     header: bytes
     record: bytes
@@ -70,11 +81,13 @@ class Control(NamedTuple):
     ack: bytes
     beat: bytes
     cards: bytes
+    blocks: bytes
 
-    def sizes(self, relay: bool) -> list[tuple[bytes, int]]:
-        """Each descriptor with the bytes it must span (the cards' only with `relay`)."""
+    def sizes(self, relay: bool, nbytes: int) -> list[tuple[bytes, int]]:
+        """Each descriptor with the bytes it must span (the cards' only with `relay`), for
+        buffers of `nbytes`."""
         words = ((self.header, HEADER), (self.record, FIELDS), (self.claim, CLAIMED),
-                 (self.ack, 1), (self.beat, 1))
+                 (self.ack, 1), (self.beat, 1), (self.blocks, 2 * block_words(nbytes)))
         sizes = [(desc, length * _WORD_BYTES) for desc, length in words]
         if relay:
             sizes.append((self.cards, CARDS_BYTES))

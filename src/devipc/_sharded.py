@@ -247,7 +247,8 @@ class ShardedSubscriber:
 
     def verify(self) -> None:
         """ChecksumError unless every rank's bytes here are those it published with
-        `publish(checksum=True)` (each rank's whole shard, as `WeightSubscriber.verify`)."""
+        `publish(checksum=True)`: each rank's whole shard on one host (as
+        `WeightSubscriber.verify`), each block pulled of it across hosts."""
         for sub in self._subs:
             sub.verify()
 
