@@ -159,7 +159,7 @@ class Host(Piped):
 def rank_role(commands: Connection, replies: Connection) -> None:
     """A trainer rank on a host: ("sharded", layout, rank, engines) or ("relayed", layout,
     engines) -> tokens (relayed: rank 0 publishes the full model, the others nothing);
-    ("publish",) -> "published" once every engine took it; ("close",)."""
+    ("publish", checksum) -> "published" once every engine took it; ("close",)."""
     torch.set_num_threads(1)
     publisher = weights = None
     while (command := commands.recv())[0] != "exit":
@@ -180,7 +180,7 @@ def rank_role(commands: Connection, replies: Connection) -> None:
                 with torch.no_grad():
                     for tensor in weights.values():
                         tensor.add_(1.0)
-                publisher.publish(timeout=TIMEOUT)
+                publisher.publish(timeout=TIMEOUT, checksum=command[1])
                 replies.send("published")
             elif command[0] == "close":
                 publisher.close()
@@ -193,7 +193,8 @@ def rank_role(commands: Connection, replies: Connection) -> None:
 def engine_role(commands: Connection, replies: Connection) -> None:
     """A TP engine on a host: ("open", tokens, layout, tp_rank) -> "ready" (one token: the
     whole model's); ("take", check) -> once it read its slices and acknowledged, whether they
-    were those of the generation (`check`: compared with `known`'s, else only summed);
+    were those of the generation (`check`: compared with `known`'s and verified against the
+    checksums published with it, else only summed);
     ("close",)."""
     torch.set_num_threads(1)
     subscriber = slices = None
@@ -218,6 +219,8 @@ def engine_role(commands: Connection, replies: Connection) -> None:
                         exact &= torch.equal(mine, expected + (generation + 1))
                     else:
                         mine.sum()
+                if command[1]:
+                    subscriber.verify()  # ChecksumError: the driver raises it
                 subscriber.ack()
                 replies.send(exact)
             elif command[0] == "close":
@@ -278,7 +281,8 @@ def run(way, layout, generations, port):
 def run_cluster(layout, generations, mbit, model, check=False, ways=("sharded", "relayed")):
     """Each rank and each engine a host; per way: seconds per generation (median), what the
     busiest engine link and trainer link carried in, per generation, in models, and whether
-    every engine's slices were exact (`check`: each generation's compared, untimed)."""
+    every engine's slices were exact (`check`: each generation's compared, and published with
+    checksums that each engine verifies, untimed)."""
     ranks = ["t", "h1", "h2", "h3"]
     engines_at = ["h4", "h5", "h6", "h7"]
     results = {}
@@ -304,7 +308,7 @@ def run_cluster(layout, generations, mbit, model, check=False, ways=("sharded", 
                         proc.send("take", check)
                     start = time.perf_counter()
                     for proc in publishing:
-                        proc.send("publish")
+                        proc.send("publish", check)
                     for proc in publishing:
                         assert proc.reply() == "published"
                     exact = all([proc.reply() for proc in procs[RANKS:]])
@@ -350,7 +354,7 @@ def main() -> None:
         layout = layout_of_model(64, 2)
         model = sum(param.shape[0] * param.shape[1] * 4 for param in layout.values())
         run_cluster(layout, 2, args.mbit, model, check=True, ways=("sharded",))
-        print("every engine's slices exact, each generation")
+        print("every engine's slices exact and verified, each generation")
         return
     os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES="lo")  # the children inherit it
     layers = 4

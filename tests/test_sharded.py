@@ -297,7 +297,7 @@ def test_on_an_emulated_cluster_every_engine_gets_its_slices_from_the_ranks_host
         proc.kill()
         proc.wait()
     assert proc.returncode == 0, err[-3000:]
-    assert "every engine's slices exact, each generation" in out
+    assert "every engine's slices exact and verified, each generation" in out
     ours = f"dvf{proc.pid % 100000}"  # its namespaces' prefix (fleet_relay's Cluster); others'
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
     assert [name for name in left.stdout.split() if name.startswith(ours)] == []
