@@ -43,7 +43,7 @@ import devipc
 from devipc._bench.common import Piped, markdown, replace_section
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fleet_relay import Cluster  # noqa: E402  (its namespaces and rate-limited links)
+from fleet_relay import Cluster  # its namespaces and rate-limited links
 
 RANKS = TP = 4
 TIMEOUT = 600

@@ -428,3 +428,10 @@ def test_an_engine_that_joins_between_two_ranks_publishes_takes_the_next_whole_g
         for publisher in publishers:
             publisher.close()
 
+
+
+def test_block_checksums_are_for_pulls_across_hosts():
+    """Only a NIXL publisher pays for them (a partial pull exists only there); on one host the
+    option is refused, not ignored."""
+    with pytest.raises(ValueError, match="block_checksums=True .* needs transport='nixl'"):
+        devipc.WeightPublisher({"w": torch.zeros(4)}, block_checksums=True)

@@ -34,14 +34,17 @@ _LOOK = 1e-9  # a wait_acks timeout that looks once: the acknowledgements as the
 class WeightPublisher:
     """The trainer's side: `token()` per subscriber, `publish()` per generation. With
     `transport="nixl"` subscribers may be on other hosts; with `relay=True` each generation
-    leaves the trainer once and passes from engine to engine (`_relay`).
+    leaves the trainer once and passes from engine to engine (`_relay`). With
+    `block_checksums=True` (NIXL) `publish(checksum=True)` also publishes a CRC-32 per block of
+    the generation, which an engine that pulls only part of it (`ShardedSubscriber`) checks.
 
     Thread-safe: publishes from several threads take turns (each makes its own generation),
     and `close()` from another thread ends a `publish`, `wait_acks` or `wait_subscribers` under
     way there with ValueError."""
 
     def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False, transport: str = "ipc", relay: bool = False):
+                 copy: bool = False, transport: str = "ipc", relay: bool = False,
+                 block_checksums: bool = False):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport is 'ipc' (one host) or 'nixl' (across hosts), not "
                              f"{transport!r}")
@@ -49,11 +52,15 @@ class WeightPublisher:
             raise ValueError("relay=True passes generations from engine to engine across "
                              "hosts: it needs transport='nixl' (on one host every engine maps "
                              "the trainer's memory, nothing to relay)")
+        if block_checksums and transport != "nixl":
+            raise ValueError("block_checksums=True lets an engine that pulls part of a "
+                             "generation across hosts verify it: it needs transport='nixl' (on "
+                             "one host an engine maps the whole generation and verifies it all)")
         if transport == "nixl":
             from ._remote_publisher import NixlPublisher
 
             self._backend: LocalPublisher | NixlPublisher = NixlPublisher(
-                model_or_state_dict, copy=copy, relay=relay)
+                model_or_state_dict, copy=copy, relay=relay, block_checksums=block_checksums)
         else:
             self._backend = LocalPublisher(model_or_state_dict, copy=copy)
         self.transport = transport

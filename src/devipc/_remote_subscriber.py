@@ -503,9 +503,14 @@ class NixlSubscriber:
         if self.generation < 0:
             raise ValueError("no generation to verify: wait() first")
         with self._turns:
-            if self._checksum is None or (self._runs is not None and self._block_sums is None):
+            if self._checksum is None:
                 raise ValueError(f"generation {self.generation} was published without a "
                                  f"checksum: the WeightPublisher publishes with checksum=True")
+            if self._runs is not None and self._block_sums is None:
+                raise ValueError(f"generation {self.generation} was published without the "
+                                 f"checksums of its blocks, which a partial pull checks: "
+                                 f"WeightPublisher(..., block_checksums=True) (a "
+                                 f"ShardedPublisher's are)")
             if self._torn:
                 raise ValueError("the last wait() was cut short while it pulled a generation "
                                  "into this memory: wait() again")

@@ -66,7 +66,8 @@ class ShardedPublisher:
                              f"it no part of")
         if not local:
             raise ValueError(f"rank {rank} owns no part of any weight: it has nothing to publish")
-        self._publisher = WeightPublisher(local, copy=copy, transport=transport)
+        self._publisher = WeightPublisher(local, copy=copy, transport=transport,
+                                          block_checksums=transport == "nixl")
 
     generation = property(lambda self: self._publisher.generation,
                           doc="The newest generation this rank published (-1: none yet).")
