@@ -28,7 +28,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from devipc._bench.common import Piped, replace_section
+from devipc._tools._bench.common import Piped, replace_section
 
 NET = "10.231.0"
 TIMEOUT = 300

@@ -46,7 +46,7 @@ COUNTER_FIELDS = {"magic": (0, "4s"), "version": (4, "H"), "pid": (6, "i"), "fd"
                   "size": (14, "Q"), "token": (22, "16s")}
 # Fields that opening does not check: a changed value may be accepted. A memory handle's slot
 # and seq are unused; an event's physical is unused, and its slot/seq are the record to wait for.
-WIRE_HEADER = {"magic": (0, "4s"), "version": (4, "H"), "kind": (6, "H")}  # devipc._wire
+WIRE_HEADER = {"magic": (0, "4s"), "version": (4, "H"), "kind": (6, "H")}  # devipc._core._wire
 UNCHECKED = {"mem": {"slot", "seq"}, "event": {"physical", "slot", "seq"}, "counter": set()}
 WRONG_TYPES = [None, "x", 1, 1.5, [1], {}, True]
 
@@ -102,11 +102,11 @@ def _mutate_bytes(data: bytes, fields: dict, unchecked: set, rng: random.Random)
 
 def mutate(args: list, event_handle: bytes, rng: random.Random):
     """One mutation of a real send's args: (kind, label, args, must_refuse)."""
-    from devipc import _wire
+    from devipc._core import _wire
     kind = rng.choice(["mem", "event", "counter", "slot", "size", "offset", "device", "flag"])
     args = list(args)
     if kind == "mem":
-        # args[7] is the hooks' handle wrapped with the sender's device (devipc._wire): mostly
+        # args[7] is the hooks' handle wrapped with the sender's device (devipc._core._wire): mostly
         # mutate the hooks' handle inside, sometimes the wrapping itself.
         sender, raw = _wire.unwrap_storage_handle(args[7])
         if rng.random() < 0.8:
@@ -153,7 +153,7 @@ def worker(path: str) -> None:
 
     import devipc
     import devipc_openreg  # noqa: F401
-    from devipc import _sharing, _wire
+    from devipc._core import _sharing, _wire
 
     with open(path, "rb") as f:
         batch = pickle.load(f)

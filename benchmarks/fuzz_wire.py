@@ -4,9 +4,9 @@ open as what it says), never crash or hang its reader.
 Kinds: typed tensor handles (every dtype family, requires_grad, empty tensors, device indices),
 bucket handles, arena attachments and chunks, p2p remote descriptors (device and CPU memory) and
 endpoint metadata. A worker subprocess makes a genuine message of the kind, then mutates it with
-its own seeded random generator: one field of the framing (`devipc._wire`: u32 length | payload)
-gets an edge integer, a flipped, cut, grown, zeroed or random payload, a wrong length, or is
-dropped, doubled or swapped with its neighbour; or the whole message is cut or a header field
+its own seeded random generator: one field of the framing (`devipc._core._wire`: u32 length |
+payload) gets an edge integer, a flipped, cut, grown, zeroed or random payload, a wrong length,
+or is dropped, doubled or swapped with its neighbour; or the whole message is cut or a header field
 changed; a nested message (a handle inside an attachment) is mutated the same way. It then opens
 the result as its reader would and touches what it got (device work that reads it). Outcomes as
 in `fuzz_handles.py`: accepted, refused (by type), wrong (any other exception), crash, hang.

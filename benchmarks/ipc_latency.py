@@ -19,8 +19,8 @@ Usage: python benchmarks/ipc_latency.py [--quick]
 import argparse
 
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
-from devipc._bench import ipc
-from devipc._bench.common import Progress
+from devipc._tools._bench import ipc
+from devipc._tools._bench.common import Progress
 
 
 def main():

@@ -27,8 +27,8 @@ import sys
 import time
 
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
-from devipc._bench import p2p as bench
-from devipc._bench.common import Progress, replace_section
+from devipc._tools._bench import p2p as bench
+from devipc._tools._bench.common import Progress, replace_section
 
 BATCH = bench.BATCH
 NOTES = "Method notes:"  # from here to the next section, the doc's notes are kept on a rerun

@@ -29,8 +29,8 @@ def main() -> None:
     if not args.ucx_default:  # before NIXL loads; the owner process inherits it
         os.environ.update({"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
     import devipc_openreg  # noqa: F401  (the reference device)
-    from devipc._bench import p2p as bench
-    from devipc._bench.common import Progress, human, markdown
+    from devipc._tools._bench import p2p as bench
+    from devipc._tools._bench.common import Progress, human, markdown
 
     if not bench.have_nixl("openreg"):
         sys.exit("NIXL is not installed: pip install 'devipc[nixl]'")

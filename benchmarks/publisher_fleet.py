@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 import devipc
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
-from devipc._bench.common import markdown
+from devipc._tools._bench.common import markdown
 
 TIMEOUT = 600
 
@@ -42,7 +42,7 @@ def receive(conn):
 
 def subscribers(conn, tokens, generations, share):
     """Opens every token, then takes each generation on each subscriber in turn."""
-    from devipc import _relay
+    from devipc._weights import _relay
 
     _relay.RELAY_STALL = TIMEOUT  # a busy machine's engines are slow, not stalled
     subs = [devipc.WeightSubscriber(token, **({} if share is None else {"share": share}))

@@ -21,7 +21,7 @@ import ray
 import ray.experimental
 import torch
 
-from devipc._bench.common import median_seconds
+from devipc._tools._bench.common import median_seconds
 from devipc.ray._transport import DevipcMetadata, DevipcTransport
 
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20, "256 MiB": 256 << 20}

@@ -30,7 +30,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, wait
 
-from devipc._bench.common import Piped
+from devipc._tools._bench.common import Piped
 
 TIMEOUT = 300.0  # seconds: an engine's start, a wait, a publish's acknowledgements
 UCX_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -51,7 +51,7 @@ def engine(commands: Connection, replies: Connection) -> None:
 
     import devipc
     import devipc_openreg  # noqa: F401
-    from devipc import _relay
+    from devipc._weights import _relay
 
     torch.set_num_threads(1)
     rng = random.Random(os.getpid())
@@ -162,7 +162,7 @@ def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float
 
     import devipc
     import devipc_openreg  # noqa: F401
-    from devipc import _remote_token
+    from devipc._weights import _remote_token
 
     liveness_was, _remote_token.LIVENESS = _remote_token.LIVENESS, liveness
     rng = random.Random(seed)

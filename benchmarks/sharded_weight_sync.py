@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing as mp
 
 import devipc
-from devipc._bench.common import Piped, markdown, replace_section
+from devipc._tools._bench.common import Piped, markdown, replace_section
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fleet_relay import Cluster  # its namespaces and rate-limited links

@@ -34,7 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([sys.path[0], os.environ.get("PYTHONP
 
 import torch
 
-from devipc._bench.common import median_seconds, memcpy_seconds
+from devipc._tools._bench.common import median_seconds, memcpy_seconds
 
 SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       vocab_size=256, rounds=7),

@@ -34,8 +34,8 @@ import torch.multiprocessing as mp
 
 import devipc
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
-from devipc._bench.common import markdown, memcpy_seconds
-from devipc._bench.weight_sync import settle, transformer_shapes
+from devipc._tools._bench.common import markdown, memcpy_seconds
+from devipc._tools._bench.weight_sync import settle, transformer_shapes
 
 TIMEOUT = 120
 ROUNDS = 10  # (a) and (b) alternate, each round with new publishers

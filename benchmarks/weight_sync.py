@@ -1,15 +1,15 @@
 """A whole state_dict synced producer -> consumer on openreg, seven ways in one run (the modes
-are described in `devipc._bench.weight_sync`, which measures them for `devipc bench weight-sync`
-on any device), then the arena's device memory across >= 50 chunks; prints the comparisons of
-docs/benchmarks.md.
+are described in `devipc._tools._bench.weight_sync`, which measures them for
+`devipc bench weight-sync` on any device), then the arena's device memory across >= 50 chunks;
+prints the comparisons of docs/benchmarks.md.
 Usage: python benchmarks/weight_sync.py [--mib N] [--steps N] [--tight-loop]
 """
 
 import argparse
 
 import devipc_openreg  # noqa: F401  (loads the reference device, wherever this runs)
-from devipc._bench import weight_sync
-from devipc._bench.common import Progress
+from devipc._tools._bench import weight_sync
+from devipc._tools._bench.common import Progress
 
 
 def main():

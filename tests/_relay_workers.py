@@ -6,7 +6,8 @@ import os
 import torch
 
 import devipc
-from devipc import _relay, p2p
+from devipc import p2p
+from devipc._weights import _relay
 
 
 def _digest(tensors) -> str:

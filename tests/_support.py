@@ -295,7 +295,7 @@ def keep_collector_out(monkeypatch) -> None:
     way (a busy machine's may be long) has ended, only the test's own calls release or close."""
     import threading
 
-    from devipc import _sharing
+    from devipc._core import _sharing
 
     idle = threading.Event()
     monkeypatch.setattr(_sharing._background, "_round", lambda: idle.set() or True)

@@ -21,7 +21,7 @@ def settle():
 
 # -- _memfd / _refcount ----------------------------------------------------------------------------
 def write_shared_file(handle, magic, done):
-    from devipc._memfd import open_shared_file
+    from devipc._core._memfd import open_shared_file
 
     buffer = open_shared_file(handle, magic)
     buffer.write(0, b"HELLO")
@@ -31,8 +31,8 @@ def write_shared_file(handle, magic, done):
 
 def hold_lifeline(conn, handle, how):
     """Hold a lifeline in the shared file `handle` names, send its id, then end as `how` says."""
-    from devipc._lifeline import hold
-    from devipc._memfd import open_shared_file
+    from devipc._core._lifeline import hold
+    from devipc._core._memfd import open_shared_file
 
     buffer = open_shared_file(handle, b"TEST")
     conn.send(hold(buffer.address))
@@ -65,8 +65,8 @@ def check_received(inbox, outbox):
 def reopen_while_release_pends(first, second, outbox):
     """Opens `first`, drops it and opens `second` (the same allocation) before the pending
     release runs (the collector thread is kept out); reports how often the memory was mapped."""
-    from devipc import _sharing
-    from devipc._hooks import hooks_for
+    from devipc._core import _sharing
+    from devipc._core._hooks import hooks_for
 
     _sharing._background.wake = lambda: None
     hooks = hooks_for(torch.device("openreg"))
@@ -202,7 +202,7 @@ def produce_and_wait(outbox):
 
 # -- lifetime: slots, kills, forwarding --------------------------------------------------------
 def hold_slot_until_told(handle, index, inbox, outbox):
-    from devipc._refcount import ConsumerCounters
+    from devipc._core._refcount import ConsumerCounters
 
     counters = ConsumerCounters()
     counters.hold(handle, index, lambda: None)
@@ -479,7 +479,7 @@ def weight_subscribers(conn, tokens, generations, stall=None, options=None):
     digest of what it holds, and acknowledges. `stall`: the relay's RELAY_STALL here (a busy
     machine's engines are slow, not stalled)."""
     if stall is not None:
-        from devipc import _relay
+        from devipc._weights import _relay
 
         _relay.RELAY_STALL = stall
     subscribers = [devipc.WeightSubscriber(token, **(options or {})) for token in tokens]

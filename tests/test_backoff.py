@@ -3,8 +3,8 @@ import threading
 import time
 from types import SimpleNamespace
 
-from devipc import _backoff
-from devipc._backoff import Backoff
+from devipc._core import _backoff
+from devipc._core._backoff import Backoff
 
 
 def test_no_deadline_never_expires_and_a_passed_one_does():

@@ -1,9 +1,9 @@
-"""devipc._bench.ipc's floor of a message in the reduction's shape: it unpickles to what the
+"""devipc._tools._bench.ipc's floor of a message in the reduction's shape: it unpickles to what the
 consumer echoes without opening anything, and the send its reduction made is taken back."""
 import torch
 
 import devipc
-from devipc._bench import ipc
+from devipc._tools._bench import ipc
 
 
 def test_the_reduction_floor_opens_nothing_and_leaves_no_send():

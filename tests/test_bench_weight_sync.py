@@ -1,5 +1,6 @@
-"""devipc._bench.weight_sync's plot: its bars say what a user would write, not the modes' names."""
-from devipc._bench import weight_sync
+"""devipc._tools._bench.weight_sync's plot: its bars say what a user would write, not the
+modes' names."""
+from devipc._tools._bench import weight_sync
 
 
 def test_the_plot_labels_each_mode_in_user_words():

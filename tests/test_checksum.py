@@ -5,8 +5,8 @@ import zlib
 import pytest
 import torch
 
-from devipc import _checksum
-from devipc._checksum import block_crc32s, block_size, blocks
+from devipc._weights import _checksum
+from devipc._weights._checksum import block_crc32s, block_size, blocks
 
 
 @pytest.mark.parametrize("nbytes", [1, 64, 65, 1 << 20, (1 << 22) + 1, 10 << 30])

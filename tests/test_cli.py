@@ -14,8 +14,8 @@ import time
 import pytest
 from _support import FRESH_TIMEOUT, fresh_env, wait_until
 
-from devipc import _cli
-from devipc._statspage import StatsPageError, read_page
+from devipc._core._statspage import StatsPageError, read_page
+from devipc._tools import _cli
 
 DEVIPC = [sys.executable, "-m", "devipc"]
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
@@ -100,8 +100,8 @@ def test_doctor_warns_when_the_devipc_processes_here_ask_for_more_threads_than_c
     import _workers
     from _support import recv
 
-    from devipc import _doctor
-    from devipc._statspage import find_pages
+    from devipc._core._statspage import find_pages
+    from devipc._tools import _doctor
 
     started = [children.start_piped(_workers.devipc_process)[1] for _ in range(3)]
     seen = [recv(conn) for conn in started]
@@ -117,7 +117,7 @@ def test_doctor_warns_when_the_devipc_processes_here_ask_for_more_threads_than_c
 def test_doctor_finds_no_oversubscription_when_each_process_has_its_share(capsys):
     """The doctor's own threads do not count (it is not an engine), nor pages without a count
     or with a count no process has."""
-    from devipc import _doctor
+    from devipc._tools import _doctor
 
     report = _doctor.Report()
     _doctor.threads(report, {1: {"stats": {"torch_threads": 1}}, 2: {"stats": {"sent": 0}},
@@ -148,7 +148,7 @@ def test_doctor_reports_a_device_setting_its_hooks_refuse_as_a_failure_with_the_
 ])
 def test_doctor_advises_an_fd_limit_that_raises_a_low_one(hard, fix, monkeypatch, capsys):
     """`ulimit -n 64` sets the hard limit too: advising `ulimit -n <hard>` changed nothing."""
-    from devipc import _doctor
+    from devipc._tools import _doctor
 
     monkeypatch.setattr(_doctor.resource, "getrlimit", lambda which: (64, hard))
     _doctor.environment(_doctor.Report())
@@ -291,7 +291,7 @@ def test_info_fuzzed_page_keys_give_one_line_never_a_traceback(capsys):
     """Issue 53, item 3: every key of a page (and of its stats) is untrusted: dropped, or of
     another type, it gives one line and exit 1 (a traceback, say a KeyError of an `unopened`
     count without `oldest_unopened_s`, fails the test); what devipc could have written is shown."""
-    from devipc import _sharing, _statspage
+    from devipc._core import _sharing, _statspage
 
     now = time.time()
     numbers = {key: 3 for key in _sharing._page_numbers()} | {"oldest_unopened_s": 1.5}
@@ -383,7 +383,7 @@ def test_bench_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsy
 
 
 def test_progress_without_tqdm_prints_one_line_a_step(monkeypatch, capsys):
-    from devipc._bench.common import Progress
+    from devipc._tools._bench.common import Progress
 
     monkeypatch.setitem(sys.modules, "tqdm", None)
     progress = Progress("ipc")
@@ -410,7 +410,7 @@ BAD_BENCH = {
 
 @pytest.mark.parametrize("case", BAD_BENCH)
 def test_bench_refuses_bad_arguments_before_measuring(case, monkeypatch, capsys):
-    from devipc._bench import ipc, p2p, weight_sync
+    from devipc._tools._bench import ipc, p2p, weight_sync
 
     def measured(*args, **kwargs):
         raise AssertionError("a bad argument was measured")

@@ -5,7 +5,7 @@ import array
 import pytest
 import torch
 
-from devipc import _copies
+from devipc._core import _copies
 from devipc_openreg._ipc_hooks import OpenRegIpcHooks
 
 

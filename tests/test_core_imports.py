@@ -36,7 +36,7 @@ def test_importing_devipc_registers_no_device():
         import json, sys, torch
         before = (str(torch.accelerator.current_accelerator()),
                   torch._C._get_privateuse1_backend_name())
-        import devipc, devipc._reductions, devipc._sharing, devipc._memory
+        import devipc, devipc._core._reductions, devipc._core._sharing, devipc._core._memory
         after = (str(torch.accelerator.current_accelerator()),
                  torch._C._get_privateuse1_backend_name())
         print(json.dumps({"before": before, "after": after,

@@ -2,7 +2,7 @@
 accelerator (openreg here) by index, and through the device's module otherwise."""
 import torch
 
-from devipc import _devices
+from devipc._core import _devices
 
 
 def test_the_current_stream_is_torchs_for_the_device_asked():

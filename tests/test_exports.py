@@ -141,7 +141,7 @@ def test_one_pickled_handle_rebuilt_twice_in_one_process_is_one_storage():
 
 def test_a_send_forwarded_between_two_sends_of_the_producer_is_tracked():
     """The producer's next send must not hide a slot that a forwarder took just before it."""
-    from devipc._refcount import ConsumerCounters
+    from devipc._core._refcount import ConsumerCounters
 
     baseline = _baseline()
     tensor = torch.ones(1024, device="openreg")

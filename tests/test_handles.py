@@ -13,7 +13,7 @@ import torch.multiprocessing.reductions as torch_reductions
 from _support import TIMEOUT, wait_until
 
 import devipc
-from devipc._refcount import RELEASED
+from devipc._core._refcount import RELEASED
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
@@ -84,7 +84,7 @@ def test_open_on_a_device_the_hooks_cannot_map_is_refused(monkeypatch):
     with pytest.raises(devipc.UnsupportedDeviceError, match="cannot be mapped on cpu"):
         devipc.open(handle, device="cpu")
     counter, slot = handle._shared.ref_counter_handle, handle._shared.ref_counter_offset
-    from devipc import _sharing
+    from devipc._core import _sharing
     assert _sharing._exports._counters.file(counter).counter.state(slot) == RELEASED
     del tensor, handle
     _drain()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import devipc
-from devipc._hooks import hooks_for
+from devipc._core._hooks import hooks_for
 
 
 class _Broken(devipc.hooks.IpcHooks):

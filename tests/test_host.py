@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import devipc
-from devipc import _host, _wire
-from devipc._memfd import reach_tag
+from devipc._core import _host, _wire
+from devipc._core._memfd import reach_tag
 
 
 def test_a_host_send_opens_the_same_bytes_both_ways():

@@ -122,3 +122,59 @@ def test_no_module_reaches_into_another_modules_private_names(name):
     package = Package(name)
     reaches = {module: package.private_reaches(module) for module in package.paths}
     assert {module: found for module, found in reaches.items() if found} == {}
+
+
+# The layers of devipc, bottom to top, and the parts of the package each may import (besides
+# itself). A part is a folder (`devipc._core`) or a top-level module (`devipc.hooks`); the package
+# itself is "devipc". A part missing here fails the test: a new folder says where it stands.
+LAYERS = {
+    "_public": set(),
+    "_core": set(),
+    "hooks": {"_core", "_public"},
+    "rfc": {"_core", "_public"},
+    "p2p": {"_core", "_public"},
+    "_weights": {"_core", "p2p"},
+    "devipc": {"_core", "_weights", "_public", "hooks", "rfc"},
+    "ray": {"_core", "_weights", "p2p", "_public"},
+    "vllm": {"_core", "_weights", "_public"},
+    "conformance": {"devipc", "hooks", "p2p"},
+    "_tools": {"_core", "_weights", "p2p", "devipc", "hooks", "_public"},
+    "__main__": {"_tools"},
+}
+FOLDERS = sorted(part for part in LAYERS if (PACKAGES["devipc"] / part).is_dir())
+
+
+def part_of(module: str) -> str:
+    """`devipc._core._wire` -> `_core`; `devipc` -> `devipc`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_the_folders_are_the_layers():
+    """No private module lies loose in the package: each is in the folder of its layer."""
+    loose = sorted(path.name for path in PACKAGES["devipc"].glob("_*.py")
+                   if path.stem not in ("__init__", "__main__", "_public"))
+    assert loose == []
+    package = Package("devipc")
+    assert {part_of(module) for module in package.paths} == set(LAYERS)
+
+
+def test_each_layer_imports_only_the_layers_it_names():
+    package = Package("devipc")
+    upward = sorted(f"{module} -> {other}" for module in package.paths
+                    for other in package.imports(module)
+                    if part_of(other) != part_of(module)
+                    and part_of(other) not in LAYERS[part_of(module)])
+    assert upward == []
+
+
+def test_the_layer_rules_have_no_circle():
+    assert circles({part: set(allowed) for part, allowed in LAYERS.items()}) == []
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_each_folder_says_what_it_owns_and_what_it_may_import(folder):
+    docstring = ast.get_docstring(ast.parse((PACKAGES["devipc"] / folder / "__init__.py")
+                                            .read_text())) or ""
+    named = {part for part in LAYERS[folder] - {"_public"} if f"`{part}`" in docstring}
+    assert len(docstring) > 200 and named == LAYERS[folder] - {"_public"}

@@ -5,8 +5,8 @@ import _workers
 import pytest
 from _support import TIMEOUT, recv
 
-from devipc import _lifeline
-from devipc._memfd import SharedFile
+from devipc._core import _lifeline
+from devipc._core._memfd import SharedFile
 
 OWNER_DIED = 0x40000000  # FUTEX_OWNER_DIED, which the kernel sets as the holder dies
 

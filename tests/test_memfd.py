@@ -8,7 +8,7 @@ import pytest
 from _support import TIMEOUT, open_fds, run_python, zombie_child
 
 from devipc import InvalidHandleError, PeerGoneError
-from devipc._memfd import (
+from devipc._core._memfd import (
     HANDLE_SIZE,
     VERSION,
     SharedFile,
@@ -87,7 +87,8 @@ def _exited_pid() -> int:
 
 def test_handle_of_an_exited_but_unreaped_producer_says_peer_gone():
     # A zombie still answers kill(pid, 0), but its fds are closed: it is gone, not "another user".
-    code = "from devipc._memfd import SharedFile; print(SharedFile(b'TEST', 4096).handle.hex())"
+    code = ("from devipc._core._memfd import SharedFile; "
+            "print(SharedFile(b'TEST', 4096).handle.hex())")
     with zombie_child(code) as (pid, out):
         handle = bytes.fromhex(out.split()[-1])
         assert struct.unpack(_FORMAT, handle)[2] == pid
@@ -164,7 +165,7 @@ def test_a_consumer_of_another_user_is_told_the_rules():
 import os
 import random
 from devipc import InvalidHandleError
-from devipc._memfd import open_shared_file
+from devipc._core._memfd import open_shared_file
 os.setgid(65534)
 os.setuid(65534)
 try:

@@ -10,8 +10,8 @@ import torch
 from _support import TIMEOUT
 
 import devipc
-from devipc import _memory
-from devipc._memory import reap_freed, tensor_from_memory, watched
+from devipc._core import _memory
+from devipc._core._memory import reap_freed, tensor_from_memory, watched
 
 
 def test_storage_owns_the_memory_until_it_dies():
@@ -53,7 +53,7 @@ def test_a_tensor_of_any_dlpack_dtype_and_contiguous_shape_is_made_in_one_call(d
 
 
 def test_the_struct_of_a_dead_tensor_is_reused_and_a_live_one_never():
-    from devipc import _memory
+    from devipc._core import _memory
     backing = torch.arange(16, dtype=torch.uint8, device="openreg")
     reap_freed()
     first = tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: None)
@@ -73,7 +73,7 @@ def test_a_reused_struct_is_a_new_entry_that_a_stale_look_cannot_take():
     """A reap that listed the storages before a struct was reused (the collector, paused by a
     thread switch) must not take the new tensor's entry for the dead one's: entries are not
     keyed by the struct's address."""
-    from devipc import _memory
+    from devipc._core import _memory
     backing = torch.arange(16, dtype=torch.uint8, device="openreg")
     reap_freed()
     freed: list[int] = []
@@ -93,7 +93,7 @@ def test_a_reused_struct_is_a_new_entry_that_a_stale_look_cannot_take():
 
 
 def test_a_struct_torch_refused_goes_back_for_the_next_tensor(monkeypatch):
-    from devipc import _memory
+    from devipc._core import _memory
     backing = torch.arange(8, dtype=torch.uint8, device="openreg")
     reap_freed()
     kept = list(_memory._recycled.get(("openreg", 0), []))

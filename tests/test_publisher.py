@@ -517,8 +517,8 @@ def test_weights_that_left_the_packed_allocation_are_not_published_stale(transpo
 def _forged(token, rows):
     """`token`'s attachment with another table: a token damaged where only the buffer's size
     can tell."""
-    from devipc._publisher_local import LocalToken
-    from devipc._table import Table
+    from devipc._core._table import Table
+    from devipc._weights._publisher_local import LocalToken
 
     return LocalToken.from_bytes(token)._replace(table=Table(*zip(*rows))).to_bytes()
 
@@ -617,9 +617,9 @@ def test_close_from_another_thread_ends_waits_clearly():
 
 
 def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record():
-    from devipc import _wire
-    from devipc._publisher_local import LocalToken
-    from devipc._weights import token_reader
+    from devipc._core import _wire
+    from devipc._weights._common import token_reader
+    from devipc._weights._publisher_local import LocalToken
 
     model = _workers.TinyGPT()
     devipc.pack_module(model)

@@ -24,7 +24,7 @@ from _support import (
 )
 
 import devipc
-from devipc import _remote_token
+from devipc._weights import _remote_token
 
 NIXL = nixl_missing()
 
@@ -313,7 +313,7 @@ def test_no_subscriber_takes_a_generation_that_may_be_being_written(loopback, mo
 def _rewritten(token: bytes, nbytes: int | None = None, data=None, device=None) -> bytes:
     """The token with its buffer size (`nbytes`) or its publisher's device replaced, or each
     weights descriptor passed through `data`: the bytes a damaged (or forged) token carries."""
-    from devipc._remote_token import RemoteToken
+    from devipc._weights._remote_token import RemoteToken
 
     record = RemoteToken.from_bytes(token)
     if nbytes is not None:
@@ -598,8 +598,8 @@ def test_ctrl_c_lands_within_half_a_second_of_a_512_mib_pull_and_the_next_is_exa
 
 
 def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record(loopback):
-    from devipc._remote_token import RemoteToken
-    from devipc._weights import token_reader
+    from devipc._weights._common import token_reader
+    from devipc._weights._remote_token import RemoteToken
 
     model = _workers.TinyGPT()
     devipc.pack_module(model)

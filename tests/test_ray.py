@@ -108,7 +108,7 @@ def test_the_driver_gets_the_tensors_too(cluster, actors):
 
 
 def test_a_sender_killed_before_the_read_is_a_clear_error(cluster, actors):
-    from devipc._memfd import pid_alive
+    from devipc._core._memfd import pid_alive
 
     sender = cluster.Sender.remote("openreg")
     pid = _get(sender.pid.remote())

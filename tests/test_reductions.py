@@ -13,8 +13,8 @@ import torch.multiprocessing.reductions as torch_reductions
 from _support import TIMEOUT, json_of, run_python, wait_until
 
 import devipc
-from devipc import _sharing, _wire
-from devipc._refcount import SENT
+from devipc._core import _sharing, _wire
+from devipc._core._refcount import SENT
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
@@ -274,6 +274,7 @@ def test_sent_arguments_pickle_without_globals_and_come_back_as_the_15():
     rebuild, args = torch_reductions.reduce_tensor(tensor)
     payload = pickle.dumps(args)
     assert b"float16" in payload and b"UntypedStorage" not in payload and b"device" not in payload
+    assert b"devipc._reductions" in payload  # the path a peer of the flat layout knows
     back = pickle.loads(payload)
     assert type(back) is tuple and back == tuple(args) and back[6] == tensor.device
     received = rebuild(*back)
@@ -397,16 +398,16 @@ def test_cuda_tensors_still_reach_torchs_rebuild_cuda_tensor():
     _FakeCudaStorage.calls.clear()
     tensor = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(2))
     reducer = ForkingPickler._extra_reducers[torch.Tensor]
-    assert reducer is devipc._reductions.reduce_tensor
+    assert reducer is devipc._core._reductions.reduce_tensor
     rebuild, args = reducer(tensor)
     assert rebuild is torch_reductions.rebuild_cuda_tensor
     assert _FakeCudaStorage.calls == ["share_cuda"] and args[7] == b"cuda-ipc-handle"
 
 
 def test_install_is_idempotent_and_uninstall_restores_torch():
-    original = devipc._reductions._saved["reduce_tensor"]
+    original = devipc._core._reductions._saved["reduce_tensor"]
     devipc.rfc.install()
-    assert torch_reductions.reduce_tensor is devipc._reductions.reduce_tensor
+    assert torch_reductions.reduce_tensor is devipc._core._reductions.reduce_tensor
     devipc.rfc.uninstall()
     try:
         assert torch_reductions.reduce_tensor is original
@@ -416,7 +417,7 @@ def test_install_is_idempotent_and_uninstall_restores_torch():
         devipc.rfc.uninstall()
     finally:
         devipc.rfc.install()
-    assert ForkingPickler._extra_reducers[torch.Tensor] is devipc._reductions.reduce_tensor
+    assert ForkingPickler._extra_reducers[torch.Tensor] is devipc._core._reductions.reduce_tensor
 
 
 @dataclasses.dataclass

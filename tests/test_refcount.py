@@ -4,7 +4,7 @@ import pytest
 from _support import TIMEOUT
 
 from devipc import InvalidHandleError, SpentHandleError
-from devipc._refcount import (
+from devipc._core._refcount import (
     HELD,
     RELEASED,
     RESERVED_SLOTS,
@@ -155,7 +155,7 @@ def test_non_bytes_counter_handles_are_refused(handle):
 
 
 def test_a_forged_counter_handle_of_another_file_kind_is_refused():
-    from devipc._memfd import SharedFile
+    from devipc._core._memfd import SharedFile
 
     other = SharedFile(b"EVIL", 16 * SLOTS_PER_FILE + 64)  # right size, wrong kind
     try:

@@ -19,8 +19,9 @@ import torch
 from _support import FRESH_TIMEOUT, TIMEOUT, Children, nixl_missing, recv, use_ucx_loopback
 
 import devipc
-from devipc import _relay, _remote_token, _wire
-from devipc._relay import (
+from devipc._core import _wire
+from devipc._weights import _relay, _remote_token
+from devipc._weights._relay import (
     CARD_BYTES,
     Card,
     Place,
@@ -454,7 +455,7 @@ def test_a_follower_looks_at_its_leaders_word_after_the_bytes_were_read(fleet, m
         b.copy_into(own)  # A still holds 0
         assert _digest(own) == digest and dict(b.weights()).keys() == own.keys()
         b.verify()
-        copy_into = devipc._publisher.copy_into
+        copy_into = devipc._weights._publisher.copy_into
 
         def overwritten_first(source, *args, **kwargs):
             relay = a._backend._relay
@@ -462,7 +463,7 @@ def test_a_follower_looks_at_its_leaders_word_after_the_bytes_were_read(fleet, m
             relay.buffers.fill_(7)
             copy_into(source, *args, **kwargs)
 
-        monkeypatch.setattr(devipc._publisher, "copy_into", overwritten_first)
+        monkeypatch.setattr(devipc._weights._publisher, "copy_into", overwritten_first)
         with pytest.raises(devipc.PeerGoneError, match="generation 0 was overwritten"):
             b.copy_into(own)
         assert _digest(own) != digest  # what the copy read: not generation 0

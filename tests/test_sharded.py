@@ -104,7 +104,7 @@ def test_placements_in_each_form_and_bad_ones_refused():
 
 
 def test_tp_slices_split_as_torch_chunk_and_the_plan_reads_two_shards_for_a_spanning_slice():
-    from devipc._shard_layout import plan
+    from devipc._weights._shard_layout import plan
 
     layout = {"w": ParamLayout((7, 5), (2,), [Shard(0)]), "n": ParamLayout((5,), (2,))}
     slices = devipc.tp_slices(layout, 1, 3, {"w": 0})

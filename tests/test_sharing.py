@@ -11,8 +11,8 @@ import torch
 from _support import TIMEOUT, keep_collector_out, run_python, wait_until
 
 import devipc
-from devipc import _sharing
-from devipc._refcount import SENT
+from devipc._core import _sharing
+from devipc._core._refcount import SENT
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
@@ -214,7 +214,7 @@ def test_dropping_received_memory_waits_for_copies_queued_on_it():
 
 def test_opened_allocations_find_an_address_by_its_range():
     """`contains` (every first send asks it) bisects the ranges held, per device type."""
-    from devipc._received import OpenedAllocations
+    from devipc._core._received import OpenedAllocations
     from devipc.hooks import OpenedMemory
 
     closed = []
@@ -289,7 +289,7 @@ def test_mappings_kept_open_for_reuse_are_bounded_and_close(monkeypatch):
     """Hooks with `reusable_mappings` keep a mapping whose last storage died open for the next
     open of the same handle, at most IDLE_MAPPINGS of them, each until `close_idle` finds it
     older than asked; hooks without it close with the last storage, as before."""
-    from devipc import _received
+    from devipc._core import _received
     from devipc.hooks import OpenedMemory
 
     closed, opened_count = [], []
@@ -331,7 +331,7 @@ def test_a_new_tensor_per_send_maps_nothing_new_and_the_producer_reuses_its_memo
     back within a few sends (its caching allocator reuses it), and the consumer finds the
     segments still mapped; `ipc_collect` closes what was kept. The collector thread is kept out:
     the sends' own path must do it (nor close what is kept, however slow this machine is)."""
-    from devipc._hooks import hooks_for
+    from devipc._core._hooks import hooks_for
 
     _drain()
     keep_collector_out(monkeypatch)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import devipc
-from devipc import _wire
-from devipc._handles import Handle
-from devipc._table import ALIGNMENT, MAX_NAME, Table
+from devipc._core import _wire
+from devipc._core._handles import Handle
+from devipc._core._table import ALIGNMENT, MAX_NAME, Table
 
 
 def _round_trip(table: Table, storage_bytes: int) -> Table:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import devipc
-from devipc import _wire
-from devipc._handles import Handle
+from devipc._core import _wire
+from devipc._core._handles import Handle
 
 
 def _message(kind=_wire.TENSOR, version=_wire.VERSION, magic=_wire.MAGIC, body=b""):

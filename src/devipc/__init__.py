@@ -19,7 +19,7 @@ if sys.platform != "linux":  # memfds, /proc/<pid>/fd and OFD locks have no equi
 # The torch-free layers first: importing torch (below) may autoload a device package that
 # registers its hooks through these names while this package is still importing.
 from . import _public, hooks
-from ._errors import (
+from ._core._errors import (
     AckTimeoutError,
     ChecksumError,
     ConsumerDiedError,
@@ -34,14 +34,15 @@ from ._errors import (
 
 # isort: split
 from . import rfc
-from ._arena import Arena, ArenaReader, Chunk, open_arena
-from ._handles import Handle, open, open_tensors, pack, share, share_tensors
-from ._publisher import WeightPublisher, WeightSubscriber
-from ._shard_layout import ParamLayout, layout_of, tp_slices
-from ._sharded import ShardedPublisher, ShardedSubscriber
-from ._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
-from ._state_dict import open_state_dict, share_state_dict
-from ._weights import pack_module
+from ._core import _reductions
+from ._core._handles import Handle, open, open_tensors, pack, share, share_tensors
+from ._core._sharing import ipc_collect, received_via_ipc, revoke, set_unopened_deadline, stats
+from ._core._state_dict import open_state_dict, share_state_dict
+from ._weights._arena import Arena, ArenaReader, Chunk, open_arena
+from ._weights._common import pack_module
+from ._weights._publisher import WeightPublisher, WeightSubscriber
+from ._weights._shard_layout import ParamLayout, layout_of, tp_slices
+from ._weights._sharded import ShardedPublisher, ShardedSubscriber
 
 __all__ = [
     "AckTimeoutError",
@@ -84,6 +85,9 @@ __all__ = [
 ]
 
 _public.name_as_public(__name__, globals(), __all__)
+
+# Module paths that pickles name by reference, kept from before the layers became folders.
+sys.modules.setdefault(f"{__name__}._reductions", _reductions)
 
 _MOVED = {name: module.__name__ for module in (hooks, rfc) for name in module.__all__}
 

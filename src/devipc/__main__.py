@@ -1,6 +1,6 @@
 """`python -m devipc`: the `devipc` command."""
 import sys
 
-from ._cli import main
+from ._tools._cli import main
 
 sys.exit(main())

@@ -77,8 +77,8 @@ def test_device_is_matched_by_identity_not_by_index(children, monkeypatch):
 def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkeypatch, mode):
     """The consumer's release waits for its own queued work: until then the producer must not
     free (and hand out again) the memory that work still reads."""
-    from devipc import _sharing
-    from devipc._refcount import HELD, RELEASED
+    from devipc._core import _sharing
+    from devipc._core._refcount import HELD, RELEASED
 
     monkeypatch.setenv("OPENREG_IPC_EVENTS", "1" if mode == "events" else "0")
     source = torch.ones(1 << 20, device="openreg")  # 4 MiB: a segment of its own
@@ -114,7 +114,7 @@ def test_an_ipc_mode_switch_other_than_0_or_1_is_refused_with_the_value(monkeypa
 
 
 def test_make_resizable_gives_a_storage_its_allocator_back():
-    from devipc._memory import tensor_from_memory
+    from devipc._core._memory import tensor_from_memory
 
     base = torch.arange(16.0, device="openreg")
     borrowed = tensor_from_memory(base.data_ptr(), 64, base.device,

@@ -191,7 +191,7 @@ def test_pending_non_blocking_copy_keeps_host_storage_from_being_resized(gate, d
 def test_failed_resize_of_borrowed_memory_leaves_the_tensor_unchanged():
     """Memory that is not openreg's to reallocate (as from another process) cannot grow: resize_
     and set_ raise, and the tensor keeps sizes within its memory."""
-    from devipc._memory import tensor_from_memory
+    from devipc._core._memory import tensor_from_memory
     base = torch.arange(16.0, device="openreg")
     borrowed = tensor_from_memory(base.data_ptr(), 64, base.device,
                                   lambda: None).untyped_storage()

@@ -11,7 +11,7 @@ from _support import open_fds, wait_until
 
 import devipc
 import devipc.p2p as p2p
-from devipc import _wire
+from devipc._core import _wire
 from devipc.p2p._descriptor import Descriptor, Metadata
 
 

@@ -9,7 +9,7 @@ from _support import TIMEOUT, nixl_missing, open_fds, recv, run_python, use_ucx_
 
 import devipc.p2p as p2p
 from devipc import InvalidHandleError, PeerGoneError, UnsupportedDeviceError
-from devipc._errors import RemoteTensorFreedError, TransferSizeError
+from devipc._core._errors import RemoteTensorFreedError, TransferSizeError
 
 NIXL = nixl_missing()
 needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})")
@@ -122,7 +122,7 @@ def test_a_large_transfer_ends_when_the_watcher_does_not_run(owner, monkeypatch,
     """A transfer of WATCHED_FROM bytes or more is polled by the watcher thread; when that does
     not run (stopped at interpreter exit, say a last pull in an atexit handler, or its thread
     failed to start), its waiter polls it itself instead of waiting forever."""
-    from devipc import _background
+    from devipc._core import _background
     from devipc.p2p import _nixl
 
     idle = _background.Background("devipc-test-watcher", _nixl._watch_round, share=None)

@@ -9,8 +9,8 @@ from _support import open_fds, shm_entries, wait_until
 
 import devipc
 import devipc.p2p as p2p
-from devipc import _lifeline
-from devipc._lifeline import TID_MASK
+from devipc._core import _lifeline
+from devipc._core._lifeline import TID_MASK
 from devipc.p2p._descriptor import Descriptor
 from devipc.p2p._registry import PAGE_LIFELINE, registry
 

@@ -10,6 +10,7 @@ producer), refused handles, DataLoader workers, typed handles and buckets, devip
 optional hooks the device has. It prints one row per check (passed, failed with how, skipped with
 why) and exits non-zero when one failed. Every process it starts runs the `--hooks-module`s
 first, so hooks registered by a user module are the ones tested everywhere.
+It is a user of devipc's public faces (`devipc`, `hooks`, `p2p`), never of their private modules.
 """
 from . import (  # noqa: F401  (importing a module of checks adds them to CHECKS)
     _contract,

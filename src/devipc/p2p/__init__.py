@@ -10,12 +10,13 @@ and writes between processes through it.
         xfer.post().wait()                      # ... posted many times
 
 The core never imports this package; `import devipc.p2p` to use it. Its errors are devipc's
-(`devipc._errors`), named here too.
+(`devipc._core._errors`), named here too.
+Inside devipc it builds on the sharing core (`_core`) alone.
 """
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
-from .._errors import (
+from .._core._errors import (
     DevIpcError,
     InvalidHandleError,
     NotRegisteredError,
@@ -33,7 +34,7 @@ from ._transport import Link, Transport
 if TYPE_CHECKING:
     import torch
 
-    from .._memory import TensorOrStorage
+    from .._core._memory import TensorOrStorage
 
 __all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "Link",
            "NotRegisteredError", "PeerGoneError", "PreparedTransfer", "Registration",
@@ -49,7 +50,7 @@ def create_tensor(shape: int | Iterable[int], dtype: "torch.dtype",
     fd-backed shared memory, so peers map them without a copy."""
     import torch
 
-    from .._memory import untyped
+    from .._core._memory import untyped
 
     device = torch.device(device)
     shape = tuple(shape) if not isinstance(shape, int) else (shape,)

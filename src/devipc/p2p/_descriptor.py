@@ -1,4 +1,4 @@
-"""Endpoint metadata and remote descriptors as devipc wire bytes (`devipc._wire`), validated
+"""Endpoint metadata and remote descriptors as devipc wire bytes (`devipc._core._wire`), validated
 field by field: they come from other processes, and anything malformed is InvalidHandleError.
 
     P2P_METADATA   = transport name | host | pid | registry page handle | transport metadata
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .. import _wire
-from .._errors import InvalidHandleError, TransferSizeError
-from .._memfd import HANDLE_SIZE, handle_pid, host_identity
-from .._refcount import SLOTS_PER_FILE
+from .._core import _wire
+from .._core._errors import InvalidHandleError, TransferSizeError
+from .._core._memfd import HANDLE_SIZE, handle_pid, host_identity
+from .._core._refcount import SLOTS_PER_FILE
 from ._registry import PAGE_SLOTS
 
 __all__ = ["CPU", "DEVICE", "NONE", "Descriptor", "Metadata", "check_name", "host_identity"]

@@ -16,9 +16,9 @@ from typing import cast
 
 import torch
 
-from .. import _wire
-from .._errors import InvalidHandleError, TransferSizeError
-from .._handles import identity_of
+from .._core import _wire
+from .._core._errors import InvalidHandleError, TransferSizeError
+from .._core._handles import identity_of
 from . import _transport
 from ._descriptor import NONE, Descriptor, Metadata, check_name, host_identity
 from ._registry import Registration, registry

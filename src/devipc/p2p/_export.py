@@ -1,8 +1,9 @@
 """Owner side: what a registration exports so that same-host peers can map it, made once, at
 its first advertisement, and undone when the registration ends.
 
-A device storage is exported through one devipc send, the anchor (`devipc._sharing.share_device`):
-from then on devipc holds its memory until the storage dies *and* every slot taken for it ended.
+A device storage is exported through one devipc send, the anchor
+(`devipc._core._sharing.share_device`): from then on devipc holds its memory until the storage
+dies *and* every slot taken for it ended.
 The anchor itself is taken back at once (the storage keeps the export alive while it lives); what
 stays is its ref-counter file and the export's number in it. A peer takes a slot of its own in
 that file for that export (the core's forwarding path), so the owner's code never runs for it,
@@ -15,10 +16,10 @@ import weakref
 
 import torch
 
-from .. import _sharing
-from .._devices import synchronize
-from .._errors import ReshareError
-from .._hooks import hooks_for
+from .._core import _sharing
+from .._core._devices import synchronize
+from .._core._errors import ReshareError
+from .._core._hooks import hooks_for
 from ._registry import Registration
 
 __all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]

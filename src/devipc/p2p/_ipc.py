@@ -21,12 +21,12 @@ from typing import NamedTuple, TypeVar, cast
 
 import torch
 
-from .._copies import copy_table
-from .._devices import accelerator_index, accelerator_streams
-from .._errors import NotRegisteredError, TransferSizeError, UnsupportedDeviceError
-from .._hooks import hooks_for
-from .._host import host_addressable
-from .._sharing import wait_for_producer
+from .._core._copies import copy_table
+from .._core._devices import accelerator_index, accelerator_streams
+from .._core._errors import NotRegisteredError, TransferSizeError, UnsupportedDeviceError
+from .._core._hooks import hooks_for
+from .._core._host import host_addressable
+from .._core._sharing import wait_for_producer
 from ._descriptor import CPU, DEVICE, Descriptor, Metadata, host_identity
 from ._export import CpuExport, DeviceExport, export_of, order_for_peers
 from ._registry import Registration

@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from .. import _wire
-from .._background import Background
-from .._backoff import Backoff
-from .._devices import synchronize
-from .._errors import (
+from .._core import _wire
+from .._core._background import Background
+from .._core._backoff import Backoff
+from .._core._devices import synchronize
+from .._core._errors import (
     DevIpcError,
     InvalidHandleError,
     PeerGoneError,
@@ -62,7 +62,7 @@ from .._errors import (
     TransferSizeError,
     UnsupportedDeviceError,
 )
-from .._hooks import get_ipc_hooks
+from .._core._hooks import get_ipc_hooks
 from ._descriptor import Descriptor, Metadata
 from ._nixl_wire import KINDS, Remote, agent_metadata_from_bytes, agent_metadata_to_bytes
 from ._registry import PAGE_BYTES, Registration, registry, word_offset

@@ -8,8 +8,8 @@ import hmac
 import struct
 from dataclasses import dataclass
 
-from .. import _wire
-from .._errors import InvalidHandleError
+from .._core import _wire
+from .._core._errors import InvalidHandleError
 from ._registry import PAGE_SLOTS
 
 __all__ = ["KINDS", "Remote", "agent_metadata_from_bytes", "agent_metadata_to_bytes", "sealed",

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from .. import _lifeline, _sharing
-from .._errors import DevIpcError, NotRegisteredError
-from .._hooks import hooks_for
-from .._memfd import SharedFile, WordTable
-from .._memory import TensorOrStorage, untyped
+from .._core import _lifeline, _sharing
+from .._core._errors import DevIpcError, NotRegisteredError
+from .._core._hooks import hooks_for
+from .._core._memfd import SharedFile, WordTable
+from .._core._memory import TensorOrStorage, untyped
 
 __all__ = ["PAGE_BYTES", "PAGE_LIFELINE", "PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry",
            "registry", "word_offset"]

@@ -19,18 +19,13 @@ from typing import cast
 
 import torch
 
-from .. import _sharing
-from .._errors import (
-    DevIpcError,
-    InvalidHandleError,
-    PeerGoneError,
-    RemoteTensorFreedError,
-)
-from .._hooks import hooks_for
-from .._host import host_addressable, map_shared_file
-from .._lifeline import TID_MASK as LIFELINE_TID
-from .._memfd import MappedFile, open_shared_file, pid_alive
-from .._refcount import open_counter_file
+from .._core import _sharing
+from .._core._errors import DevIpcError, InvalidHandleError, PeerGoneError, RemoteTensorFreedError
+from .._core._hooks import hooks_for
+from .._core._host import host_addressable, map_shared_file
+from .._core._lifeline import TID_MASK as LIFELINE_TID
+from .._core._memfd import MappedFile, open_shared_file, pid_alive
+from .._core._refcount import open_counter_file
 from ._descriptor import DEVICE, Descriptor, Metadata
 from ._registry import PAGE_BYTES, PAGE_LIFELINE, PAGE_MAGIC, PAGE_SLOTS, word_offset
 

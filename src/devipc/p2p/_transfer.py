@@ -9,9 +9,9 @@ from typing import Protocol
 
 import torch
 
-from .._backoff import Backoff
-from .._devices import current_stream
-from .._sharing import keep_until_done
+from .._core._backoff import Backoff
+from .._core._devices import current_stream
+from .._core._sharing import keep_until_done
 
 __all__ = ["DONE", "Transfer", "run_on_host"]
 

@@ -12,6 +12,7 @@ CPU tensors) between actors, zero-copy on one host and by one-sided NIXL reads a
 
 An optional extra (`pip install 'devipc[ray]'`); the core never imports it. docs/ray.md says
 what each path does, and what the lifetimes are.
+Inside devipc it builds on `_core`, `_weights` and `p2p`.
 """
 try:
     import ray  # noqa: F401
@@ -21,7 +22,7 @@ except ImportError as error:  # pragma: no cover - the extra is installed where 
 
 import torch
 
-from .._hooks import sharing_device_types
+from .._core._hooks import sharing_device_types
 from .._public import name_as_public
 from ._transport import READERS, DevipcNetworkTransport, DevipcTransport
 

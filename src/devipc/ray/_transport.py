@@ -29,12 +29,12 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
-from .. import _handles
-from .._copies import copy_pairs
-from .._errors import DevIpcError, PeerGoneError, SpentHandleError, UnsupportedDeviceError
-from .._host import HostSend, share_host
-from .._memfd import host_identity
-from .._table import Table
+from .._core import _handles
+from .._core._copies import copy_pairs
+from .._core._errors import DevIpcError, PeerGoneError, SpentHandleError, UnsupportedDeviceError
+from .._core._host import HostSend, share_host
+from .._core._memfd import host_identity
+from .._core._table import Table
 
 __all__ = ["READERS", "DevipcMetadata", "DevipcNetworkTransport", "DevipcTransport"]
 

@@ -15,6 +15,7 @@ An optional extra (`pip install 'devipc[vllm]'`); the core never imports it. Imp
 registers the backend; vLLM imports it in each of its processes through the
 `vllm.general_plugins` entry point (`register`).
 docs/vllm.md says what is checked before a generation touches the model, and what is not atomic.
+Inside devipc it builds on `_core` and the weight publisher (`_weights`).
 """
 from functools import partial
 

@@ -25,8 +25,8 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from .._errors import ChecksumError, DevIpcError, PeerGoneError
-from .._publisher import WeightSubscriber
+from .._core._errors import ChecksumError, DevIpcError, PeerGoneError
+from .._weights._publisher import WeightSubscriber
 
 BACKEND = "devipc"
 

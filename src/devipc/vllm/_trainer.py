@@ -20,8 +20,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from .._errors import AckTimeoutError, ConsumerDiedError
-from .._publisher import WeightPublisher
+from .._core._errors import AckTimeoutError, ConsumerDiedError
+from .._weights._publisher import WeightPublisher
 from ._engine import BACKEND, DevipcInitInfo, DevipcUpdateInfo, manifest_of
 
 

@@ -47,12 +47,13 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from . import _wire, p2p
-from ._backoff import SLICE, Backoff, polling
-from ._devices import synchronize
-from ._errors import InvalidHandleError, PeerGoneError
-from ._hooks import sharing_hooks
-from ._memfd import host_identity
+from .. import p2p
+from .._core import _wire
+from .._core._backoff import SLICE, Backoff, polling
+from .._core._devices import synchronize
+from .._core._errors import InvalidHandleError, PeerGoneError
+from .._core._hooks import sharing_hooks
+from .._core._memfd import host_identity
 
 __all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Follower", "Member", "Moved", "Place", "Relay",
            "chain", "chunk_size", "chunks_of", "host_key", "progress_word", "share_key",

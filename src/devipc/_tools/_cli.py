@@ -70,7 +70,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from ._statspage import StatsPageError, find_pages, read_page
+    from .._core._statspage import StatsPageError, find_pages, read_page
 
     pages, failed = {}, 0
     for pid in args.pid or []:
@@ -141,9 +141,9 @@ def _bench_problem(args: argparse.Namespace) -> str:
     asked; "" when nothing."""
     import torch
 
+    from .._core._devices import count_of, present
     from ._bench import ipc
-    from ._devices import count_of, present
-    from ._tools import device_types
+    from ._common import device_types
 
     which = BENCHMARKS if args.which == "all" else (args.which,)
     if args.max_mib is not None:
@@ -178,7 +178,7 @@ def _bench_problem(args: argparse.Namespace) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     from ._bench import common, ipc, p2p, weight_sync
-    from ._tools import device_types
+    from ._common import device_types
 
     if args.plot:  # before a long run, not after it
         try:

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._copies import copy_pairs
-from ._errors import PeerGoneError
+from .._core._copies import copy_pairs
+from .._core._errors import PeerGoneError
+from ._common import Names, copy_into, named_weights, token_reader
 from ._publisher import WeightPublisher
 from ._publisher_local import LocalSubscriber
 from ._shard_layout import Layout, ParamLayout, Slice, layout_of, plan, world_of
-from ._weights import Names, copy_into, named_weights, token_reader
 
 if TYPE_CHECKING:
     from ._remote_subscriber import NixlSubscriber

@@ -30,13 +30,7 @@ from ._errors import (
 from ._exports import LIMBO_WARN_BLOCKS, Exports, Hold
 from ._hooks import IpcHooks, IpcMemHandle, OpenedMemory, hooks_for
 from ._memory import TensorOrStorage, reap_freed, tensor_from_memory, untyped, watched
-from ._received import (
-    IDLE_SECONDS,
-    DeferredReleases,
-    OpenedAllocations,
-    Receipt,
-    ReceivedStorages,
-)
+from ._received import IDLE_SECONDS, DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
 __all__ = ["Hold", "LIMBO_WARN_BLOCKS", "SharedStorage", "check_grad", "empty_storage", "hold",

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .. import p2p
-from .._errors import DevIpcError
-from .._tools import hook_modules, load_modules
+from ... import p2p
+from ..._core._errors import DevIpcError
+from .._common import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
 __all__ = ["BATCH", "LATENCY_ROWS", "LATENCY_SIZES", "METHODS", "batch_offsets", "have_nixl",
@@ -46,7 +46,7 @@ LATENCY_ROWS = ("sync read", "sync write", "prepared post (read)", "NIXL prepare
 def have_nixl(device: str) -> bool:
     """Whether NIXL is installed and takes `device`'s memory as host memory (DRAM), which the
     bare-agent comparison registers."""
-    from ..p2p._nixl import load_nixl, memory_kind
+    from ...p2p._nixl import load_nixl, memory_kind
 
     try:
         load_nixl()
@@ -74,7 +74,7 @@ def _copies(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _new_agent(name: str) -> Any:
-    from ..p2p._nixl import new_agent
+    from ...p2p._nixl import new_agent
 
     return new_agent(name)
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .._tools import hook_modules, load_modules
+from .._common import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
 __all__ = ["METHODS", "SIZES", "dataloader", "measure", "panel", "phase_table", "phases",
@@ -123,8 +123,8 @@ class _ReductionShaped:
     unpickles to 7 without opening anything."""
 
     def __init__(self, tensor: torch.Tensor):
-        from .._reductions import reduce_tensor
-        from .._sharing import revoke
+        from ..._core._reductions import reduce_tensor
+        from ..._core._sharing import revoke
 
         _, args = reduce_tensor(tensor)
         revoke(tensor)  # the send it made is never opened

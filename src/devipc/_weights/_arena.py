@@ -35,13 +35,21 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
-from . import _futex, _handles, _locks, _sharing, _wire
+from .._core import _futex, _handles, _locks, _sharing, _wire
+from .._core._devices import synchronize
+from .._core._errors import ChecksumError, InvalidHandleError, PeerGoneError
+from .._core._hooks import hooks_for
+from .._core._host import HostSend, as_host, host_addressable, not_host_memory, shared_host_storage
+from .._core._memfd import (
+    MappedFile,
+    SharedFile,
+    WordTable,
+    handle_pid,
+    open_shared_file,
+    pid_alive,
+)
+from .._core._table import ALIGNMENT, Table
 from ._checksum import NO_SUM, SUM_WORDS, crc32, pair, published_sum
-from ._devices import synchronize
-from ._errors import ChecksumError, InvalidHandleError, PeerGoneError
-from ._hooks import hooks_for
-from ._host import HostSend, as_host, host_addressable, not_host_memory, shared_host_storage
-from ._memfd import MappedFile, SharedFile, WordTable, handle_pid, open_shared_file, pid_alive
 from ._readers import (
     ARENA_WORDS,
     ATTACHED,
@@ -58,7 +66,6 @@ from ._readers import (
     label,
     unacknowledged,
 )
-from ._table import ALIGNMENT, Table
 
 __all__ = ["Arena", "ArenaReader", "Attachment", "Chunk", "open_arena"]
 

@@ -223,6 +223,11 @@ def _expand(class_name: str, dtype_name: str, size: tuple[int, ...], stride: tup
     return (tensor_cls, size, stride, offset, torch.UntypedStorage, dtype, device, handle, *rest)
 
 
+# Pickles name `_expand` by reference: by the path it had before the layers became folders, which
+# `devipc` keeps as an alias of this module, so a peer of either layout unpickles the other's.
+_expand.__module__ = "devipc._reductions"
+
+
 _CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.parameter.Parameter}
 _CLASS_NAMES = {cls: name for name, cls in _CLASSES.items()}
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values()

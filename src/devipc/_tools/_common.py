@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from ._hooks import get_ipc_hooks
+from .._core._hooks import get_ipc_hooks
 
 __all__ = ["device_types", "hook_modules", "load_modules", "optional"]
 

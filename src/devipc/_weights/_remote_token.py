@@ -25,12 +25,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import p2p
+from .. import p2p
+from .._core._table import Table
 from ._checksum import SUM_WORDS, blocks
+from ._common import token_reader, token_writer
 from ._readers import MAX_READERS
 from ._relay import CARD_BYTES
-from ._table import Table
-from ._weights import token_reader, token_writer
 
 __all__ = ["ACK", "BEAT", "CARDS_BYTES", "CLAIMED", "CONTROL_WORDS", "FIELDS", "FILLING",
            "HEADER", "HEARTBEAT", "HOST", "LEADER", "LIVENESS", "PID", "PUBLISHED", "SERIAL",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._host import host_addressable
+from .._core._host import host_addressable
 
 __all__ = ["NO_SUM", "SUM_WORDS", "block_crc32s", "block_size", "blocks", "crc32", "pair",
            "published_sum"]

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .. import _handles, _sharing
-from .._arena import Arena, ArenaReader, open_arena
-from .._state_dict import open_state_dict, share_state_dict
-from .._tools import hook_modules, load_modules
+from ..._core import _handles, _sharing
+from ..._core._state_dict import open_state_dict, share_state_dict
+from ..._weights._arena import Arena, ArenaReader, open_arena
+from .._common import hook_modules, load_modules
 from .common import Panel, Progress, markdown
 
 __all__ = ["LABELS", "MODES", "measure", "panel", "table", "transformer_shapes"]

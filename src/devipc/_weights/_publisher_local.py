@@ -20,11 +20,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import _handles
+from .._core import _handles
+from .._core._table import Table
 from ._arena import Arena, ArenaReader, Attachment
-from ._readers import PUBLISHER_WORDS
-from ._table import Table
-from ._weights import (
+from ._common import (
     ACK_TIMEOUT,
     ATTACH_TIMEOUT,
     InPlace,
@@ -33,6 +32,7 @@ from ._weights import (
     token_reader,
     token_writer,
 )
+from ._readers import PUBLISHER_WORDS
 
 __all__ = ["LocalPublisher", "LocalSubscriber", "LocalToken"]
 

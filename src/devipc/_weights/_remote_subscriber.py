@@ -23,18 +23,23 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from . import _relay, _remote_token, p2p
-from ._arena import Calls, counted
-from ._backoff import SLICE, polling
-from ._checksum import block_size, crc32, pair, published_sum
-from ._devices import synchronize
-from ._errors import (
+from .. import p2p
+from .._core._backoff import SLICE, polling
+from .._core._devices import synchronize
+from .._core._errors import (
     ChecksumError,
     DevIpcError,
     InvalidHandleError,
     PeerGoneError,
     RemoteTensorFreedError,
 )
+from .._core._table import Table
+from ..p2p._descriptor import Descriptor, Metadata
+from ..p2p._nixl_wire import Remote, agent_metadata_from_bytes
+from . import _relay, _remote_token
+from ._arena import Calls, counted
+from ._checksum import block_size, crc32, pair, published_sum
+from ._common import engine_device
 from ._readers import ATTACHED, CLOSED, MAX_READERS, PENDING
 from ._relay import CARD_BYTES, Follower, Moved, Relay, chunks_of, host_key, share_key, written
 from ._remote_token import (
@@ -53,10 +58,6 @@ from ._remote_token import (
     let_go,
 )
 from ._shard_layout import byte_runs
-from ._table import Table
-from ._weights import engine_device
-from .p2p._descriptor import Descriptor, Metadata
-from .p2p._nixl_wire import Remote, agent_metadata_from_bytes
 
 __all__ = ["NixlSubscriber"]
 

@@ -6,7 +6,7 @@ import enum
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ._errors import AckTimeoutError, ConsumerDiedError
+from .._core._errors import AckTimeoutError, ConsumerDiedError
 
 __all__ = ["ARENA_WORDS", "ATTACHED", "CLOSED", "FREE", "GONE", "MAX_READERS", "PENDING",
            "PUBLISHER_WORDS", "ReaderState", "Records", "Words", "acks_timeout", "attach_timeout",

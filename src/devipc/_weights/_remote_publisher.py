@@ -29,13 +29,17 @@ from typing import NamedTuple
 
 import torch
 
-from . import _handles, _remote_token, p2p
+from .. import p2p
+from .._core import _handles
+from .._core._backoff import Backoff
+from .._core._devices import synchronize
+from .._core._errors import NotRegisteredError
+from .._core._host import share_host, shared_host_storage
+from .._core._table import ALIGNMENT, Table
+from . import _remote_token
 from ._arena import Calls, counted
-from ._backoff import Backoff
 from ._checksum import NO_SUM, block_crc32s, crc32, pair
-from ._devices import synchronize
-from ._errors import NotRegisteredError
-from ._host import share_host, shared_host_storage
+from ._common import ACK_TIMEOUT, ATTACH_TIMEOUT, InPlace, fill, named_weights
 from ._readers import (
     ATTACHED,
     CLOSED,
@@ -77,8 +81,6 @@ from ._remote_token import (
     let_go,
     word,
 )
-from ._table import ALIGNMENT, Table
-from ._weights import ACK_TIMEOUT, ATTACH_TIMEOUT, InPlace, fill, named_weights
 
 __all__ = ["NixlPublisher"]
 

@@ -20,10 +20,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from ._backoff import polling
-from ._errors import AckTimeoutError, ConsumerDiedError
+from .._core._backoff import polling
+from .._core._errors import AckTimeoutError, ConsumerDiedError
+from ._common import ATTACH_TIMEOUT, Names, copy_into, token_reader
 from ._publisher_local import LocalPublisher, LocalSubscriber
-from ._weights import ATTACH_TIMEOUT, Names, copy_into, token_reader
 
 __all__ = ["WeightPublisher", "WeightSubscriber"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._tools import optional
+from .._common import optional
 
 __all__ = ["Panel", "Piped", "Progress", "human", "markdown", "plot", "replace_section",
            "require_plotting"]

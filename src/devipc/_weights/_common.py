@@ -8,11 +8,11 @@ from operator import attrgetter
 
 import torch
 
-from . import _handles, _wire
-from ._copies import copy_pairs
-from ._devices import count_of, present
-from ._errors import InvalidHandleError
-from ._table import Table
+from .._core import _handles, _wire
+from .._core._copies import copy_pairs
+from .._core._devices import count_of, present
+from .._core._errors import InvalidHandleError
+from .._core._table import Table
 
 __all__ = ["ACK_TIMEOUT", "ATTACH_TIMEOUT", "TRANSPORTS", "InPlace", "Names", "copy_into",
            "engine_device", "fill", "named_weights", "pack_module", "token_reader",

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from . import p2p
-from ._devices import synchronize
-from ._errors import DevIpcError
-from ._hooks import device_supports_ipc, get_ipc_hooks
-from ._memfd import HANDLE_SIZE, SharedFile, handle_pid, open_shared_file
-from ._reductions import installed
-from ._statspage import StatsPageError, find_pages, read_page
-from ._tools import device_types, hook_modules, load_modules
+from .. import p2p
+from .._core._devices import synchronize
+from .._core._errors import DevIpcError
+from .._core._hooks import device_supports_ipc, get_ipc_hooks
+from .._core._memfd import HANDLE_SIZE, SharedFile, handle_pid, open_shared_file
+from .._core._reductions import installed
+from .._core._statspage import StatsPageError, find_pages, read_page
+from ._common import device_types, hook_modules, load_modules
 
 __all__ = ["doctor", "serve"]
 

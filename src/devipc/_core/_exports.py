@@ -29,15 +29,7 @@ import torch
 
 from ._hooks import hooks_for
 from ._memory import aliasing_storage, lives, reap_freed, storage_key
-from ._refcount import (
-    HELD,
-    RELEASED,
-    REVOKED,
-    SENT,
-    SLOTS_PER_FILE,
-    ProducerCounters,
-    ProducerFile,
-)
+from ._refcount import HELD, RELEASED, REVOKED, SENT, SLOTS_PER_FILE, ProducerCounters, ProducerFile
 
 LIMBO_WARN_BLOCKS = 1_000
 NEWEST = 8  # exports whose slots a new send looks at (`_end_newest`): a pipeline's depth
