@@ -5,6 +5,7 @@ Each case runs `--repeats` times per device after a warm-up, the devices alterna
 stops after torch.openreg.synchronize(). Prints a markdown table: case, CPU ms, openreg ms, ratio.
 Usage: python benchmarks/device_ops.py [--repeats N] [--cases name,...] [--threads N]
 """
+
 import argparse
 import statistics
 import sys
@@ -23,9 +24,13 @@ def _mlp_step(model, optimizer, x, y):
 
 def _mlp(device):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 10)).to(device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    ).to(device)
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
@@ -50,17 +55,23 @@ def cases():
         "max dim 4096x4096": ((big,), lambda a: a.max(dim=1).values),
         "b[idx] 3 rows of 4096x4096": ((big, rows), lambda a, i: a[i]),
         "index_select 3 rows": ((big, rows), lambda a, i: a.index_select(0, i)),
-        "gather 4096x3": ((big, torch.randint(0, 4096, (4096, 3), generator=g)),
-                          lambda a, i: a.gather(1, i)),
-        "embedding 50k x 1024, 64 ids": ((randn(50_000, 1024),
-                                          torch.randint(0, 50_000, (64,), generator=g)),
-                                         lambda w, i: torch.nn.functional.embedding(i, w)),
+        "gather 4096x3": (
+            (big, torch.randint(0, 4096, (4096, 3), generator=g)),
+            lambda a, i: a.gather(1, i),
+        ),
+        "embedding 50k x 1024, 64 ids": (
+            (randn(50_000, 1024), torch.randint(0, 50_000, (64,), generator=g)),
+            lambda w, i: torch.nn.functional.embedding(i, w),
+        ),
         "x[:, ::2].contiguous() 4096x4096": ((big,), lambda a: a[:, ::2].contiguous()),
-        "conv2d 8x64x56x56, 3x3": ((randn(8, 64, 56, 56), randn(64, 64, 3, 3)),
-                                   lambda x, w: torch.nn.functional.conv2d(x, w, padding=1)),
-        "MLP step 784-512-512-10, batch 256": ((randn(256, 784),
-                                                torch.randint(0, 10, (256,), generator=g)),
-                                               None),
+        "conv2d 8x64x56x56, 3x3": (
+            (randn(8, 64, 56, 56), randn(64, 64, 3, 3)),
+            lambda x, w: torch.nn.functional.conv2d(x, w, padding=1),
+        ),
+        "MLP step 784-512-512-10, batch 256": (
+            (randn(256, 784), torch.randint(0, 10, (256,), generator=g)),
+            None,
+        ),
     }
 
 
@@ -91,9 +102,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per case and device")
     parser.add_argument("--cases", default="", help="comma-separated name prefixes (default: all)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a shared machine, a kernel's helper "
-                             "threads may wait for a core; 0: torch's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared machine, a kernel's helper "
+        "threads may wait for a core; 0: torch's default)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,8 +121,10 @@ def main():
         cpu, dev = run_case(inputs, op, args.repeats)
         print(f"    cpu {cpu:.3f} ms, openreg {dev:.3f} ms", file=sys.stderr, flush=True)
         rows.append((name, cpu, dev))
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} runs\n")
+    print(
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats} runs\n"
+    )
     print("| case | CPU ms | openreg ms | ratio |")
     print("|---|---:|---:|---:|")
     for name, cpu, dev in rows:

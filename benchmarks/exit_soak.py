@@ -13,6 +13,7 @@ of it (its exit code 0). Reports every run's exit time.
 
 Usage: python benchmarks/exit_soak.py [--runs 100] [--limit 5]
 """
+
 import argparse
 import json
 import os
@@ -33,7 +34,9 @@ import torch, devipc, devipc_openreg
 import devipc.p2p as p2p
 """
 
-LIVE = PRELUDE + """
+LIVE = (
+    PRELUDE
+    + """
 arena = devipc.Arena(4096, "openreg")
 reader = devipc.open_arena(arena.attach())
 chunk = reader.read(arena.put({"a": torch.ones(4, device="openreg")}))
@@ -60,8 +63,11 @@ bucket = devipc.share_tensors({"w": torch.ones(8, device="openreg")})
 received = devipc.open(devipc.share(torch.ones(8, device="openreg")))
 print("END", flush=True)
 """
+)
 
-IDLE = PRELUDE + """
+IDLE = (
+    PRELUDE
+    + """
 SENT = torch.ones(1024, device="openreg")
 devipc.share(SENT).revoke()
 deadline = time.monotonic() + 10
@@ -69,13 +75,17 @@ while devipc.stats()["sent"] and time.monotonic() < deadline:
     time.sleep(0.01)  # the collector's rounds end the revoked send by themselves
 print("END" if not devipc.stats()["sent"] else "BUSY", flush=True)
 """
+)
 
-CONSUMER = PRELUDE + """
+CONSUMER = (
+    PRELUDE
+    + """
 reader = devipc.open_arena(bytes.fromhex(sys.argv[1]))
 chunk = reader.read(bytes.fromhex(sys.stdin.readline().strip()))
 assert chunk.tensors["a"].sum().item() == 4
 print("END", flush=True)
 """
+)
 
 
 def one_run(mode: str, arena: devipc.Arena, limit: float) -> dict:
@@ -84,8 +94,14 @@ def one_run(mode: str, arena: devipc.Arena, limit: float) -> dict:
     if mode == "consumer":
         args.append(arena.attach().hex())
     started = time.monotonic()
-    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     try:
         if mode == "consumer":
             chunk = {"a": torch.ones(4, device="openreg")}
@@ -106,8 +122,13 @@ def one_run(mode: str, arena: devipc.Arena, limit: float) -> dict:
         exit_s = time.monotonic() - ended
         ok = line == "END" and proc.returncode == 0
         why = "" if ok else f"{line!r}, exit {proc.returncode}: {proc.stderr.read()[-600:]}"
-        return {"mode": mode, "ok": ok, "exit_s": round(exit_s, 3),
-                "total_s": round(time.monotonic() - started, 2), "why": why}
+        return {
+            "mode": mode,
+            "ok": ok,
+            "exit_s": round(exit_s, 3),
+            "total_s": round(time.monotonic() - started, 2),
+            "why": why,
+        }
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -122,10 +143,14 @@ def run(runs: int, limit: float = 5.0) -> dict:
         for i in range(runs):
             results.append(one_run(MODES[i % len(MODES)], arena, limit))
     exits = sorted(r["exit_s"] for r in results if "exit_s" in r)
-    return {"runs": runs, "passed": sum(r["ok"] for r in results), "limit_s": limit,
-            "exit_s_median": exits[len(exits) // 2] if exits else None,
-            "exit_s_max": exits[-1] if exits else None,
-            "failures": [r for r in results if not r["ok"]][:5]}
+    return {
+        "runs": runs,
+        "passed": sum(r["ok"] for r in results),
+        "limit_s": limit,
+        "exit_s_median": exits[len(exits) // 2] if exits else None,
+        "exit_s_max": exits[-1] if exits else None,
+        "failures": [r for r in results if not r["ok"]][:5],
+    }
 
 
 def main() -> int:

@@ -18,6 +18,7 @@ bytes are checked (CRC-32) on the last generation of each setting.
 Usage: python benchmarks/fleet_relay.py [--mib 64] [--mbit 200] [--generations 2]
        [--smoke] [--no-doc]
 """
+
 import argparse
 import contextlib
 import os
@@ -84,15 +85,43 @@ class Cluster:
                 ns = self.ns(name)
                 self._netns(ns)
                 outer = f"{self.prefix}{name}"[-15:]  # the bridge's end, in the switch
-                sh("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name",
-                   outer, "netns", switch)
+                sh(
+                    "ip",
+                    "link",
+                    "add",
+                    "eth0",
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    outer,
+                    "netns",
+                    switch,
+                )
                 sh("ip", "-n", switch, "link", "set", outer, "master", "br0", "up")
                 sh("ip", "-n", ns, "addr", "add", f"{NET}.{number}/24", "dev", "eth0")
                 sh("ip", "-n", ns, "link", "set", "eth0", "up")
                 sh("ip", "-n", ns, "link", "set", "lo", "up")
                 for where, dev in ((ns, "eth0"), (switch, outer)):  # both ways
-                    sh("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                       f"{self.mbit}mbit", "burst", "256kb", "latency", "100ms")
+                    sh(
+                        "tc",
+                        "-n",
+                        where,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{self.mbit}mbit",
+                        "burst",
+                        "256kb",
+                        "latency",
+                        "100ms",
+                    )
             return self
         except BaseException:
             self.__exit__()
@@ -120,8 +149,14 @@ class Cluster:
 
     def _counter(self, name: str, which: str) -> int:
         outer = f"{self.prefix}{name}"[-15:]
-        out = sh("ip", "netns", "exec", self.ns("sw"), "cat",
-                 f"/sys/class/net/{outer}/statistics/{which}").stdout
+        out = sh(
+            "ip",
+            "netns",
+            "exec",
+            self.ns("sw"),
+            "cat",
+            f"/sys/class/net/{outer}/statistics/{which}",
+        ).stdout
         return int(out)
 
 
@@ -129,11 +164,23 @@ class Process(Piped):
     """This script in another role, in a namespace, driven through two pipes."""
 
     def __init__(self, cluster: Cluster, host: str, role: str):
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
-               "OMP_NUM_THREADS": "1"}
-        super().__init__(["ip", "netns", "exec", cluster.ns(host), sys.executable,
-                          os.path.abspath(__file__), "--role", role, "--fds"],
-                         host, TIMEOUT, env)
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "OMP_NUM_THREADS": "1"}
+        super().__init__(
+            [
+                "ip",
+                "netns",
+                "exec",
+                cluster.ns(host),
+                sys.executable,
+                os.path.abspath(__file__),
+                "--role",
+                role,
+                "--fds",
+            ],
+            host,
+            TIMEOUT,
+            env,
+        )
         self.host = host
 
 
@@ -238,17 +285,25 @@ def run_setting(cluster, pool, trainer_proc, placement, relay, nbytes, generatio
     for proc in engines:
         assert proc.ask("close") == "closed"
     trainer_proc.ask("close")
-    carried = {name: ((after[name][0] - before[name][0]) / (generations * nbytes),
-                      (after[name][1] - before[name][1]) / (generations * nbytes))
-               for name in after}
-    return {"seconds": statistics.median(seconds), "exact": all(a[0] for a in answers),
-            "trainer": carried["t"][0],
-            "host_in": max(carried[h][1] for h in hosts),
-            "host_out": max(carried[h][0] for h in hosts), "counts": [a[1] for a in answers],
-            "copies": pulled / ((generations + 2) * nbytes),
-            "busy": 1 - idle[0] / idle[1],
-            # seconds from each publish until each engine held the generation
-            "arrivals": [[t - s for t, s in zip(a[2], starts)] for a in timed]}
+    carried = {
+        name: (
+            (after[name][0] - before[name][0]) / (generations * nbytes),
+            (after[name][1] - before[name][1]) / (generations * nbytes),
+        )
+        for name in after
+    }
+    return {
+        "seconds": statistics.median(seconds),
+        "exact": all(a[0] for a in answers),
+        "trainer": carried["t"][0],
+        "host_in": max(carried[h][1] for h in hosts),
+        "host_out": max(carried[h][0] for h in hosts),
+        "counts": [a[1] for a in answers],
+        "copies": pulled / ((generations + 2) * nbytes),
+        "busy": 1 - idle[0] / idle[1],
+        # seconds from each publish until each engine held the generation
+        "arrivals": [[t - s for t, s in zip(a[2], starts)] for a in timed],
+    }
 
 
 def _idle() -> tuple[int, int]:
@@ -263,8 +318,11 @@ def main():
     parser.add_argument("--mib", type=int, default=64, help="a generation's size (MiB)")
     parser.add_argument("--mbit", type=int, default=200, help="each link's rate, each way")
     parser.add_argument("--generations", type=int, default=2, help="timed, per setting")
-    parser.add_argument("--smoke", action="store_true",
-                        help="2 hosts x 2 engines, 4 MiB, both ways: bytes checked, no figures")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 hosts x 2 engines, 4 MiB, both ways: bytes checked, no figures",
+    )
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     parser.add_argument("--role", choices=("trainer", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--fds", type=int, nargs=2, help=argparse.SUPPRESS)
@@ -274,14 +332,17 @@ def main():
         (trainer if args.role == "trainer" else engine)(commands, replies)
         return
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        sys.exit("fleet_relay.py needs root, ip and tc (iproute2): it emulates hosts with "
-                 "network namespaces")
+        sys.exit(
+            "fleet_relay.py needs root, ip and tc (iproute2): it emulates hosts with "
+            "network namespaces"
+        )
     if args.smoke:
         settings = [("2 hosts x 2", ["h1", "h1", "h2", "h2"])]
         args.mib, args.generations, args.no_doc = 4, 2, True
     else:
-        settings = [(f"{k} on {k} hosts", [f"h{i}" for i in range(1, k + 1)])
-                    for k in (1, 2, 4, 8)] + [("2 hosts x 4", ["h1"] * 4 + ["h2"] * 4)]
+        settings = [
+            (f"{k} on {k} hosts", [f"h{i}" for i in range(1, k + 1)]) for k in (1, 2, 4, 8)
+        ] + [("2 hosts x 4", ["h1"] * 4 + ["h2"] * 4)]
     nbytes = args.mib << 20
     hosts = max(int(h[1:]) for _, placement in settings for h in placement)
     started = time.perf_counter()
@@ -293,9 +354,9 @@ def main():
             for relay in (True, False):
                 for label, placement in settings:
                     note(f"{'relay' if relay else 'one-hop'}: {label}")
-                    results[(relay, label)] = run_setting(cluster, pool, trainer_proc,
-                                                          placement, relay, nbytes,
-                                                          args.generations)
+                    results[(relay, label)] = run_setting(
+                        cluster, pool, trainer_proc, placement, relay, nbytes, args.generations
+                    )
         finally:
             for proc in [trainer_proc, *pool.values()]:
                 proc.stop()
@@ -303,53 +364,63 @@ def main():
     if wrong:
         sys.exit(f"engines held other bytes than published: {wrong}")
     if args.smoke:
-        print(f"every engine's bytes exact in {len(results)} settings "
-              f"({time.perf_counter() - started:.0f} s)")
+        print(
+            f"every engine's bytes exact in {len(results)} settings "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
         return
     text = table(results, settings, nbytes, args)
     print(text)
     note(f"done in {time.perf_counter() - started:.0f} s")
     if not args.no_doc:
         command = "python benchmarks/fleet_relay.py" + "".join(
-            f" {a}" for a in sys.argv[1:] if a != "--no-doc")
-        replace_section(DOC, SECTION,
-                        f"{ABOUT}\n\n`sudo {command}`, one run:\n\n{text}\n")
+            f" {a}" for a in sys.argv[1:] if a != "--no-doc"
+        )
+        replace_section(DOC, SECTION, f"{ABOUT}\n\n`sudo {command}`, one run:\n\n{text}\n")
 
 
 def table(results, settings, nbytes, args) -> str:
     rate = args.mbit * 1e6 / 8
-    lines = [f"A generation of {args.mib} MiB, links of {args.mbit} Mbit/s each way, "
-             f"median of {args.generations} generations per setting.", "",
-             "| way | engines | s / generation | T(K)/T(1) | goodput MB/s | of link rate "
-             "| trainer link carried | busiest host link in / out | copies | machine busy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"A generation of {args.mib} MiB, links of {args.mbit} Mbit/s each way, "
+        f"median of {args.generations} generations per setting.",
+        "",
+        "| way | engines | s / generation | T(K)/T(1) | goodput MB/s | of link rate "
+        "| trainer link carried | busiest host link in / out | copies | machine busy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for relay in (True, False):
         first = results[(relay, settings[0][0])]["seconds"]
         for label, _ in settings:
             found = results[(relay, label)]
             goodput = nbytes / found["seconds"]
             copies = f"{found['copies']:.2f}" if relay else "-"  # one-hop: one per engine
-            lines.append(f"| {'relay' if relay else 'one-hop'} | {label} | "
-                         f"{found['seconds']:.2f} | {found['seconds'] / first:.2f} | "
-                         f"{goodput / 1e6:.1f} | {goodput / rate:.0%} | "
-                         f"{found['trainer']:.2f}x | {found['host_in']:.2f}x / "
-                         f"{found['host_out']:.2f}x | {copies} | "
-                         f"{found['busy']:.0%} |")
-    relay_8 = results[(True, "8 on 8 hosts")]["seconds"] / results[(True, "1 on 1 hosts")][
-        "seconds"]
+            lines.append(
+                f"| {'relay' if relay else 'one-hop'} | {label} | "
+                f"{found['seconds']:.2f} | {found['seconds'] / first:.2f} | "
+                f"{goodput / 1e6:.1f} | {goodput / rate:.0%} | "
+                f"{found['trainer']:.2f}x | {found['host_in']:.2f}x / "
+                f"{found['host_out']:.2f}x | {copies} | "
+                f"{found['busy']:.0%} |"
+            )
+    relay_8 = (
+        results[(True, "8 on 8 hosts")]["seconds"] / results[(True, "1 on 1 hosts")]["seconds"]
+    )
     two = results[(True, "2 hosts x 4")]
     alone = nbytes / results[(True, "1 on 1 hosts")]["seconds"] / rate
-    lines += ["", f"- T(8 on 8 hosts) <= 1.3 T(1): {'met' if relay_8 <= 1.3 else 'NOT met'} "
-              f"({relay_8:.2f})",
-              f"- 2 hosts x 4: trainer link <= 1.1 times "
-              f"{'met' if two['trainer'] <= 1.1 else 'NOT met'} "
-              f"({two['trainer']:.2f}); each host link in once "
-              f"{'met' if two['host_in'] <= 1.1 else 'NOT met'} ({two['host_in']:.2f}); "
-              f"one copy per host, the other engines mapping it: "
-              f"{'met' if two['copies'] <= 2.05 else 'NOT met'} ({two['copies']:.2f} copies "
-              f"for 8 engines on 2 hosts)",
-              f"- one engine alone >= 85% of the link: {'met' if alone >= 0.85 else 'NOT met'} "
-              f"({alone:.0%})"]
+    lines += [
+        "",
+        f"- T(8 on 8 hosts) <= 1.3 T(1): {'met' if relay_8 <= 1.3 else 'NOT met'} ({relay_8:.2f})",
+        f"- 2 hosts x 4: trainer link <= 1.1 times "
+        f"{'met' if two['trainer'] <= 1.1 else 'NOT met'} "
+        f"({two['trainer']:.2f}); each host link in once "
+        f"{'met' if two['host_in'] <= 1.1 else 'NOT met'} ({two['host_in']:.2f}); "
+        f"one copy per host, the other engines mapping it: "
+        f"{'met' if two['copies'] <= 2.05 else 'NOT met'} ({two['copies']:.2f} copies "
+        f"for 8 engines on 2 hosts)",
+        f"- one engine alone >= 85% of the link: {'met' if alone >= 0.85 else 'NOT met'} "
+        f"({alone:.0%})",
+    ]
     return "\n".join(lines)
 
 

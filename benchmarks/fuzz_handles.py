@@ -19,6 +19,7 @@ runtime then checks only size and device).
 
 Usage: python benchmarks/fuzz_handles.py --mutations 10000 --seed 1 [--modes sync,events]
 """
+
 import argparse
 import faulthandler
 import json
@@ -38,12 +39,28 @@ LINE_TIMEOUT = 5.0  # seconds one mutation (rebuild, then reading the tensor) ma
 START_TIMEOUT = 120.0
 
 # The runtime's 64-byte handle (=IHHiiQiiI16s12x): field -> (offset, struct code)
-RUNTIME_FIELDS = {"magic": (0, "I"), "version": (4, "H"), "kind": (6, "H"), "pid": (8, "i"),
-                  "fd": (12, "i"), "size": (16, "Q"), "physical": (24, "i"), "slot": (28, "i"),
-                  "seq": (32, "I"), "token": (36, "16s"), "zero": (52, "12s")}
+RUNTIME_FIELDS = {
+    "magic": (0, "I"),
+    "version": (4, "H"),
+    "kind": (6, "H"),
+    "pid": (8, "i"),
+    "fd": (12, "i"),
+    "size": (16, "Q"),
+    "physical": (24, "i"),
+    "slot": (28, "i"),
+    "seq": (32, "I"),
+    "token": (36, "16s"),
+    "zero": (52, "12s"),
+}
 # The core's 38-byte counter-file handle (<4sHiiQ16s)
-COUNTER_FIELDS = {"magic": (0, "4s"), "version": (4, "H"), "pid": (6, "i"), "fd": (10, "i"),
-                  "size": (14, "Q"), "token": (22, "16s")}
+COUNTER_FIELDS = {
+    "magic": (0, "4s"),
+    "version": (4, "H"),
+    "pid": (6, "i"),
+    "fd": (10, "i"),
+    "size": (14, "Q"),
+    "token": (22, "16s"),
+}
 # Fields that opening does not check: a changed value may be accepted. A memory handle's slot
 # and seq are unused; an event's physical is unused, and its slot/seq are the record to wait for.
 WIRE_HEADER = {"magic": (0, "4s"), "version": (4, "H"), "kind": (6, "H")}  # devipc._core._wire
@@ -55,8 +72,22 @@ WRONG_TYPES = [None, "x", 1, 1.5, [1], {}, True]
 def _edge_ints(code: str, original: int, rng: random.Random) -> list[int]:
     bits = struct.calcsize("<" + code) * 8
     low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if code.islower() else (0, (1 << bits) - 1)
-    values = [low, high, 0, 1, -1, original + 1, original - 1, original ^ 0x80,
-              rng.randint(low, high), os.getpid(), 1, 2, 4096, 16384]
+    values = [
+        low,
+        high,
+        0,
+        1,
+        -1,
+        original + 1,
+        original - 1,
+        original ^ 0x80,
+        rng.randint(low, high),
+        os.getpid(),
+        1,
+        2,
+        4096,
+        16384,
+    ]
     return [v for v in values if low <= v <= high]
 
 
@@ -68,13 +99,17 @@ def _mutate_bytes(data: bytes, fields: dict, unchecked: set, rng: random.Random)
         offset, code = fields[name]
         size = struct.calcsize("<" + code)
         if code.endswith("s"):
-            choices = [bytes(size), b"\xff" * size, rng.randbytes(size),
-                       bytes([data[offset] ^ 1]) + data[offset + 1:offset + size]]
+            choices = [
+                bytes(size),
+                b"\xff" * size,
+                rng.randbytes(size),
+                bytes([data[offset] ^ 1]) + data[offset + 1 : offset + size],
+            ]
             value = rng.choice(choices)
         else:
             original = struct.unpack_from("=" + code, data, offset)[0]
             value = struct.pack("=" + code, rng.choice(_edge_ints(code, original, rng)))
-        mutated = data[:offset] + value + data[offset + size:]
+        mutated = data[:offset] + value + data[offset + size :]
         return f"{name}", mutated, mutated != data and name not in unchecked
     if style == "flip":
         mutated = bytearray(data)
@@ -83,15 +118,23 @@ def _mutate_bytes(data: bytes, fields: dict, unchecked: set, rng: random.Random)
             i = rng.randrange(len(data))
             mutated[i] ^= rng.randint(1, 255)
             touched.add(i)
-        checked = {i for name, (offset, code) in fields.items() if name not in unchecked
-                   for i in range(offset, offset + struct.calcsize("<" + code))}
+        checked = {
+            i
+            for name, (offset, code) in fields.items()
+            if name not in unchecked
+            for i in range(offset, offset + struct.calcsize("<" + code))
+        }
         mutated = bytes(mutated)
-        reach = {i for name in ("pid", "fd") if name in fields
-                 for i in range(fields[name][0], fields[name][0] + 4)}
+        reach = {
+            i
+            for name in ("pid", "fd")
+            if name in fields
+            for i in range(fields[name][0], fields[name][0] + 4)
+        }
         label = "flip:pid/fd" if touched & checked <= reach else "flip"
         return label, mutated, mutated != data and bool(touched & checked)
     if style == "truncate":
-        cut = data[:rng.randrange(len(data))]
+        cut = data[: rng.randrange(len(data))]
         return "truncate", cut, bool(cut) or not unchecked  # an empty event handle: no event
     if style == "extend":
         return "extend", data + rng.randbytes(rng.randint(1, 64)), True
@@ -103,6 +146,7 @@ def _mutate_bytes(data: bytes, fields: dict, unchecked: set, rng: random.Random)
 def mutate(args: list, event_handle: bytes, rng: random.Random):
     """One mutation of a real send's args: (kind, label, args, must_refuse)."""
     from devipc._core import _wire
+
     kind = rng.choice(["mem", "event", "counter", "slot", "size", "offset", "device", "flag"])
     args = list(args)
     if kind == "mem":
@@ -119,26 +163,77 @@ def mutate(args: list, event_handle: bytes, rng: random.Random):
             refuse = True
     elif kind == "event":
         args[14] = True  # a sync-mode send gets a real event handle to mutate too
-        label, args[13], refuse = _mutate_bytes(event_handle, RUNTIME_FIELDS, UNCHECKED["event"],
-                                                rng)
+        label, args[13], refuse = _mutate_bytes(
+            event_handle, RUNTIME_FIELDS, UNCHECKED["event"], rng
+        )
     elif kind == "counter":
         label, args[11], refuse = _mutate_bytes(args[11], COUNTER_FIELDS, set(), rng)
     elif kind == "slot":
-        value = rng.choice([-1, -(1 << 63), 10_000, 10_001, 1 << 31, 1 << 64, 0, 9_999,
-                            args[12] + 1, None, "1", 1.0, True, [0], bytes(8)])
+        value = rng.choice(
+            [
+                -1,
+                -(1 << 63),
+                10_000,
+                10_001,
+                1 << 31,
+                1 << 64,
+                0,
+                9_999,
+                args[12] + 1,
+                None,
+                "1",
+                1.0,
+                True,
+                [0],
+                bytes(8),
+            ]
+        )
         label, args[12] = f"slot={value!r}"[:24], value
         refuse = not (type(value) is int and 0 <= value < 10_000)
     elif kind in ("size", "offset"):
         index = 8 if kind == "size" else 9
-        value = rng.choice([0, -1, 1, args[index] + 1, args[index] - 1, 1 << 21, (1 << 21) + 1,
-                            1 << 40, 1 << 63, 1 << 64, -(1 << 63), None, 1.0, "8", True])
+        value = rng.choice(
+            [
+                0,
+                -1,
+                1,
+                args[index] + 1,
+                args[index] - 1,
+                1 << 21,
+                (1 << 21) + 1,
+                1 << 40,
+                1 << 63,
+                1 << 64,
+                -(1 << 63),
+                None,
+                1.0,
+                "8",
+                True,
+            ]
+        )
         label, args[index] = f"{kind}={value!r}"[:24], value
-        fits = type(value) is int and (value > 0 if kind == "size" else value >= 0) \
-            and value <= (1 << 21)  # openreg's small-block segments are 2 MiB
+        fits = (
+            type(value) is int
+            and (value > 0 if kind == "size" else value >= 0)
+            and value <= (1 << 21)
+        )  # openreg's small-block segments are 2 MiB
         refuse = not fits
     elif kind == "device":
-        value = rng.choice(["cpu", "cuda", "meta", "openreg:1", "openreg:7", "garbage", None, -1,
-                            1, 3.5, ("openreg", 0)])
+        value = rng.choice(
+            [
+                "cpu",
+                "cuda",
+                "meta",
+                "openreg:1",
+                "openreg:7",
+                "garbage",
+                None,
+                -1,
+                1,
+                3.5,
+                ("openreg", 0),
+            ]
+        )
         label, args[6] = f"device={value!r}", value
         refuse = value not in ("openreg:1", "openreg:7", 1)
     else:
@@ -167,8 +262,10 @@ def worker(path: str) -> None:
             except devipc.DevIpcError:
                 raw = None
         token = raw[36:52] if isinstance(raw, bytes) and len(raw) == 64 else None
-        result = {"n": number, "mapped": any(handle[36:52] == token
-                                             for handle in _sharing._opened._by_handle)}
+        result = {
+            "n": number,
+            "mapped": any(handle[36:52] == token for handle in _sharing._opened._by_handle),
+        }
         try:
             tensor = rebuild(*args)
         except devipc.DevIpcError as error:
@@ -232,8 +329,13 @@ def _run_batch(mutations, report, env, progress):
         with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
             pickle.dump(items, f)
         try:
-            proc = subprocess.Popen([sys.executable, __file__, "--worker", f.name], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--worker", f.name],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             done = _follow(proc, pending, mutations, report, progress)
         finally:
             os.unlink(f.name)
@@ -255,13 +357,19 @@ def _follow(proc, pending, mutations, report, progress) -> set:
                 if line is None:
                     proc.kill()
                     proc.wait(LINE_TIMEOUT)
-                    report.add(mutations[number], "hang",
-                               f"no answer within {timeout} s: {proc.stderr.read()[-1500:]}")
+                    report.add(
+                        mutations[number],
+                        "hang",
+                        f"no answer within {timeout} s: {proc.stderr.read()[-1500:]}",
+                    )
                 else:
                     code = proc.wait(LINE_TIMEOUT)
                     outcome = "crash" if code < 0 else "wrong"
-                    report.add(mutations[number], outcome,
-                               f"worker exit {code}: {proc.stderr.read()[-300:]}")
+                    report.add(
+                        mutations[number],
+                        outcome,
+                        f"worker exit {code}: {proc.stderr.read()[-300:]}",
+                    )
                 done.add(number)
                 progress(1)
                 return done
@@ -271,8 +379,9 @@ def _follow(proc, pending, mutations, report, progress) -> set:
                 continue
             number = next(current)
             assert number == message["n"], (number, message)
-            report.add(mutations[number], message["outcome"], message.get("error", ""),
-                       message["mapped"])
+            report.add(
+                mutations[number], message["outcome"], message.get("error", ""), message["mapped"]
+            )
             done.add(number)
             progress(1)
     finally:
@@ -292,8 +401,7 @@ def _event_handle():
     event = _runtime.event_create(interprocess=True, timing=False)
     try:
         stream = torch.openreg.current_stream()
-        _runtime.event_record(event, _runtime.stream_from_id(stream.device_index,
-                                                             stream.stream_id))
+        _runtime.event_record(event, _runtime.stream_from_id(stream.device_index, stream.stream_id))
         return _runtime.ipc_get_event_handle(event)
     finally:
         _runtime.event_destroy(event)
@@ -309,9 +417,11 @@ def fuzz(mode: str, count: int, seed: int, progress=lambda n: None, batch: int =
     import devipc_openreg  # noqa: F401
 
     rng = random.Random(f"{seed}-{mode}")
-    tensors = [torch.arange(1024, dtype=torch.float32, device="openreg"),
-               torch.ones(1 << 18, device="openreg"),
-               torch.zeros(4096, device="openreg")[100:]]
+    tensors = [
+        torch.arange(1024, dtype=torch.float32, device="openreg"),
+        torch.ones(1 << 18, device="openreg"),
+        torch.zeros(4096, device="openreg")[100:],
+    ]
     torch.accelerator.synchronize()
     env = {**os.environ}
     report = Report()
@@ -324,8 +434,9 @@ def fuzz(mode: str, count: int, seed: int, progress=lambda n: None, batch: int =
         _run_batch(mutations, report, env, progress)
     devipc.set_unopened_deadline(0.5)  # sends that refused mutations never opened come back
     deadline = time.monotonic() + 30
-    while devipc.ipc_collect() is not None and devipc.stats()["sent"] and \
-            time.monotonic() < deadline:
+    while (
+        devipc.ipc_collect() is not None and devipc.stats()["sent"] and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     report.still_held = devipc.stats()["sent"]
     devipc.set_unopened_deadline(None)
@@ -342,6 +453,7 @@ def _progress_bar(total: int):
             state["n"] += n
             if state["n"] % 500 == 0 or state["n"] == total:
                 print(f"  {state['n']}/{total}", flush=True)
+
         return plain, lambda: None
     bar = tqdm(total=total)
     return bar.update, bar.close
@@ -363,8 +475,10 @@ def main(argv=None) -> int:
         started = time.monotonic()
         report = fuzz(mode, options.mutations, options.seed, update)
         close()
-        print(f"  {sum(report.counts.values())} run in {time.monotonic() - started:.0f} s; "
-              f"sends still held by the producer afterwards: {report.still_held}")
+        print(
+            f"  {sum(report.counts.values())} run in {time.monotonic() - started:.0f} s; "
+            f"sends still held by the producer afterwards: {report.still_held}"
+        )
         report.print(sorted({k for k, _ in report.by_kind}))
         failed += report.failed
     return 1 if failed else 0

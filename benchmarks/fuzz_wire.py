@@ -13,6 +13,7 @@ in `fuzz_handles.py`: accepted, refused (by type), wrong (any other exception), 
 
 Usage: python benchmarks/fuzz_wire.py --mutations 12000 --seed 1 [--modes sync,events]
 """
+
 import argparse
 import json
 import os
@@ -48,10 +49,32 @@ def fields(data: bytes) -> list[tuple[int, int]] | None:
 def _payload(value: bytes, rng: random.Random) -> tuple[str, bytes]:
     if len(value) == 8 and rng.random() < 0.6:
         original = struct.unpack("<q", value)[0]
-        number = rng.choice([0, 1, -1, 2, 7, 8, 127, 128, 255, 256, 4096, 9_999, 10_000,
-                             (1 << 31) - 1, 1 << 31, (1 << 63) - 1, -(1 << 63), original + 1,
-                             original - 1, original * 2, original ^ 0x80,
-                             rng.randint(-(1 << 63), (1 << 63) - 1)])
+        number = rng.choice(
+            [
+                0,
+                1,
+                -1,
+                2,
+                7,
+                8,
+                127,
+                128,
+                255,
+                256,
+                4096,
+                9_999,
+                10_000,
+                (1 << 31) - 1,
+                1 << 31,
+                (1 << 63) - 1,
+                -(1 << 63),
+                original + 1,
+                original - 1,
+                original * 2,
+                original ^ 0x80,
+                rng.randint(-(1 << 63), (1 << 63) - 1),
+            ]
+        )
         return f"int={number}", struct.pack("<q", number)
     if value[:4] == b"DVIP" and rng.random() < 0.7:
         label, nested = mutate(value, rng)
@@ -59,9 +82,9 @@ def _payload(value: bytes, rng: random.Random) -> tuple[str, bytes]:
     style = rng.choice(["flip", "cut", "grow", "zero", "random", "empty"])
     if style == "flip" and value:
         at = rng.randrange(len(value))
-        return "flip", value[:at] + bytes([value[at] ^ (1 << rng.randrange(8))]) + value[at + 1:]
+        return "flip", value[:at] + bytes([value[at] ^ (1 << rng.randrange(8))]) + value[at + 1 :]
     if style == "cut" and value:
-        return "cut", value[:rng.randrange(len(value))]
+        return "cut", value[: rng.randrange(len(value))]
     if style == "grow":
         return "grow", value + rng.randbytes(rng.choice([1, 7, 8, 64]))
     if style == "zero":
@@ -76,27 +99,27 @@ def mutate(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     spans = fields(data)
     style = rng.random()
     if not spans or style < 0.05:
-        return "cut-message", data[:rng.randrange(len(data))]
+        return "cut-message", data[: rng.randrange(len(data))]
     if style < 0.10:
         at = rng.choice([0, 4, 6])
         size = 4 if at == 0 else 2
-        return f"header@{at}", data[:at] + rng.randbytes(size) + data[at + size:]
+        return f"header@{at}", data[:at] + rng.randbytes(size) + data[at + size :]
     index = rng.randrange(len(spans))
     start, length = spans[index]
     end = start + 4 + length
-    whole, payload = data[start:end], data[start + 4:end]
+    whole, payload = data[start:end], data[start + 4 : end]
     if style < 0.18:
         claimed = rng.choice([0, length + 1, length - 1, 1 << 31, (1 << 32) - 1])
         claimed = max(0, min(claimed, (1 << 32) - 1))
-        return f"length#{index}", data[:start] + _LENGTH.pack(claimed) + data[start + 4:]
+        return f"length#{index}", data[:start] + _LENGTH.pack(claimed) + data[start + 4 :]
     if style < 0.22:
         return f"drop#{index}", data[:start] + data[end:]
     if style < 0.25:
         return f"double#{index}", data[:end] + whole + data[end:]
     if style < 0.28 and index + 1 < len(spans):
         nxt_start, nxt_length = spans[index + 1]
-        nxt = data[nxt_start:nxt_start + 4 + nxt_length]
-        return f"swap#{index}", data[:start] + nxt + whole + data[nxt_start + 4 + nxt_length:]
+        nxt = data[nxt_start : nxt_start + 4 + nxt_length]
+        return f"swap#{index}", data[:start] + nxt + whole + data[nxt_start + 4 + nxt_length :]
     label, value = _payload(payload, rng)
     return f"{label}#{index}", data[:start] + _LENGTH.pack(len(value)) + value + data[end:]
 
@@ -131,8 +154,9 @@ class _Subjects:
         self.publisher = devipc.WeightPublisher(self.packed)  # tokens: an attachment and a table
         self.endpoint = p2p.Endpoint()
         self.connection = self.endpoint.connect(self.endpoint.metadata())
-        self.remote = [p2p.create_tensor((256,), torch.float32, place)[0]
-                       for place in (device, "cpu")]
+        self.remote = [
+            p2p.create_tensor((256,), torch.float32, place)[0] for place in (device, "cpu")
+        ]
 
     def genuine(self, kind: str, rng: random.Random) -> bytes:
         devipc = self.devipc
@@ -148,7 +172,7 @@ class _Subjects:
         elif kind == "weights":
             data = self.publisher.token()
         elif kind == "descriptor":
-            data = self.endpoint.advertise(rng.choice(self.remote)[rng.randrange(64):])
+            data = self.endpoint.advertise(rng.choice(self.remote)[rng.randrange(64) :])
         else:
             data = self.endpoint.metadata()
         self.last = data
@@ -199,8 +223,9 @@ class _Subjects:
         else:
             connection = self.endpoint.connect(data)
             try:
-                connection.read(torch.empty(1024, device="openreg"),
-                                self.endpoint.advertise(self.remote[0]))
+                connection.read(
+                    torch.empty(1024, device="openreg"), self.endpoint.advertise(self.remote[0])
+                )
             finally:
                 connection.close()
 
@@ -232,8 +257,10 @@ def worker(kinds: str, seed: int, first: int, count: int) -> None:
         try:
             subjects.settle(kind)
         except Exception as error:  # noqa: BLE001 - the genuine message must still work
-            result.update(outcome="wrong", error=f"{label}, then the genuine message: "
-                                                 f"{type(error).__name__}: {error}"[:400])
+            result.update(
+                outcome="wrong",
+                error=f"{label}, then the genuine message: {type(error).__name__}: {error}"[:400],
+            )
         faulthandler.cancel_dump_traceback_later()
         print(json.dumps(result), flush=True)
     devipc.ipc_collect()
@@ -242,20 +269,35 @@ def worker(kinds: str, seed: int, first: int, count: int) -> None:
 
 
 # -- the driver --------------------------------------------------------------------------------
-def fuzz(mode: str, count: int, seed: int, progress=lambda n: None, kinds=KINDS,
-         batch: int = BATCH) -> Report:
+def fuzz(
+    mode: str, count: int, seed: int, progress=lambda n: None, kinds=KINDS, batch: int = BATCH
+) -> Report:
     """Runs `count` mutations, the kinds in turn, with openreg in `mode` ("sync" or "events")."""
-    env = {**os.environ, "OPENREG_IPC_EVENTS": "1" if mode == "events" else "0",
-           "DEVIPC_OPENREG": "1"}
+    env = {
+        **os.environ,
+        "OPENREG_IPC_EVENTS": "1" if mode == "events" else "0",
+        "DEVIPC_OPENREG": "1",
+    }
     report = Report()
     for first in range(0, count, batch):
         pending = list(range(first, min(first + batch, count)))
         mutations = {n: (kinds[n % len(kinds)], "", None, False) for n in pending}
         while pending:
             proc = subprocess.Popen(
-                [sys.executable, __file__, "--worker", ",".join(kinds), str(seed),
-                 str(pending[0]), str(len(pending))],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    ",".join(kinds),
+                    str(seed),
+                    str(pending[0]),
+                    str(len(pending)),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             settled = _follow(proc, pending, mutations, report, progress)
             pending = [n for n in pending if n not in settled]  # after a crash or a hang
     return report
@@ -273,8 +315,11 @@ def main(argv=None) -> int:
         worker(kinds, int(seed), int(first), int(count))
     failed = 0
     for mode in options.modes.split(","):
-        print(f"mode {mode}: {options.mutations} mutations over {', '.join(KINDS)}, seed "
-              f"{options.seed}", flush=True)
+        print(
+            f"mode {mode}: {options.mutations} mutations over {', '.join(KINDS)}, seed "
+            f"{options.seed}",
+            flush=True,
+        )
         update, close = _progress_bar(options.mutations)
         started = time.monotonic()
         report = fuzz(mode, options.mutations, options.seed, update)

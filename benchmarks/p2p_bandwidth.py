@@ -21,6 +21,7 @@ Usage: python benchmarks/p2p_bandwidth.py [--max-mib 256] [--seconds 0.8] [--rou
        [--latency-seconds 0.5] [--no-doc]
 UCX picks its own transports (UCX_TLS and friends are read from the environment).
 """
+
 import argparse
 import os
 import sys
@@ -62,24 +63,37 @@ def progress(line: str) -> None:
 
 def acceptance(rows, results) -> str:
     """Issue 8's goals, checked against this run's figures."""
-    big = [(op, label) for op, label in rows
-           if label.endswith("MiB") and int(label.split()[0]) >= 16]
+    big = [
+        (op, label) for op, label in rows if label.endswith("MiB") and int(label.split()[0]) >= 16
+    ]
     lines = []
     for op in ("read", "write"):
-        cells = [(label, results[(op, label, "devipc")], results[(op, label, "memcpy")],
-                  results[(op, label, "nixl")]) for o, label in big if o == op]
+        cells = [
+            (
+                label,
+                results[(op, label, "devipc")],
+                results[(op, label, "memcpy")],
+                results[(op, label, "nixl")],
+            )
+            for o, label in big
+            if o == op
+        ]
         worst_memcpy = min((ipc / memcpy, label) for label, ipc, memcpy, _ in cells)
         worst_nixl = min((ipc / own, label) for label, ipc, _, own in cells)
-        lines.append(f"- same host, {op}, >= 16 MiB: devipc / memcpy >= 0.70 "
-                     f"{'met' if worst_memcpy[0] >= 0.7 else 'NOT met'} (lowest "
-                     f"{worst_memcpy[0]:.3f}, {worst_memcpy[1]}); devipc / NIXL >= 1 "
-                     f"{'met' if worst_nixl[0] >= 1 else 'NOT met'} (lowest {worst_nixl[0]:.3f}, "
-                     f"{worst_nixl[1]})")
+        lines.append(
+            f"- same host, {op}, >= 16 MiB: devipc / memcpy >= 0.70 "
+            f"{'met' if worst_memcpy[0] >= 0.7 else 'NOT met'} (lowest "
+            f"{worst_memcpy[0]:.3f}, {worst_memcpy[1]}); devipc / NIXL >= 1 "
+            f"{'met' if worst_nixl[0] >= 1 else 'NOT met'} (lowest {worst_nixl[0]:.3f}, "
+            f"{worst_nixl[1]})"
+        )
     for op in ("read", "write"):
         label = f"{BATCH} x 4 KiB"
         ratio = results[(op, label, "devipc")] / results[(op, label, "nixl")]
-        lines.append(f"- batch of {label}, {op}: devipc / NIXL >= 1 "
-                     f"{'met' if ratio >= 1 else 'NOT met'} ({ratio:.3f})")
+        lines.append(
+            f"- batch of {label}, {op}: devipc / NIXL >= 1 "
+            f"{'met' if ratio >= 1 else 'NOT met'} ({ratio:.3f})"
+        )
     return "\n".join(lines)
 
 
@@ -106,40 +120,66 @@ def latency_acceptance(results) -> str:
         read = results[(bench.LATENCY_ROWS[0], size)]
         post = results[(bench.LATENCY_ROWS[2], size)]
         label = f"{size >> 10} KiB"
-        lines.append(f"- {label}: sync read / NIXL <= 1 {'met' if read <= nixl else 'NOT met'} "
-                     f"({read / nixl:.2f}); prepared post < sync read "
-                     f"{'met' if post < read else 'NOT met'} ({post:.1f} vs {read:.1f} us)")
+        lines.append(
+            f"- {label}: sync read / NIXL <= 1 {'met' if read <= nixl else 'NOT met'} "
+            f"({read / nixl:.2f}); prepared post < sync read "
+            f"{'met' if post < read else 'NOT met'} ({post:.1f} vs {read:.1f} us)"
+        )
     return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-mib", type=int, default=256, help="largest size (MiB)")
-    parser.add_argument("--seconds", type=float, default=0.8,
-                        help="time per method and size, over all rounds")
+    parser.add_argument(
+        "--seconds", type=float, default=0.8, help="time per method and size, over all rounds"
+    )
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (median)")
-    parser.add_argument("--latency-seconds", type=float, default=0.5,
-                        help="time per latency row and size, over all rounds")
+    parser.add_argument(
+        "--latency-seconds",
+        type=float,
+        default=0.5,
+        help="time per latency row and size, over all rounds",
+    )
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     args.max_bytes = args.max_mib << 20
     start = time.perf_counter()
-    rows, results = bench.measure("openreg", args.max_bytes, args.seconds, args.rounds, nixl=True,
-                                  progress=Progress("p2p", lines=True))
-    latency = bench.latency("openreg", args.latency_seconds, args.rounds, nixl=True,
-                            progress=Progress("p2p latency", lines=True))
+    rows, results = bench.measure(
+        "openreg",
+        args.max_bytes,
+        args.seconds,
+        args.rounds,
+        nixl=True,
+        progress=Progress("p2p", lines=True),
+    )
+    latency = bench.latency(
+        "openreg",
+        args.latency_seconds,
+        args.rounds,
+        nixl=True,
+        progress=Progress("p2p latency", lines=True),
+    )
     about_latency = LATENCY.format(rounds=args.rounds, seconds=args.latency_seconds)
-    result = (bench.table(rows, results) + "\n\n" + acceptance(rows, results) + "\n\n"
-              + about_latency + "\n\n" + bench.latency_table(latency) + "\n\n"
-              + latency_acceptance(latency))
+    result = (
+        bench.table(rows, results)
+        + "\n\n"
+        + acceptance(rows, results)
+        + "\n\n"
+        + about_latency
+        + "\n\n"
+        + bench.latency_table(latency)
+        + "\n\n"
+        + latency_acceptance(latency)
+    )
     print(result)
     progress(f"done in {time.perf_counter() - start:.0f} s")
     if not args.no_doc:
         command = "python benchmarks/p2p_bandwidth.py" + "".join(
-            f" {a}" for a in sys.argv[1:] if a != "--no-doc")
+            f" {a}" for a in sys.argv[1:] if a != "--no-doc"
+        )
         about = ABOUT.format(rounds=args.rounds, seconds=args.seconds)
-        replace_section(DOC, SECTION, f"{about}\n\n`{command}`, one run:\n\n"
-                        f"{result}\n", NOTES)
+        replace_section(DOC, SECTION, f"{about}\n\n`{command}`, one run:\n\n{result}\n", NOTES)
 
 
 if __name__ == "__main__":

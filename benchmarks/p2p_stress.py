@@ -10,6 +10,7 @@ be back to where they were.
 
 Usage: python benchmarks/p2p_stress.py [--threads 8] [--transfers 10000] [--slots 16]
 """
+
 import argparse
 import json
 import os
@@ -97,11 +98,17 @@ def _peer(conn, threads: int, transfers: int, slots: int) -> dict:
 
     def work(seed: int):
         rng = random.Random(seed)
-        places = {device: torch.empty(NBYTES, dtype=torch.uint8, device=device)
-                  for device in ("cpu", "openreg")}
-        pairs = {device: (torch.empty(NBYTES, dtype=torch.uint8, device=device),
-                          torch.empty(NBYTES, dtype=torch.uint8, device=device))
-                 for device in ("cpu", "openreg")}
+        places = {
+            device: torch.empty(NBYTES, dtype=torch.uint8, device=device)
+            for device in ("cpu", "openreg")
+        }
+        pairs = {
+            device: (
+                torch.empty(NBYTES, dtype=torch.uint8, device=device),
+                torch.empty(NBYTES, dtype=torch.uint8, device=device),
+            )
+            for device in ("cpu", "openreg")
+        }
         ok = freed = wrong = 0
         for _ in range(transfers):
             slot = rng.randrange(slots)
@@ -154,11 +161,19 @@ def _peer(conn, threads: int, transfers: int, slots: int) -> dict:
     while _fds() > fds + 2 and time.monotonic() < deadline:
         devipc.ipc_collect()
         time.sleep(0.01)
-    return {"threads": threads, "transfers": threads * transfers, **counts,
-            "other_errors": len(errors), "first_errors": errors[:5], "hung_threads": hung,
-            "registrations_replaced": replaced, "seconds": round(elapsed, 2),
-            "transfers_per_s": round(threads * transfers / elapsed),
-            "mapped_after": mapped_after, "fds_back": _fds() <= fds + 2}
+    return {
+        "threads": threads,
+        "transfers": threads * transfers,
+        **counts,
+        "other_errors": len(errors),
+        "first_errors": errors[:5],
+        "hung_threads": hung,
+        "registrations_replaced": replaced,
+        "seconds": round(elapsed, 2),
+        "transfers_per_s": round(threads * transfers / elapsed),
+        "mapped_after": mapped_after,
+        "fds_back": _fds() <= fds + 2,
+    }
 
 
 def main() -> int:
@@ -169,8 +184,13 @@ def main() -> int:
     args = parser.parse_args()
     result = run(args.threads, args.transfers, args.slots)
     print(json.dumps(result, indent=1))
-    failed = result["wrong_bytes"] or result["other_errors"] or result["hung_threads"] \
-        or result["mapped_after"] or not result["fds_back"]
+    failed = (
+        result["wrong_bytes"]
+        or result["other_errors"]
+        or result["hung_threads"]
+        or result["mapped_after"]
+        or not result["fds_back"]
+    )
     return 1 if failed else 0
 
 

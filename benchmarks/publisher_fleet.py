@@ -17,6 +17,7 @@ not the bytes. NIXL: UCX over TCP loopback, relay=True, each subscriber with buf
 Usage: python benchmarks/publisher_fleet.py [--ipc 1,64,256,1024] [--nixl 1,16,64]
        [--processes 4] [--generations 5]
 """
+
 import argparse
 import os
 import resource
@@ -45,8 +46,10 @@ def subscribers(conn, tokens, generations, share):
     from devipc._weights import _relay
 
     _relay.RELAY_STALL = TIMEOUT  # a busy machine's engines are slow, not stalled
-    subs = [devipc.WeightSubscriber(token, **({} if share is None else {"share": share}))
-            for token in tokens]
+    subs = [
+        devipc.WeightSubscriber(token, **({} if share is None else {"share": share}))
+        for token in tokens
+    ]
     conn.send("ready")
     for _ in range(generations):
         for sub in subs:
@@ -72,11 +75,16 @@ def measure(transport: str, count: int, processes: int, generations: int) -> dic
         groups = []
         parts = min(processes, count)
         for part in range(parts):
-            tokens = [publisher.token() for _ in range(count * (part + 1) // parts
-                                                       - count * part // parts)]
+            tokens = [
+                publisher.token()
+                for _ in range(count * (part + 1) // parts - count * part // parts)
+            ]
             ours, theirs = ctx.Pipe()
-            ctx.Process(target=subscribers, daemon=True, args=(
-                theirs, tokens, generations, False if nixl else None)).start()
+            ctx.Process(
+                target=subscribers,
+                daemon=True,
+                args=(theirs, tokens, generations, False if nixl else None),
+            ).start()
             groups.append(ours)
         for conn in groups:
             assert receive(conn) == "ready"
@@ -92,10 +100,13 @@ def measure(transport: str, count: int, processes: int, generations: int) -> dic
             acks.append(time.process_time() - cpu)
         for conn in groups:
             assert receive(conn) == "closed"
-    return {"transport": transport, "engines": count,
-            "memory per engine (KiB)": grown / count / 1024,
-            "publish (ms)": statistics.median(publish) * 1e3,
-            "acks cpu (ms)": statistics.median(acks) * 1e3}
+    return {
+        "transport": transport,
+        "engines": count,
+        "memory per engine (KiB)": grown / count / 1024,
+        "publish (ms)": statistics.median(publish) * 1e3,
+        "acks cpu (ms)": statistics.median(acks) * 1e3,
+    }
 
 
 def main() -> None:
@@ -109,19 +120,32 @@ def main() -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     rows, slopes = [], []
     for transport, counts in (("ipc", args.ipc), ("nixl", args.nixl)):
-        found = [measure(transport, int(c), args.processes, args.generations)
-                 for c in counts.split(",") if c]
+        found = [
+            measure(transport, int(c), args.processes, args.generations)
+            for c in counts.split(",")
+            if c
+        ]
         for row in found:
             print(row, file=sys.stderr, flush=True)
         rows += found
         if len(found) > 1:  # what one more engine adds: from the fewest to the most
             first, last = found[0], found[-1]
             engines = last["engines"] - first["engines"]
-            slopes.append(f"{transport}: one more engine adds " + ", ".join(
-                f"{(last[key] - first[key]) / engines * 1e3:.1f} us to {key.split(' (')[0]}"
-                for key in ("publish (ms)", "acks cpu (ms)")) + " per generation")
-    print(markdown(list(rows[0]), [[f"{v:.2f}" if isinstance(v, float) else v
-                                    for v in row.values()] for row in rows], right=2))
+            slopes.append(
+                f"{transport}: one more engine adds "
+                + ", ".join(
+                    f"{(last[key] - first[key]) / engines * 1e3:.1f} us to {key.split(' (')[0]}"
+                    for key in ("publish (ms)", "acks cpu (ms)")
+                )
+                + " per generation"
+            )
+    print(
+        markdown(
+            list(rows[0]),
+            [[f"{v:.2f}" if isinstance(v, float) else v for v in row.values()] for row in rows],
+            right=2,
+        )
+    )
     print("\n".join(slopes))
 
 

@@ -13,6 +13,7 @@ returns it each time (weights, not fresh activations). Run:
 `.venv/bin/python benchmarks/ray_transport.py` (a local Ray cluster of this machine's CPUs,
 started and stopped here; about a minute).
 """
+
 import argparse
 import os
 import sys
@@ -31,13 +32,22 @@ class NoopTransport(DevipcTransport):
     """RDT's own cost: metadata of the shapes, and a receiver that makes empty tensors."""
 
     def extract_tensor_transport_metadata(self, obj_id, rdt_object):  # type: ignore[no-untyped-def]
-        return DevipcMetadata(tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
-                              tensor_device=rdt_object[0].device.type)
+        return DevipcMetadata(
+            tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
+            tensor_device=rdt_object[0].device.type,
+        )
 
-    def recv_multiple_tensors(self, obj_id, meta, communicator_metadata,  # type: ignore[no-untyped-def]
-                              target_buffers=None):
-        return [torch.empty(shape, dtype=dtype, device=meta.tensor_device)
-                for shape, dtype in meta.tensor_meta]
+    def recv_multiple_tensors(
+        self,
+        obj_id,
+        meta,
+        communicator_metadata,  # type: ignore[no-untyped-def]
+        target_buffers=None,
+    ):
+        return [
+            torch.empty(shape, dtype=dtype, device=meta.tensor_device)
+            for shape, dtype in meta.tensor_meta
+        ]
 
     def garbage_collect(self, obj_id, tensor_transport_meta, tensors):  # type: ignore[no-untyped-def]
         pass
@@ -59,8 +69,9 @@ def _setup_worker() -> None:
 
     devipc.ray.register_transport()
     try:
-        ray.experimental.register_tensor_transport("NOOP", ["openreg", "cpu"], NoopTransport,
-                                                   torch.Tensor)
+        ray.experimental.register_tensor_transport(
+            "NOOP", ["openreg", "cpu"], NoopTransport, torch.Tensor
+        )
     except ValueError:
         pass  # registered already
 
@@ -72,8 +83,9 @@ _setup_worker()
 class Sender:
     def __init__(self):
         torch.set_num_threads(1)
-        self.device = {n: torch.full((n,), 7, dtype=torch.uint8, device="openreg")
-                       for n in SIZES.values()}
+        self.device = {
+            n: torch.full((n,), 7, dtype=torch.uint8, device="openreg") for n in SIZES.values()
+        }
         self.host = {n: torch.full((n,), 7, dtype=torch.uint8) for n in SIZES.values()}
         torch.accelerator.synchronize()
 
@@ -107,7 +119,6 @@ class Receiver:
         return int(value)
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="round trips per figure (median)")
@@ -115,34 +126,50 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"worker_process_setup_hook": _setup_worker})
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"worker_process_setup_hook": _setup_worker},
+    )
     try:
         sender, receiver = Sender.remote(), Receiver.remote()
         ray.get([sender.small.remote(0), receiver.take.remote(0)], timeout=120)
         paths = {"devipc": sender.devipc, "store": sender.store, "ray-nixl": sender.nixl}
-        floor = median_seconds(lambda: ray.get(receiver.take.remote(sender.small.remote(1)),
-                                        timeout=120), args.repeats)
-        noop = median_seconds(lambda: ray.get(receiver.take.remote(sender.noop.remote(4096)),
-                                       timeout=120), args.repeats)
+        floor = median_seconds(
+            lambda: ray.get(receiver.take.remote(sender.small.remote(1)), timeout=120), args.repeats
+        )
+        noop = median_seconds(
+            lambda: ray.get(receiver.take.remote(sender.noop.remote(4096)), timeout=120),
+            args.repeats,
+        )
         rows = {}
         for label, n in SIZES.items():
             repeats = args.repeats if n <= 1 << 20 else max(3, args.repeats // 3)
             rows[label] = {}
             for path, method in paths.items():
                 try:
-                    rows[label][path] = median_seconds(lambda m=method, n=n: ray.get(
-                        receiver.take.remote(m.remote(n)), timeout=300), repeats)
+                    rows[label][path] = median_seconds(
+                        lambda m=method, n=n: ray.get(
+                            receiver.take.remote(m.remote(n)), timeout=300
+                        ),
+                        repeats,
+                    )
                 except Exception as error:  # noqa: BLE001
                     # e.g. Ray's NIXL where its agent cannot start
                     rows[label][path] = None
                     print(f"{path} at {label}: {type(error).__name__}: {error}"[:200])
-        print(f"\nfloor (a small value, sender -> receiver): {floor * 1e3:.2f} ms; "
-              f"rdt-noop (RDT moving nothing): {noop * 1e3:.2f} ms, {noop / floor:.2f}x the "
-              f"floor\n")
-        print(f"{'size':>8} | {'devipc ms':>10} | {'store ms':>10} | {'ray-nixl ms':>11} | "
-              f"{'store/devipc':>12} | {'nixl/devipc':>11} | {'devipc/floor':>12} | "
-              f"{'devipc GB/s':>11}")
+        print(
+            f"\nfloor (a small value, sender -> receiver): {floor * 1e3:.2f} ms; "
+            f"rdt-noop (RDT moving nothing): {noop * 1e3:.2f} ms, {noop / floor:.2f}x the "
+            f"floor\n"
+        )
+        print(
+            f"{'size':>8} | {'devipc ms':>10} | {'store ms':>10} | {'ray-nixl ms':>11} | "
+            f"{'store/devipc':>12} | {'nixl/devipc':>11} | {'devipc/floor':>12} | "
+            f"{'devipc GB/s':>11}"
+        )
         for label, n in SIZES.items():
             row = rows[label]
             ours = row["devipc"]
@@ -153,11 +180,13 @@ def main() -> None:
             def ratio(value: float | None, ours: float | None = ours) -> str:
                 return "n/a" if value is None or ours is None else f"{value / ours:.1f}x"
 
-            print(f"{label:>8} | {ms(ours):>10} | {ms(row['store']):>10} | "
-                  f"{ms(row['ray-nixl']):>11} | {ratio(row['store']):>12} | "
-                  f"{ratio(row['ray-nixl']):>11} | "
-                  f"{'n/a' if ours is None else f'{ours / floor:.2f}x':>12} | "
-                  f"{'n/a' if ours is None else f'{n / ours / 1e9:.2f}':>11}")
+            print(
+                f"{label:>8} | {ms(ours):>10} | {ms(row['store']):>10} | "
+                f"{ms(row['ray-nixl']):>11} | {ratio(row['store']):>12} | "
+                f"{ratio(row['ray-nixl']):>11} | "
+                f"{'n/a' if ours is None else f'{ours / floor:.2f}x':>12} | "
+                f"{'n/a' if ours is None else f'{n / ours / 1e9:.2f}':>11}"
+            )
         if args.plot:
             _plot(rows, floor, noop, args.plot)
     finally:
@@ -173,13 +202,21 @@ def _plot(rows: dict, floor: float, noop: float, path: str) -> None:
     figure, axes = plt.subplots(figsize=(7, 4))
     sizes = list(SIZES.values())
     for name in ("devipc", "store", "ray-nixl"):
-        points = [(n, rows[label][name] * 1e3) for label, n in SIZES.items()
-                  if rows[label][name] is not None]
+        points = [
+            (n, rows[label][name] * 1e3)
+            for label, n in SIZES.items()
+            if rows[label][name] is not None
+        ]
         axes.plot(*zip(*points), marker="o", label=name)
     axes.axhline(floor * 1e3, color="grey", linestyle="--", label="floor (small value)")
     axes.axhline(noop * 1e3, color="grey", linestyle=":", label="RDT moving nothing")
-    axes.set(xscale="log", yscale="log", xlabel="tensor bytes", ylabel="round trip (ms)",
-             title="Ray actor to actor: one openreg tensor (ray-nixl: CPU)")
+    axes.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tensor bytes",
+        ylabel="round trip (ms)",
+        title="Ray actor to actor: one openreg tensor (ray-nixl: CPU)",
+    )
     axes.set_xticks(sizes, list(SIZES))
     axes.legend()
     figure.tight_layout()

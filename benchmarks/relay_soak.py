@@ -20,6 +20,7 @@ fails other than by naming a dead engine (ConsumerDiedError). It prints what hap
 Usage: python benchmarks/relay_soak.py [--engines 6] [--generations 400] [--seed 0]
        [--liveness 1.5] [--stall 0.5] [--hold 0.1] [--every 1.0] [--copy]
 """
+
 import argparse
 import hashlib
 import os
@@ -84,10 +85,12 @@ class Engine(Piped):
     """An engine process of this script."""
 
     def __init__(self, share: bool):
-        super().__init__([sys.executable, os.path.abspath(__file__), "--role", "engine",
-                          "--fds"], "engine", TIMEOUT,
-                         {**os.environ, **UCX_LOOPBACK, "OMP_NUM_THREADS": "1",
-                          "UCX_LOG_LEVEL": "error"})  # not UCX's warnings of killed peers
+        super().__init__(
+            [sys.executable, os.path.abspath(__file__), "--role", "engine", "--fds"],
+            "engine",
+            TIMEOUT,
+            {**os.environ, **UCX_LOOPBACK, "OMP_NUM_THREADS": "1", "UCX_LOG_LEVEL": "error"},
+        )  # not UCX's warnings of killed peers
         self.share = share
         self.counts: dict[str, int] = {}  # its subscription's, at its last generation
 
@@ -99,8 +102,16 @@ class Chaos(threading.Thread):
     """Pauses (SIGSTOP, then SIGCONT after the drawn time) or kills a random live engine every
     `every` seconds on average; at most half of them paused at a time."""
 
-    def __init__(self, engines: list[Engine], lock: threading.Lock, roles, rng: random.Random,
-                 liveness: float, every: float, kills: bool):
+    def __init__(
+        self,
+        engines: list[Engine],
+        lock: threading.Lock,
+        roles,
+        rng: random.Random,
+        liveness: float,
+        every: float,
+        kills: bool,
+    ):
         super().__init__(daemon=True, name="relay-soak-chaos")
         self.engines, self.lock, self.roles, self.rng = engines, lock, roles, rng
         self.liveness, self.every, self.kills = liveness, every, kills
@@ -130,8 +141,9 @@ class Chaos(threading.Thread):
             self._count(f"killed {role}")
             return
         long = draw < 0.6
-        seconds = self.liveness * (self.rng.uniform(1.3, 2.5) if long
-                                   else self.rng.uniform(0.1, 0.6))
+        seconds = self.liveness * (
+            self.rng.uniform(1.3, 2.5) if long else self.rng.uniform(0.1, 0.6)
+        )
         os.kill(target.proc.pid, signal.SIGSTOP)
         self.paused[target.proc.pid] = time.monotonic() + seconds
         self._count(f"paused {role} {'past' if long else 'within'} LIVENESS")
@@ -153,9 +165,18 @@ class Chaos(threading.Thread):
             self._resume(pid)
 
 
-def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float = 1.5,
-        stall: float = 0.5, hold: float = 0.1, every: float = 1.0, copy: bool = False,
-        kills: bool = True, log=None) -> dict:
+def run(
+    engines: int = 6,
+    generations: int = 400,
+    seed: int = 0,
+    liveness: float = 1.5,
+    stall: float = 0.5,
+    hold: float = 0.1,
+    every: float = 1.0,
+    copy: bool = False,
+    kills: bool = True,
+    log=None,
+) -> dict:
     """One soak (see the module's docstring); the caller sets UCX to TCP loopback. Returns the
     counts: generations, engine-generations checked, wrong ones, engine errors, events."""
     import torch
@@ -166,14 +187,24 @@ def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float
 
     liveness_was, _remote_token.LIVENESS = _remote_token.LIVENESS, liveness
     rng = random.Random(seed)
-    weights = {"embed": torch.empty(300, 1024, device="openreg"),
-               "proj": torch.empty(200, 1024, device="openreg"),
-               "bias": torch.empty(1000, device="openreg")}
+    weights = {
+        "embed": torch.empty(300, 1024, device="openreg"),
+        "proj": torch.empty(200, 1024, device="openreg"),
+        "bias": torch.empty(1000, device="openreg"),
+    }
     if not copy:
         weights = devipc.pack(weights)
     expected: dict[int, str] = {}
-    found = {"checked": 0, "wrong": [], "errors": [], "refused": 0, "dropped": 0, "named": 0,
-             "joined": 0, "started": 0}
+    found = {
+        "checked": 0,
+        "wrong": [],
+        "errors": [],
+        "refused": 0,
+        "dropped": 0,
+        "named": 0,
+        "joined": 0,
+        "started": 0,
+    }
     fleet: list[Engine] = []
     lock = threading.Lock()
     publisher = devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True)
@@ -182,9 +213,11 @@ def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float
         """Each subscribed engine's place by pid: leader, follower, or chain (a copy)."""
         records = publisher.subscribers()
         leaders = {r["leader"] for r in records.values()}
-        return {r["pid"]: "follower" if r["leader"] >= 0 else
-                "leader" if index in leaders else "chain"
-                for index, r in records.items() if r["state"] == "attached"}
+        return {
+            r["pid"]: "follower" if r["leader"] >= 0 else "leader" if index in leaders else "chain"
+            for index, r in records.items()
+            if r["state"] == "attached"
+        }
 
     def start(share: bool) -> None:
         engine_ = Engine(share)
@@ -258,8 +291,10 @@ def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float
             drain()
             replace_the_killed()
             if log is not None and generation % 50 == 49:
-                log(f"generation {generation + 1}/{generations}: {found['checked']} checked, "
-                    f"{len(found['wrong'])} wrong, {found['refused']} refused")
+                log(
+                    f"generation {generation + 1}/{generations}: {found['checked']} checked, "
+                    f"{len(found['wrong'])} wrong, {found['refused']} refused"
+                )
     finally:
         if chaos.is_alive():
             chaos.stop()
@@ -273,29 +308,38 @@ def run(engines: int = 6, generations: int = 400, seed: int = 0, liveness: float
     for engine_ in fleet:
         for key, value in engine_.counts.items():
             counts[key] = counts.get(key, 0) + value
-    return {**found, "generations": generations, "seconds": time.monotonic() - started,
-            "events": dict(sorted(chaos.counts.items())), "relay": counts}
+    return {
+        **found,
+        "generations": generations,
+        "seconds": time.monotonic() - started,
+        "events": dict(sorted(chaos.counts.items())),
+        "relay": counts,
+    }
 
 
 def report(result: dict, args) -> str:
-    rows = [("generations published", result["generations"]),
-            ("engine-generations checked (SHA-256 of the engine's copy)", result["checked"]),
-            ("wrong bytes", len(result["wrong"])),
-            ("engine errors other than PeerGoneError", len(result["errors"])),
-            ("engines named dead (ConsumerDiedError)", result["named"]),
-            ("PeerGoneError: dropped after a pause", result["dropped"] - result["refused"]),
-            ("PeerGoneError: a follower refused bytes its leader overwrote", result["refused"]),
-            ("joins (subscribed again, or a new process for a killed one)", result["joined"]),
-            *((event, count) for event, count in result["events"].items()),
-            ("seconds", f"{result['seconds']:.0f}")]
+    rows = [
+        ("generations published", result["generations"]),
+        ("engine-generations checked (SHA-256 of the engine's copy)", result["checked"]),
+        ("wrong bytes", len(result["wrong"])),
+        ("engine errors other than PeerGoneError", len(result["errors"])),
+        ("engines named dead (ConsumerDiedError)", result["named"]),
+        ("PeerGoneError: dropped after a pause", result["dropped"] - result["refused"]),
+        ("PeerGoneError: a follower refused bytes its leader overwrote", result["refused"]),
+        ("joins (subscribed again, or a new process for a killed one)", result["joined"]),
+        *((event, count) for event, count in result["events"].items()),
+        ("seconds", f"{result['seconds']:.0f}"),
+    ]
     lines = ["| | |", "|---|---:|", *(f"| {what} | {value} |" for what, value in rows)]
     relay = result["relay"]
-    lines.append(f"\nWhat the engines alive at the end pulled, their last subscriptions: "
-                 f"{relay.get('shared', 0)} generations read in a leader's buffers, "
-                 f"{relay.get('upstream', 0) >> 20} MiB from upstreams, "
-                 f"{relay.get('trainer', 0) >> 20} MiB from the trainer, "
-                 f"{relay.get('bypassed', 0)} upstreams bypassed, {relay.get('left', 0)} "
-                 f"leaders left.")
+    lines.append(
+        f"\nWhat the engines alive at the end pulled, their last subscriptions: "
+        f"{relay.get('shared', 0)} generations read in a leader's buffers, "
+        f"{relay.get('upstream', 0) >> 20} MiB from upstreams, "
+        f"{relay.get('trainer', 0) >> 20} MiB from the trainer, "
+        f"{relay.get('bypassed', 0)} upstreams bypassed, {relay.get('left', 0)} "
+        f"leaders left."
+    )
     return "\n".join(lines)
 
 
@@ -304,14 +348,21 @@ def main() -> int:
     parser.add_argument("--engines", type=int, default=6)
     parser.add_argument("--generations", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--liveness", type=float, default=1.5,
-                        help="LIVENESS, seconds (10 in devipc)")
-    parser.add_argument("--stall", type=float, default=0.5,
-                        help="RELAY_STALL, seconds (2 in devipc)")
-    parser.add_argument("--hold", type=float, default=0.1,
-                        help="an engine holds each generation up to this long before its copy")
-    parser.add_argument("--every", type=float, default=1.0,
-                        help="seconds between two pauses or kills, on average")
+    parser.add_argument(
+        "--liveness", type=float, default=1.5, help="LIVENESS, seconds (10 in devipc)"
+    )
+    parser.add_argument(
+        "--stall", type=float, default=0.5, help="RELAY_STALL, seconds (2 in devipc)"
+    )
+    parser.add_argument(
+        "--hold",
+        type=float,
+        default=0.1,
+        help="an engine holds each generation up to this long before its copy",
+    )
+    parser.add_argument(
+        "--every", type=float, default=1.0, help="seconds between two pauses or kills, on average"
+    )
     parser.add_argument("--copy", action="store_true", help="WeightPublisher(copy=True)")
     parser.add_argument("--role", choices=("engine",), help=argparse.SUPPRESS)
     parser.add_argument("--fds", type=int, nargs=2, help=argparse.SUPPRESS)
@@ -320,9 +371,17 @@ def main() -> int:
         engine(Connection(args.fds[0]), Connection(args.fds[1]))
         return 0
     os.environ.update(UCX_LOOPBACK)
-    result = run(args.engines, args.generations, args.seed, args.liveness, args.stall,
-                 args.hold, args.every, args.copy,
-                 log=lambda text: print(text, file=sys.stderr, flush=True))
+    result = run(
+        args.engines,
+        args.generations,
+        args.seed,
+        args.liveness,
+        args.stall,
+        args.hold,
+        args.every,
+        args.copy,
+        log=lambda text: print(text, file=sys.stderr, flush=True),
+    )
     print(report(result, args))
     for error in result["errors"]:
         print(f"engine error: {error}", file=sys.stderr)

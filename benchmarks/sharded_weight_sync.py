@@ -27,6 +27,7 @@ bytes each engine's and each rank's link carried per generation, in models.
 Usage: python benchmarks/sharded_weight_sync.py [--mib 64] [--generations 3] [--mbit 200]
        [--no-cluster] [--no-doc]
 """
+
 import argparse
 import os
 import resource
@@ -53,10 +54,17 @@ TP_DIMS = {"qkv": 0, "o": 1, "up": 0, "down": 1}
 
 
 def layout_of_model(hidden: int, layers: int) -> dict[str, devipc.ParamLayout]:
-    shapes = {"qkv": (3 * hidden, hidden), "o": (hidden, hidden), "up": (4 * hidden, hidden),
-              "down": (hidden, 4 * hidden)}
-    return {f"{layer}.{kind}": devipc.ParamLayout(shape, (RANKS,), [0])
-            for layer in range(layers) for kind, shape in shapes.items()}
+    shapes = {
+        "qkv": (3 * hidden, hidden),
+        "o": (hidden, hidden),
+        "up": (4 * hidden, hidden),
+        "down": (hidden, 4 * hidden),
+    }
+    return {
+        f"{layer}.{kind}": devipc.ParamLayout(shape, (RANKS,), [0])
+        for layer in range(layers)
+        for kind, shape in shapes.items()
+    }
 
 
 def tp_dim(name: str) -> int:
@@ -90,14 +98,18 @@ def trainer(conn, rank, way, layout, engines, port):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    local = devipc.pack({name: torch.randn(param.local_shape(rank))
-                         for name, param in layout.items()})
+    local = devipc.pack(
+        {name: torch.randn(param.local_shape(rank)) for name, param in layout.items()}
+    )
     baseline = rss_kib()  # the rank's own shards held: what is measured is the sync's memory
     if way == "sharded":
         publisher = devipc.ShardedPublisher(local, layout, rank=rank, transport="nixl")
     else:  # rank 0 keeps a buffer of the full model to gather into and publish
-        full = devipc.pack({name: torch.empty(param.shape) for name, param in layout.items()}
-                           ) if rank == 0 else None
+        full = (
+            devipc.pack({name: torch.empty(param.shape) for name, param in layout.items()})
+            if rank == 0
+            else None
+        )
         publisher = devipc.WeightPublisher(full, transport="nixl") if full else None
     conn.send([publisher.token() for _ in range(engines)] if publisher else None)
     while receive(conn) == "go":
@@ -135,8 +147,7 @@ def engine(conn, way, layout, tokens, tp_rank):
         subscriber.wait(TIMEOUT)
         held = subscriber.tensors()
         for name, (dim, start, stop) in slices.items():
-            tensor = held[name] if way == "sharded" else held[name].narrow(dim, start,
-                                                                           stop - start)
+            tensor = held[name] if way == "sharded" else held[name].narrow(dim, start, stop - start)
             tensor.sum()
         subscriber.ack()
         conn.send("taken")
@@ -148,11 +159,23 @@ class Host(Piped):
     """This script in a role, on an emulated host, driven through two pipes."""
 
     def __init__(self, cluster: Cluster, host: str, role: str):
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
-               "OMP_NUM_THREADS": "1"}
-        super().__init__(["ip", "netns", "exec", cluster.ns(host), sys.executable,
-                          os.path.abspath(__file__), "--role", role, "--fds"],
-                         host, TIMEOUT, env)
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "OMP_NUM_THREADS": "1"}
+        super().__init__(
+            [
+                "ip",
+                "netns",
+                "exec",
+                cluster.ns(host),
+                sys.executable,
+                os.path.abspath(__file__),
+                "--role",
+                role,
+                "--fds",
+            ],
+            host,
+            TIMEOUT,
+            env,
+        )
         self.host = host
 
 
@@ -166,10 +189,10 @@ def rank_role(commands: Connection, replies: Connection) -> None:
         try:
             if command[0] == "sharded":
                 _, layout, rank, engines = command
-                weights = devipc.pack({name: known(param.shape, param.box(rank))
-                                       for name, param in layout.items()})
-                publisher = devipc.ShardedPublisher(weights, layout, rank=rank,
-                                                    transport="nixl")
+                weights = devipc.pack(
+                    {name: known(param.shape, param.box(rank)) for name, param in layout.items()}
+                )
+                publisher = devipc.ShardedPublisher(weights, layout, rank=rank, transport="nixl")
                 replies.send([publisher.token() for _ in range(engines)])
             elif command[0] == "relayed":
                 _, layout, engines = command
@@ -205,8 +228,11 @@ def engine_role(commands: Connection, replies: Connection) -> None:
                 _, tokens, layout, tp_rank = command
                 slices = devipc.tp_slices(layout, tp_rank, TP, tp_dim)
                 whole = len(tokens) == 1
-                subscriber = devipc.WeightSubscriber(tokens[0], device="cpu") if whole else \
-                    devipc.ShardedSubscriber(tokens, layout, slices, device="cpu")
+                subscriber = (
+                    devipc.WeightSubscriber(tokens[0], device="cpu")
+                    if whole
+                    else devipc.ShardedSubscriber(tokens, layout, slices, device="cpu")
+                )
                 replies.send("ready")
             elif command[0] == "take":
                 generation = subscriber.wait(TIMEOUT)
@@ -242,8 +268,11 @@ def run(way, layout, generations, port):
             trainers.append(ours)
         tokens = [receive(conn) for conn in trainers]
         for tp_rank in range(TP):
-            mine = [tokens[rank][tp_rank] for rank in range(RANKS)] if way == "sharded" \
+            mine = (
+                [tokens[rank][tp_rank] for rank in range(RANKS)]
+                if way == "sharded"
                 else [tokens[0][tp_rank]]
+            )
             ours, theirs = ctx.Pipe()
             procs.append(ctx.Process(target=engine, args=(theirs, way, layout, mine, tp_rank)))
             procs[-1].start()
@@ -288,22 +317,29 @@ def run_cluster(layout, generations, mbit, model, check=False, ways=("sharded", 
     results = {}
     with Cluster(7, mbit) as cluster:
         procs = [Host(cluster, host, "rank") for host in ranks] + [
-            Host(cluster, host, "engine") for host in engines_at]
+            Host(cluster, host, "engine") for host in engines_at
+        ]
         try:
             for way in ways:
                 print(f"cluster: {way}", file=sys.stderr, flush=True)
                 publishing = procs[:RANKS] if way == "sharded" else procs[:1]
-                tokens = [proc.ask("sharded", layout, rank, TP) if way == "sharded"
-                          else proc.ask("relayed", layout, TP)
-                          for rank, proc in enumerate(publishing)]
+                tokens = [
+                    proc.ask("sharded", layout, rank, TP)
+                    if way == "sharded"
+                    else proc.ask("relayed", layout, TP)
+                    for rank, proc in enumerate(publishing)
+                ]
                 for tp_rank, proc in enumerate(procs[RANKS:]):
-                    assert proc.ask("open", [mine[tp_rank] for mine in tokens], layout,
-                                    tp_rank) == "ready"
+                    assert (
+                        proc.ask("open", [mine[tp_rank] for mine in tokens], layout, tp_rank)
+                        == "ready"
+                    )
                 seconds = []
                 for generation in range(generations + 1):  # the first: connections made
                     if generation == 1:
-                        before = {h: (cluster.sent(h), cluster.received(h))
-                                  for h in ranks + engines_at}
+                        before = {
+                            h: (cluster.sent(h), cluster.received(h)) for h in ranks + engines_at
+                        }
                     for proc in procs[RANKS:]:
                         proc.send("take", check)
                     start = time.perf_counter()
@@ -314,8 +350,10 @@ def run_cluster(layout, generations, mbit, model, check=False, ways=("sharded", 
                     exact = all([proc.reply() for proc in procs[RANKS:]])
                     seconds.append(time.perf_counter() - start)
                     if not exact:
-                        raise AssertionError(f"{way}: an engine's slices of generation "
-                                             f"{generation} were not the trainer's")
+                        raise AssertionError(
+                            f"{way}: an engine's slices of generation "
+                            f"{generation} were not the trainer's"
+                        )
                 after = {h: (cluster.sent(h), cluster.received(h)) for h in ranks + engines_at}
                 for proc in procs[RANKS:] + publishing:
                     assert proc.ask("close") == "closed"
@@ -323,7 +361,8 @@ def run_cluster(layout, generations, mbit, model, check=False, ways=("sharded", 
                 results[way] = (
                     statistics.median(seconds[1:]),
                     max((after[h][1] - before[h][1]) / per for h in engines_at),
-                    max((after[h][0] - before[h][0]) / per for h in ranks))
+                    max((after[h][0] - before[h][0]) / per for h in ranks),
+                )
         finally:
             for proc in procs:
                 proc.stop()
@@ -336,9 +375,12 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=3)
     parser.add_argument("--mbit", type=int, default=200, help="each emulated link's rate")
     parser.add_argument("--no-cluster", action="store_true", help="skip the emulated cluster")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the emulated cluster only, sharded only, a small model, every "
-                             "engine's slices checked each generation, no figures")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the emulated cluster only, sharded only, a small model, every "
+        "engine's slices checked each generation, no figures",
+    )
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     parser.add_argument("--role", choices=("rank", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--fds", type=int, nargs=2, help=argparse.SUPPRESS)
@@ -361,47 +403,93 @@ def main() -> None:
     hidden = 64 * max(1, round((args.mib * 2**20 / (4 * layers * 12)) ** 0.5 / 64))
     layout = layout_of_model(hidden, layers)
     model = sum(param.shape[0] * param.shape[1] * 4 for param in layout.values())
-    print(f"model: {layers} layers, hidden {hidden}: {model / 2**20:.1f} MiB float32; "
-          f"{RANKS} trainer ranks -> {TP} TP engines", file=sys.stderr)
-    results = {way: run(way, layout, args.generations, 29600 + index)
-               for index, way in enumerate(("sharded", "gathered"))}
+    print(
+        f"model: {layers} layers, hidden {hidden}: {model / 2**20:.1f} MiB float32; "
+        f"{RANKS} trainer ranks -> {TP} TP engines",
+        file=sys.stderr,
+    )
+    results = {
+        way: run(way, layout, args.generations, 29600 + index)
+        for index, way in enumerate(("sharded", "gathered"))
+    }
     rows = []
     for way, (seconds, pulled, peaks) in results.items():
-        rows.append([way, f"{max(pulled) / model:.3f}", f"{sum(pulled) / model:.2f}",
-                     f"{max(peaks) / model:.2f}", f"{seconds:.3f}",
-                     f"{seconds / results['gathered'][0]:.2f}"])
-    table = markdown(["way", "pulled per engine (models)", "pulled by all engines (models)",
-                      "trainer peak beyond its shards (models, largest rank)",
-                      "s / generation (loopback)", "vs gathered"], rows)
+        rows.append(
+            [
+                way,
+                f"{max(pulled) / model:.3f}",
+                f"{sum(pulled) / model:.2f}",
+                f"{max(peaks) / model:.2f}",
+                f"{seconds:.3f}",
+                f"{seconds / results['gathered'][0]:.2f}",
+            ]
+        )
+    table = markdown(
+        [
+            "way",
+            "pulled per engine (models)",
+            "pulled by all engines (models)",
+            "trainer peak beyond its shards (models, largest rank)",
+            "s / generation (loopback)",
+            "vs gathered",
+        ],
+        rows,
+    )
     sharded, gathered = results["sharded"], results["gathered"]
-    notes = (f"- each engine pulls {max(sharded[1]) / model:.3f} of the model (goal ~1/{TP}), "
-             f"all engines {sum(sharded[1]) / model:.2f} (goal ~1): "
-             f"{'met' if max(sharded[1]) <= 1.1 * model / TP else 'NOT met'}\n"
-             f"- trainer memory beyond a rank's shards, largest rank: sharded "
-             f"{max(sharded[2]) / 2**20:.0f} MiB (its publisher and NIXL agent), gathered "
-             f"{max(gathered[2]) / 2**20:.0f} MiB: the gather's full copy is the "
-             f"{(max(gathered[2]) - max(sharded[2])) / model:.2f} models between them; "
-             f"no full-model copy on any rank with sharded: "
-             f"{'met' if max(sharded[2]) < 0.5 * model else 'NOT met'}\n")
-    body = (f"A model of {model / 2**20:.1f} MiB float32 ({layers} layers, hidden {hidden}), "
-            f"median of {args.generations} generations.\n\nOne host, UCX over TCP loopback:\n\n"
-            f"{table}\n\n")
+    notes = (
+        f"- each engine pulls {max(sharded[1]) / model:.3f} of the model (goal ~1/{TP}), "
+        f"all engines {sum(sharded[1]) / model:.2f} (goal ~1): "
+        f"{'met' if max(sharded[1]) <= 1.1 * model / TP else 'NOT met'}\n"
+        f"- trainer memory beyond a rank's shards, largest rank: sharded "
+        f"{max(sharded[2]) / 2**20:.0f} MiB (its publisher and NIXL agent), gathered "
+        f"{max(gathered[2]) / 2**20:.0f} MiB: the gather's full copy is the "
+        f"{(max(gathered[2]) - max(sharded[2])) / model:.2f} models between them; "
+        f"no full-model copy on any rank with sharded: "
+        f"{'met' if max(sharded[2]) < 0.5 * model else 'NOT met'}\n"
+    )
+    body = (
+        f"A model of {model / 2**20:.1f} MiB float32 ({layers} layers, hidden {hidden}), "
+        f"median of {args.generations} generations.\n\nOne host, UCX over TCP loopback:\n\n"
+        f"{table}\n\n"
+    )
     if cluster:
         on = run_cluster(layout, args.generations, args.mbit, model)
-        rows = [[way, f"{seconds:.2f}", f"{seconds / on['relayed'][0]:.2f}", f"{engine:.2f}",
-                 f"{rank:.2f}"] for way, (seconds, engine, rank) in on.items()]
-        body += (f"Emulated cluster: 4 rank hosts and 4 engine hosts, links of {args.mbit} "
-                 f"Mbit/s each way:\n\n"
-                 + markdown(["way", "s / generation", "vs relayed", "busiest engine link in "
-                             "(models)", "busiest rank link out (models)"], rows) + "\n\n")
+        rows = [
+            [
+                way,
+                f"{seconds:.2f}",
+                f"{seconds / on['relayed'][0]:.2f}",
+                f"{engine:.2f}",
+                f"{rank:.2f}",
+            ]
+            for way, (seconds, engine, rank) in on.items()
+        ]
+        body += (
+            f"Emulated cluster: 4 rank hosts and 4 engine hosts, links of {args.mbit} "
+            f"Mbit/s each way:\n\n"
+            + markdown(
+                [
+                    "way",
+                    "s / generation",
+                    "vs relayed",
+                    "busiest engine link in (models)",
+                    "busiest rank link out (models)",
+                ],
+                rows,
+            )
+            + "\n\n"
+        )
         ratio = on["sharded"][0] / on["relayed"][0]
-        notes += (f"- time on the emulated cluster: sharded {ratio:.2f}x the whole-model relay "
-                  f"(goal <= 1/{TP} + 10% = {1 / TP + 0.1:.2f}): "
-                  f"{'met' if ratio <= 1 / TP + 0.1 else 'NOT met'}\n")
+        notes += (
+            f"- time on the emulated cluster: sharded {ratio:.2f}x the whole-model relay "
+            f"(goal <= 1/{TP} + 10% = {1 / TP + 0.1:.2f}): "
+            f"{'met' if ratio <= 1 / TP + 0.1 else 'NOT met'}\n"
+        )
     body += notes
     print(body)
     if not args.no_doc:
         replace_section(DOC, SECTION, body, notes="Method:")
+
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ checks that memory and fds are back to their baseline afterwards.
 
 Usage: python benchmarks/stress.py [--consumers 8] [--tensors 10000] [--bytes 4096] [--window 64]
 """
+
 import argparse
 import json
 import os
@@ -60,8 +61,9 @@ def run(consumers: int, tensors: int, nbytes: int, window: int) -> dict:
     torch.accelerator.synchronize()
     inboxes = [ctx.Queue() for _ in range(consumers)]
     outbox = ctx.Queue()
-    procs = [ctx.Process(target=consumer, args=(inbox, outbox, window), daemon=True)
-             for inbox in inboxes]
+    procs = [
+        ctx.Process(target=consumer, args=(inbox, outbox, window), daemon=True) for inbox in inboxes
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -87,8 +89,11 @@ def run(consumers: int, tensors: int, nbytes: int, window: int) -> dict:
             proc.join(TIMEOUT)
         back = _settle(memory, sent)
         result = {
-            "consumers": consumers, "tensors_per_consumer": tensors, "bytes": nbytes,
-            "window": window, "seconds": round(elapsed, 2),
+            "consumers": consumers,
+            "tensors_per_consumer": tensors,
+            "bytes": nbytes,
+            "window": window,
+            "seconds": round(elapsed, 2),
             "tensors_per_s": round(consumers * tensors / elapsed),
             "peak_allocated_mib": round((torch.openreg.max_memory_allocated() - memory) / 2**20, 2),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -118,8 +123,12 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     result = run(options.consumers, options.tensors, options.bytes, options.window)
     print(json.dumps(result))
-    ok = result["checksums_ok"] and result["memory_back"] and result["fds_back"] \
+    ok = (
+        result["checksums_ok"]
+        and result["memory_back"]
+        and result["fds_back"]
         and result["exit_codes"] == [0] * options.consumers
+    )
     return 0 if ok else 1
 
 

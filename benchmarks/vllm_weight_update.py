@@ -18,6 +18,7 @@ its default way, engine core and worker in processes of their own; the trainer i
 Medians over the rounds. vLLM logs to stdout: the table is the lines that begin with "|".
 Usage: python benchmarks/vllm_weight_update.py [--sizes tiny 1gb]
 """
+
 import argparse
 import importlib
 import io
@@ -36,10 +37,14 @@ import torch
 
 from devipc._tools._bench.common import median_seconds, memcpy_seconds
 
-SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      vocab_size=256, rounds=7),
-         "1gb": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                     vocab_size=32000, rounds=3)}
+SIZES = {
+    "tiny": dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=256, rounds=7
+    ),
+    "1gb": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, vocab_size=32000, rounds=3
+    ),
+}
 
 
 def load_state_dict(worker, payload: bytes) -> float:
@@ -60,8 +65,6 @@ def load_state_dict(worker, payload: bytes) -> float:
     return time.perf_counter() - start
 
 
-
-
 def measure(size: str) -> dict[str, float]:
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm import LLM
@@ -74,15 +77,26 @@ def measure(size: str) -> dict[str, float]:
 
     shape = dict(SIZES[size])
     rounds = shape.pop("rounds")
-    config = LlamaConfig(num_attention_heads=shape["hidden_size"] // 64,
-                         num_key_value_heads=shape["hidden_size"] // 64,
-                         max_position_embeddings=128, tie_word_embeddings=False,
-                         architectures=["LlamaForCausalLM"], **shape)
+    config = LlamaConfig(
+        num_attention_heads=shape["hidden_size"] // 64,
+        num_key_value_heads=shape["hidden_size"] // 64,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        **shape,
+    )
     with tempfile.TemporaryDirectory() as directory:
         config.save_pretrained(directory)
-        llm = LLM(model=directory, load_format="dummy", dtype="float32", enforce_eager=True,
-                  skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
-                  weight_transfer_config=WeightTransferConfig(backend="devipc"))
+        llm = LLM(
+            model=directory,
+            load_format="dummy",
+            dtype="float32",
+            enforce_eager=True,
+            skip_tokenizer_init=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            weight_transfer_config=WeightTransferConfig(backend="devipc"),
+        )
     trainer = LlamaForCausalLM(config).float()
     devipc.pack_module(trainer)
     nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
@@ -90,10 +104,13 @@ def measure(size: str) -> dict[str, float]:
     client = LLMClient(llm)
     for checksum in (True, False):
         sync = WeightTransferTrainerFactory.trainer_init(
-            DevipcTrainerInitInfo(rank=0, checksum=checksum, timeout=600), client=client,
-            source=ModuleSource(trainer))
-        found[f"devipc{'' if checksum else ' (no checksum)'}"] = median_seconds(sync.send_weights,
-                                                                       rounds)
+            DevipcTrainerInitInfo(rank=0, checksum=checksum, timeout=600),
+            client=client,
+            source=ModuleSource(trainer),
+        )
+        found[f"devipc{'' if checksum else ' (no checksum)'}"] = median_seconds(
+            sync.send_weights, rounds
+        )
         sync.shutdown()
     function = importlib.import_module("vllm_weight_update").load_state_dict  # by name there
     loads: list[float] = []
@@ -120,18 +137,21 @@ def main() -> None:
         found = measure(size)
         floor = found["memcpy"] + found["load_weights"]
         rows.append((size, found, floor))
-    print("| model | bytes | devipc | devipc, no checksum | state dict | load_weights alone | "
-          "memcpy | state dict / devipc | devipc / (memcpy + load_weights) |")
+    print(
+        "| model | bytes | devipc | devipc, no checksum | state dict | load_weights alone | "
+        "memcpy | state dict / devipc | devipc / (memcpy + load_weights) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size, found, floor in rows:
-        ms = {name: f"{seconds * 1e3:.1f} ms" for name, seconds in found.items()
-              if name != "bytes"}
-        print(f"| {size} | {found['bytes'] / 2**20:.1f} MiB | {ms['devipc']} | "
-              f"{ms['devipc (no checksum)']} | {ms['state dict']} | {ms['load_weights']} | "
-              f"{ms['memcpy']} | {found['state dict'] / found['devipc']:.1f}x "
-              f"({found['state dict'] / found['devipc (no checksum)']:.1f}x without checksum) | "
-              f"{found['devipc'] / floor:.2f}x "
-              f"({found['devipc (no checksum)'] / floor:.2f}x without checksum) |")
+        ms = {name: f"{seconds * 1e3:.1f} ms" for name, seconds in found.items() if name != "bytes"}
+        print(
+            f"| {size} | {found['bytes'] / 2**20:.1f} MiB | {ms['devipc']} | "
+            f"{ms['devipc (no checksum)']} | {ms['state dict']} | {ms['load_weights']} | "
+            f"{ms['memcpy']} | {found['state dict'] / found['devipc']:.1f}x "
+            f"({found['state dict'] / found['devipc (no checksum)']:.1f}x without checksum) | "
+            f"{found['devipc'] / floor:.2f}x "
+            f"({found['devipc (no checksum)'] / floor:.2f}x without checksum) |"
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Subscribers and engines live on openreg:1, the publisher on openreg:0, as in an 
 median is over all of a kind's samples.
 Usage: python benchmarks/weight_publisher.py [--generations N] [--only-nixl]
 """
+
 import argparse
 import os
 import shutil
@@ -131,7 +132,6 @@ def generations(weights, subs, mode, count):
     return times, [receive(conn) for conn in subs]
 
 
-
 def many_tensors(inbox, done, tensors, how):
     """(d): seconds from the producer's first call until the consumer holds them all."""
     devipc.ipc_collect()
@@ -160,8 +160,10 @@ def nixl_subscriber(commands, replies):
 
     token, metadata, descriptor = commands.recv()
     pulls, reads = [], []
-    with devipc.WeightSubscriber(token, device=ENGINE) as sub, \
-            p2p.Endpoint(transport="nixl") as endpoint:
+    with (
+        devipc.WeightSubscriber(token, device=ENGINE) as sub,
+        p2p.Endpoint(transport="nixl") as endpoint,
+    ):
         connection = endpoint.connect(metadata)
         local, local_id = p2p.create_tensor((NIXL_BYTES,), torch.uint8, ENGINE)
         replies.send("ready")
@@ -192,22 +194,34 @@ def nixl_row():
         return [["(e) nixl: skipped", str(error), "", ""]], None
     os.environ.update(LOOPBACK)
     unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
-    if shutil.which("unshare") is None or subprocess.run(
-            [*unshare, "true"], capture_output=True).returncode != 0:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0
+    ):
         unshare = []  # the subscriber is then only another process
     ours_in, theirs_out = os.pipe()
     theirs_in, ours_out = os.pipe()
-    proc = subprocess.Popen([*unshare, sys.executable, os.path.abspath(__file__),
-                             "--nixl-subscriber", str(theirs_in), str(theirs_out)],
-                            pass_fds=(theirs_in, theirs_out))
+    proc = subprocess.Popen(
+        [
+            *unshare,
+            sys.executable,
+            os.path.abspath(__file__),
+            "--nixl-subscriber",
+            str(theirs_in),
+            str(theirs_out),
+        ],
+        pass_fds=(theirs_in, theirs_out),
+    )
     os.close(theirs_in)
     os.close(theirs_out)
     commands, replies = Connection(ours_out), Connection(ours_in)
     try:
         weights = packed_tensors(64, NIXL_BYTES // 64 // 4)
         storage = next(iter(weights.values())).untyped_storage()
-        with devipc.WeightPublisher(weights, transport="nixl") as publisher, \
-                p2p.Endpoint(transport="nixl") as endpoint:
+        with (
+            devipc.WeightPublisher(weights, transport="nixl") as publisher,
+            p2p.Endpoint(transport="nixl") as endpoint,
+        ):
             plain = endpoint.advertise(p2p.get_tensor_id_by_tensor(storage))
             commands.send((publisher.token(), endpoint.metadata(), plain))
             assert receive(replies) == "ready"
@@ -229,14 +243,24 @@ def nixl_row():
     pull = NIXL_BYTES / statistics.median(pulls[2:]) / 1e9
     read = NIXL_BYTES / statistics.median(reads[2:]) / 1e9
     where = "own PID namespace" if unshare else "another process"
-    return [[f"(e) nixl: subscriber pull of 64 MiB ({where})", f"{pull:.2f} GB/s",
-             f"NIXL read {read:.2f} GB/s", f"{pull / read:.2f}x of NIXL read"]], pull / read
+    return [
+        [
+            f"(e) nixl: subscriber pull of 64 MiB ({where})",
+            f"{pull:.2f} GB/s",
+            f"NIXL read {read:.2f} GB/s",
+            f"{pull / read:.2f}x of NIXL read",
+        ]
+    ], pull / read
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--generations", type=int, default=30,
-                        help="(a), (b): timed round trips and generations per round")
+    parser.add_argument(
+        "--generations",
+        type=int,
+        default=30,
+        help="(a), (b): timed round trips and generations per round",
+    )
     parser.add_argument("--only-nixl", action="store_true", help="run (e) alone")
     parser.add_argument("--nixl-subscriber", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -276,13 +300,20 @@ def main():
         rows.append(["(a) tiny object, Queue ping-pong", f"{queue * 1e6:.0f} µs", "", "1.00x"])
         per_generation = {count: statistics.median(times) for count, times in gens.items()}
         for count, seconds in per_generation.items():
-            rows.append([f"(b) publish, {count:,} tensors, 2 subscribers (views, ack)",
-                         f"{seconds * 1e6:.0f} µs", f"first {first[count] * 1e3:.1f} ms",
-                         f"{seconds / queue:.2f}x of (a)"])
+            rows.append(
+                [
+                    f"(b) publish, {count:,} tensors, 2 subscribers (views, ack)",
+                    f"{seconds * 1e6:.0f} µs",
+                    f"first {first[count] * 1e3:.1f} ms",
+                    f"{seconds / queue:.2f}x of (a)",
+                ]
+            )
 
         note("(c) 240 MiB: 2 engines copy_into, then 1 alone")
-        cpu = {n: torch.randn(s, generator=torch.Generator().manual_seed(0))
-               for n, s in transformer_shapes(256 << 20)}
+        cpu = {
+            n: torch.randn(s, generator=torch.Generator().manual_seed(0))
+            for n, s in transformer_shapes(256 << 20)
+        }
         weights = devipc.pack({n: t.to("openreg:0") for n, t in cpu.items()})
         nbytes = sum(t.nbytes for t in weights.values())
         del cpu
@@ -294,16 +325,30 @@ def main():
         memcpy = nbytes / memcpy_seconds(nbytes) / 1e9
         mib = f"{nbytes / 2**20:.0f} MiB"
         per_engine = []
-        for what, (times, _) in [*((f"engine {i}, both at once", r) for i, r in
-                                   enumerate(replies)), ("1 engine alone", alone[0])]:
+        for what, (times, _) in [
+            *((f"engine {i}, both at once", r) for i, r in enumerate(replies)),
+            ("1 engine alone", alone[0]),
+        ]:
             rate = nbytes / statistics.median(times[1:]) / 1e9
             per_engine.append(rate / memcpy)
-            rows.append([f"(c) copy_into {mib}, {what}", f"{rate:.2f} GB/s",
-                         f"memcpy {memcpy:.2f} GB/s", f"{rate / memcpy:.2f}x of memcpy"])
+            rows.append(
+                [
+                    f"(c) copy_into {mib}, {what}",
+                    f"{rate:.2f} GB/s",
+                    f"memcpy {memcpy:.2f} GB/s",
+                    f"{rate / memcpy:.2f}x of memcpy",
+                ]
+            )
         alone_rate = per_engine.pop()
         together = 2 * nbytes / statistics.median(both[1:]) / 1e9
-        rows.append([f"(c) both engines together: 2 x {mib} / publish time", f"{together:.2f} GB/s",
-                     f"memcpy {memcpy:.2f} GB/s", f"{together / memcpy:.2f}x of memcpy"])
+        rows.append(
+            [
+                f"(c) both engines together: 2 x {mib} / publish time",
+                f"{together:.2f} GB/s",
+                f"memcpy {memcpy:.2f} GB/s",
+                f"{together / memcpy:.2f}x of memcpy",
+            ]
+        )
 
         note("(d) 1,000 tensors, 7 MiB: one bucket against per-tensor handles")
         runs = {"bucket": [], "per-tensor": []}
@@ -315,9 +360,14 @@ def main():
                 if round_:
                     times.append(seconds)
         bucket, single = (statistics.median(times) for times in runs.values())
-        rows.append(["(d) share_tensors(copy=True) of 1,000 (7 MiB), opened",
-                     f"{bucket * 1e3:.1f} ms", f"per-tensor {single * 1e3:.1f} ms",
-                     f"{single / bucket:.1f}x faster"])
+        rows.append(
+            [
+                "(d) share_tensors(copy=True) of 1,000 (7 MiB), opened",
+                f"{bucket * 1e3:.1f} ms",
+                f"per-tensor {single * 1e3:.1f} ms",
+                f"{single / bucket:.1f}x faster",
+            ]
+        )
 
         note("(e) NIXL: 64 MiB pulled by a subscriber, against a plain NIXL read")
         nixl_rows, nixl_ratio = nixl_row()
@@ -336,10 +386,14 @@ def main():
                 proc.join(TIMEOUT)
     print(markdown(["what", "median", "against", "ratio"], rows))
     b1, b10 = per_generation[1000], per_generation[10000]
-    print(f"\n(b) <= 2x (a): 1,000 {b1 / queue:.2f}x, 10,000 {b10 / queue:.2f}x; "
-          f"10,000 / 1,000 = {b10 / b1:.2f} (target <= 1.5)")
-    print(f"(c) >= 0.70x memcpy per engine: {', '.join(f'{r:.2f}x' for r in per_engine)} "
-          f"(both at once), {alone_rate:.2f}x alone")
+    print(
+        f"\n(b) <= 2x (a): 1,000 {b1 / queue:.2f}x, 10,000 {b10 / queue:.2f}x; "
+        f"10,000 / 1,000 = {b10 / b1:.2f} (target <= 1.5)"
+    )
+    print(
+        f"(c) >= 0.70x memcpy per engine: {', '.join(f'{r:.2f}x' for r in per_engine)} "
+        f"(both at once), {alone_rate:.2f}x alone"
+    )
     print(f"(d) >= 10x: {single / bucket:.1f}x")
     if nixl_ratio is not None:
         print(f"(e) >= 0.80x NIXL read: {nixl_ratio:.2f}x")

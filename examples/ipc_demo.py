@@ -3,6 +3,7 @@
 Run with `make demo`. Nothing here is openreg-specific except the device name: a vendor's device
 with IPC hooks works the same way.
 """
+
 import torch
 import torch.multiprocessing as mp
 
@@ -14,7 +15,7 @@ TIMEOUT = 60
 
 def consumer(name, inbox, outbox):
     tensor = inbox.get(timeout=TIMEOUT)
-    again = inbox.get(timeout=TIMEOUT)   # the same tensor, sent a second time
+    again = inbox.get(timeout=TIMEOUT)  # the same tensor, sent a second time
     outbox.put((name, tensor.data_ptr() == again.data_ptr(), devipc.received_via_ipc(tensor)))
     tensor[int(name[-1])] = 100 + int(name[-1])  # write into the producer's memory
     torch.accelerator.synchronize()
@@ -27,8 +28,12 @@ def consumer(name, inbox, outbox):
 
 def main():
     print("== the device ==")
-    print("accelerator:", torch.accelerator.current_accelerator(),
-          "devices:", torch.accelerator.device_count())
+    print(
+        "accelerator:",
+        torch.accelerator.current_accelerator(),
+        "devices:",
+        torch.accelerator.device_count(),
+    )
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device="openreg")
     print("x + 2 on", (x + 2).device, "->", (x + 2).cpu().tolist())
 
@@ -37,8 +42,10 @@ def main():
     baseline = torch.accelerator.memory_allocated()
     shared = torch.zeros(4, device="openreg")
     queues = [(ctx.Queue(), ctx.Queue()) for _ in range(2)]
-    procs = [ctx.Process(target=consumer, args=(f"consumer{i}", *q), daemon=True)
-             for i, q in enumerate(queues)]
+    procs = [
+        ctx.Process(target=consumer, args=(f"consumer{i}", *q), daemon=True)
+        for i, q in enumerate(queues)
+    ]
     try:
         for proc in procs:
             proc.start()
@@ -47,8 +54,10 @@ def main():
             inbox.put(shared)
         for _, outbox in queues:
             name, cache_hit, received = outbox.get(timeout=TIMEOUT)
-            print(f"{name}: second send reused the first mapping: {cache_hit}; "
-                  f"received via IPC: {received}")
+            print(
+                f"{name}: second send reused the first mapping: {cache_hit}; "
+                f"received via IPC: {received}"
+            )
         for _, outbox in queues:
             assert outbox.get(timeout=TIMEOUT) == "written"
         print("producer sees the consumers' writes:", shared.cpu().tolist())
@@ -69,13 +78,17 @@ def main():
                 proc.kill()
 
     print("\n== memory comes back ==")
-    print(f"allocated while shared: {torch.accelerator.memory_allocated() - baseline} bytes "
-          f"above baseline")
+    print(
+        f"allocated while shared: {torch.accelerator.memory_allocated() - baseline} bytes "
+        f"above baseline"
+    )
     del shared
     freed = devipc.ipc_collect()
-    print(f"after the consumers released and the producer dropped it: "
-          f"{torch.accelerator.memory_allocated() - baseline} bytes above baseline "
-          f"({freed} sent storages freed)")
+    print(
+        f"after the consumers released and the producer dropped it: "
+        f"{torch.accelerator.memory_allocated() - baseline} bytes above baseline "
+        f"({freed} sent storages freed)"
+    )
 
 
 if __name__ == "__main__":

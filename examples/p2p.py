@@ -7,6 +7,7 @@ and writes it one-sidedly (the owner's code does not run for that), then sees th
 Metadata and descriptors are plain bytes: here they go through a pipe, anywhere they could go
 through a socket or a torch.distributed store.
 """
+
 import sys
 
 import torch
@@ -24,13 +25,21 @@ def owner(conn, device):
     tensor.copy_(torch.arange(8.0).view(2, 4))
     endpoint = p2p.Endpoint()
     print(f"owner: registered tensor {tensor_id} on {tensor.device}:\n{tensor.cpu()}")
-    conn.send((endpoint.metadata(), endpoint.advertise(tensor), endpoint.advertise(tensor[0]),
-               endpoint.advertise(tensor_id, offset=16, nbytes=16)))  # row 1, by id and bytes
+    conn.send(
+        (
+            endpoint.metadata(),
+            endpoint.advertise(tensor),
+            endpoint.advertise(tensor[0]),
+            endpoint.advertise(tensor_id, offset=16, nbytes=16),
+        )
+    )  # row 1, by id and bytes
     assert conn.poll(TIMEOUT) and conn.recv() == "written"
     print(f"owner: the peer wrote row 0 while this process did nothing:\n{tensor.cpu()}")
     p2p.free_tensor(tensor)
-    print(f"owner: freed tensor {tensor_id} (deregistered; the memory stays until the peer "
-          f"lets go of its mapping)")
+    print(
+        f"owner: freed tensor {tensor_id} (deregistered; the memory stays until the peer "
+        f"lets go of its mapping)"
+    )
     conn.send("freed")
     assert conn.poll(TIMEOUT) and conn.recv() == "done"
     endpoint.close()
@@ -49,8 +58,10 @@ def peer(conn, device):
     print(f"peer: read row 1 alone: {row.cpu().tolist()}")
     transfer = connection.write_async(torch.full((4,), -1.0, device=device), row0)
     transfer.wait(TIMEOUT)
-    print(f"peer: wrote row 0 (async, done: {transfer.done()}); mapped: "
-          f"{connection.mapped()} registration(s)")
+    print(
+        f"peer: wrote row 0 (async, done: {transfer.done()}); mapped: "
+        f"{connection.mapped()} registration(s)"
+    )
     conn.send("written")
     assert conn.poll(TIMEOUT) and conn.recv() == "freed"
     try:
@@ -59,8 +70,10 @@ def peer(conn, device):
         print(f"peer: reading again raised RemoteTensorFreedError: {error}")
     torch.accelerator.synchronize()
     devipc.ipc_collect()  # run the releases now instead of in the background
-    print(f"peer: mapped now: {connection.mapped()} registration(s), devipc holds "
-          f"{devipc.stats()['mapped']} mapping(s)")
+    print(
+        f"peer: mapped now: {connection.mapped()} registration(s), devipc holds "
+        f"{devipc.stats()['mapped']} mapping(s)"
+    )
     conn.send("done")
     endpoint.close()
 
@@ -69,8 +82,10 @@ def main():
     device = sys.argv[1] if len(sys.argv) > 1 else "openreg"
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    procs = [ctx.Process(target=owner, args=(ours, device)),
-             ctx.Process(target=peer, args=(theirs, device))]
+    procs = [
+        ctx.Process(target=owner, args=(ours, device)),
+        ctx.Process(target=peer, args=(theirs, device)),
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:

@@ -13,6 +13,7 @@ hosts (each engine pulls a generation with one-sided NIXL reads), the default is
 one (engines map the trainer's memory). Run: `.venv/bin/python examples/ray_weight_sync.py
 [--transport nixl]`; it starts a local Ray cluster and stops it.
 """
+
 import argparse
 import os
 
@@ -32,8 +33,9 @@ devipc.ray.register_transport()  # before the classes: ray.method checks the nam
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 4)).to("openreg")
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(
+        "openreg"
+    )
 
 
 def sums(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -94,17 +96,26 @@ class Engine:
 class Evaluator:
     def evaluate(self, weights: list[torch.Tensor]) -> tuple[list[float], bool]:
         """Sums of the weights it was handed, and whether they are another process's memory."""
-        return ([t.double().sum().item() for t in weights],
-                all(devipc.received_via_ipc(t) for t in weights))
+        return (
+            [t.double().sum().item() for t in weights],
+            all(devipc.received_via_ipc(t) for t in weights),
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transport", choices=("ipc", "nixl"), default="ipc",
-                        help="the publisher's path: one host (ipc) or across hosts (nixl)")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT,
-                        help="seconds every wait and get may take (actors start slowly on a "
-                             "busy machine)")
+    parser.add_argument(
+        "--transport",
+        choices=("ipc", "nixl"),
+        default="ipc",
+        help="the publisher's path: one host (ipc) or across hosts (nixl)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=TIMEOUT,
+        help="seconds every wait and get may take (actors start slowly on a busy machine)",
+    )
     args = parser.parse_args()
     timeout = args.timeout
     here = os.path.dirname(os.path.abspath(__file__))
@@ -114,20 +125,26 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         trainer = Trainer.remote(args.transport, timeout)
-        engines = [Engine.remote(ray.get(trainer.token.remote(), timeout=timeout), timeout)
-                   for _ in range(ENGINES)]
+        engines = [
+            Engine.remote(ray.get(trainer.token.remote(), timeout=timeout), timeout)
+            for _ in range(ENGINES)
+        ]
         ray.get(trainer.wait_engines.remote(ENGINES), timeout=timeout)
         for step in range(STEPS):
             (generation, expected), *seen = ray.get(
                 [trainer.step.remote(step)] + [engine.update.remote() for engine in engines],
-                timeout=timeout)
+                timeout=timeout,
+            )
             matched = all(got == (generation, expected) for got in seen)
-            print(f"step {step}: generation {generation}, {len(seen)} engines "
-                  f"{'match' if matched else 'DIFFER FROM'} the trainer")
+            print(
+                f"step {step}: generation {generation}, {len(seen)} engines "
+                f"{'match' if matched else 'DIFFER FROM'} the trainer"
+            )
             if not matched:
                 raise SystemExit(f"an engine's weights differ at generation {generation}")
-        latest, mapped = ray.get(Evaluator.remote().evaluate.remote(trainer.weights.remote()),
-                                 timeout=timeout)
+        latest, mapped = ray.get(
+            Evaluator.remote().evaluate.remote(trainer.weights.remote()), timeout=timeout
+        )
         if latest != list(expected.values()) or not mapped:
             raise SystemExit("the evaluator did not get the trainer's newest weights zero-copy")
         print("the evaluator read the trainer's newest weights through DEVIPC, zero-copy")

@@ -17,6 +17,7 @@ to bf16 for engine 1). Several engine processes on one host: give each its share
 (`torch.set_num_threads`, or OMP_NUM_THREADS before it starts), or they fight over them.
 Run: `.venv/bin/python examples/rl_weight_sync.py`.
 """
+
 import math
 import time
 
@@ -106,7 +107,7 @@ class ServingGPT(TinyGPT):
                 for shard, part in enumerate(PARTS):
                     if f".{part}." in name:
                         fused = params[name.replace(f".{part}.", ".qkv.")]
-                        fused[shard * WIDTH:(shard + 1) * WIDTH].copy_(tensor)
+                        fused[shard * WIDTH : (shard + 1) * WIDTH].copy_(tensor)
                         break
                 else:
                     params[name].copy_(tensor)
@@ -116,8 +117,10 @@ class ServingGPT(TinyGPT):
         for name, tensor in self.state_dict().items():
             if ".qkv." in name:
                 for shard, part in enumerate(PARTS):
-                    yield name.replace(".qkv.", f".{part}."), \
-                        tensor[shard * WIDTH:(shard + 1) * WIDTH]
+                    yield (
+                        name.replace(".qkv.", f".{part}."),
+                        tensor[shard * WIDTH : (shard + 1) * WIDTH],
+                    )
             else:
                 yield name, tensor
 
@@ -125,8 +128,10 @@ class ServingGPT(TinyGPT):
 def sums(named, dtype=None):
     """Each tensor's sum (in `dtype` first, if given), as a Python float: what the trainer and
     engines compare."""
-    return {name: (t.detach() if dtype is None else t.detach().to(dtype)).double().sum().item()
-            for name, t in named}
+    return {
+        name: (t.detach() if dtype is None else t.detach().to(dtype)).double().sum().item()
+        for name, t in named
+    }
 
 
 def engine(conn, token, index):
@@ -173,8 +178,9 @@ def main():
         with devipc.WeightPublisher(model) as publisher:  # copy=False: engines read our memory
             for index in range(ENGINES):
                 ours, theirs = ctx.Pipe()
-                proc = ctx.Process(target=engine, args=(theirs, publisher.token(), index),
-                                   daemon=True)
+                proc = ctx.Process(
+                    target=engine, args=(theirs, publisher.token(), index), daemon=True
+                )
                 proc.start()
                 theirs.close()
                 procs.append(proc)
@@ -184,8 +190,9 @@ def main():
             for step in range(STEPS):
                 tokens = torch.randint(0, VOCAB, (8, CONTEXT + 1), device="openreg:0")
                 logits = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                         tokens[:, 1:].reshape(-1))
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)
+                )
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()  # writes the packed weights in place
@@ -198,11 +205,15 @@ def main():
                     want = expected[index]
                     if seen != generation or engine_sums != want:
                         wrong = [n for n in want if engine_sums.get(n) != want[n]]
-                        raise SystemExit(f"engine {index} differs from the trainer at step "
-                                         f"{step} (generation {seen}): {wrong[:5]}")
+                        raise SystemExit(
+                            f"engine {index} differs from the trainer at step "
+                            f"{step} (generation {seen}): {wrong[:5]}"
+                        )
                     served.append(next_token)
-                print(f"step {step}: loss {loss.item():.4f}, generation {generation}, "
-                      f"{ENGINES} engines match the trainer (next tokens {served})")
+                print(
+                    f"step {step}: loss {loss.item():.4f}, generation {generation}, "
+                    f"{ENGINES} engines match the trainer (next tokens {served})"
+                )
         for conn in conns:  # the publisher is closed: each engine's wait ended
             assert receive(conn) == "done"
         for proc in procs:

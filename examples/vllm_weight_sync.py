@@ -16,6 +16,7 @@ generates: the trainer teaches the model to repeat one token, and vLLM's greedy 
 Run (after `pip install 'devipc[vllm]'`, or `make setup` in a clone):
 `.venv/bin/python examples/vllm_weight_sync.py`. The model is made from a config: no download.
 """
+
 import os
 import tempfile
 
@@ -33,8 +34,13 @@ import devipc
 from devipc.vllm import DevipcTrainerInitInfo, LLMClient, weights_in_use
 
 STEPS, PROMPT, REPEAT = 3, [1, 17, 42, 99, 5], 7
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 def as_vllm_holds(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,19 +55,32 @@ def as_vllm_holds(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         tie_word_embeddings=False, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    )
     trainer = LlamaForCausalLM(config).float()
     with tempfile.TemporaryDirectory() as directory:
         trainer.save_pretrained(directory)  # the engine starts from the same weights
-        llm = LLM(model=directory, dtype="float32", enforce_eager=True, max_model_len=128,
-                  skip_tokenizer_init=True, weight_transfer_config=WeightTransferConfig(
-                      backend="devipc"))
+        llm = LLM(
+            model=directory,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=128,
+            skip_tokenizer_init=True,
+            weight_transfer_config=WeightTransferConfig(backend="devipc"),
+        )
     devipc.pack_module(trainer)  # once: the weights in one allocation, published as they lie
     optimizer = torch.optim.SGD(trainer.parameters(), lr=1.0)
     sync = WeightTransferTrainerFactory.trainer_init(
-        DevipcTrainerInitInfo(rank=0), client=LLMClient(llm), source=ModuleSource(trainer))
+        DevipcTrainerInitInfo(rank=0), client=LLMClient(llm), source=ModuleSource(trainer)
+    )
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     matched = True
     for step in range(STEPS):
@@ -73,17 +92,26 @@ def main() -> None:
 
         sync.send_weights(weight_version=f"step {step}")  # start, update, finish on the engine
         held = llm.apply_model(weights_in_use)[0]
-        same = all(torch.equal(held[name], tensor)
-                   for name, tensor in as_vllm_holds(trainer).items())
+        same = all(
+            torch.equal(held[name], tensor) for name, tensor in as_vllm_holds(trainer).items()
+        )
         matched &= same
-        tokens = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], greedy,
-                              use_tqdm=False)[0].outputs[0].token_ids
-        print(f"step {step}: engine weights {'equal' if same else 'DIFFER FROM'} the trainer's "
-              f"(version {llm.get_weight_version()!r}); greedy answer {list(tokens)}")
+        tokens = (
+            llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], greedy, use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+        print(
+            f"step {step}: engine weights {'equal' if same else 'DIFFER FROM'} the trainer's "
+            f"(version {llm.get_weight_version()!r}); greedy answer {list(tokens)}"
+        )
     sync.shutdown()
     llm.llm_engine.engine_core.shutdown()
-    print("the engine held the trainer's weights at every step" if matched else
-          "the engine's weights differed from the trainer's")
+    print(
+        "the engine held the trainer's weights at every step"
+        if matched
+        else "the engine's weights differed from the trainer's"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Builds the reference device: the torch-free runtime `libopenreg.so`, then the PyTorch glue `_C`
 linked against it (rpath $ORIGIN), both inside the `devipc_openreg` package."""
+
 import glob
 import os
 import shutil
@@ -42,8 +43,21 @@ def build_runtime(out_dir):
     target = os.path.join(out_dir, "libopenreg.so")
     tmp = target + ".tmp"
     print("runtime: building libopenreg.so", file=sys.stderr, flush=True)
-    subprocess.check_call(["c++", *RUNTIME_FLAGS, "-fPIC", "-shared", "-pthread", "-s",
-                           *RUNTIME_SOURCES, "-o", tmp, "-Wl,-soname,libopenreg.so"], cwd=HERE)
+    subprocess.check_call(
+        [
+            "c++",
+            *RUNTIME_FLAGS,
+            "-fPIC",
+            "-shared",
+            "-pthread",
+            "-s",
+            *RUNTIME_SOURCES,
+            "-o",
+            tmp,
+            "-Wl,-soname,libopenreg.so",
+        ],
+        cwd=HERE,
+    )
     os.replace(tmp, target)  # atomic: a process using the old library keeps its mapping
     return out_dir
 

@@ -3,6 +3,7 @@ them and name the check. `python -m devipc.conformance --hooks-module _broken_ho
 in every process of the kit (its own, its peers, DataLoader workers), after torch's autoload
 registered openreg's own hooks, so these replace them everywhere. DEVIPC_BROKEN_HOOKS says how
 they are broken."""
+
 import os
 import threading
 
@@ -96,9 +97,16 @@ class EventsWithoutEventHooks(OpenRegIpcHooks):
     wait_ipc_event = IpcHooks.wait_ipc_event
 
 
-BROKEN = {"offset": OffsetOffByOne, "no_event_wait": NoEventWait, "open_hangs": OpenHangs,
-          "worker_share_hangs": WorkerShareHangs, "close_keeps_mapping": CloseKeepsMapping,
-          "always_device_zero": AlwaysDeviceZero, "supports_ipc_raises": SupportsIpcRaises,
-          "handles_repeat": HandlesRepeat, "only_supports_ipc": OnlySupportsIpc,
-          "events_without_event_hooks": EventsWithoutEventHooks}
+BROKEN = {
+    "offset": OffsetOffByOne,
+    "no_event_wait": NoEventWait,
+    "open_hangs": OpenHangs,
+    "worker_share_hangs": WorkerShareHangs,
+    "close_keeps_mapping": CloseKeepsMapping,
+    "always_device_zero": AlwaysDeviceZero,
+    "supports_ipc_raises": SupportsIpcRaises,
+    "handles_repeat": HandlesRepeat,
+    "only_supports_ipc": OnlySupportsIpc,
+    "events_without_event_hooks": EventsWithoutEventHooks,
+}
 register_ipc_hooks("openreg", BROKEN[os.environ["DEVIPC_BROKEN_HOOKS"]](), replace=True)

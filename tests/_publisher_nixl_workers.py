@@ -1,5 +1,6 @@
 """The child of test_publisher_nixl.py's Ctrl-C case: a NIXL publisher and its subscriber in one
 process (two endpoints reach each other as across hosts), so a crash is the child's exit code."""
+
 import functools
 import os
 import signal
@@ -66,13 +67,21 @@ def interrupted_pull(conn, nbytes: int) -> None:
     subscriber.ack()
     subscriber.close()
     publisher.close()
-    conn.send({"pull": pull, "latency": latency, "refused": refused, "generation": generation,
-               "whole": whole})
+    conn.send(
+        {
+            "pull": pull,
+            "latency": latency,
+            "refused": refused,
+            "generation": generation,
+            "whole": whole,
+        }
+    )
 
 
 def _sigint_later(after: float, sent: list, timers: list, state) -> None:
     """At the first large post: a process-directed SIGINT (as a terminal's Ctrl-C) `after`
     seconds later, its time put into `sent`."""
+
     def sigint():
         sent.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
@@ -121,8 +130,10 @@ def interrupted_pulls(conn, nbytes: int, runs: int, after: float) -> None:
             subscriber.verify()  # ChecksumError unless the bytes are those published
             results.append({"latency": latency, "generation": got, "expected": generation})
         subscriber.ack()
-    wait_until(lambda: not transport.in_flight,  # the heartbeat's write may be under way
-               lambda: f"{len(transport.in_flight)} NIXL requests still held")
+    wait_until(
+        lambda: not transport.in_flight,  # the heartbeat's write may be under way
+        lambda: f"{len(transport.in_flight)} NIXL requests still held",
+    )
     grown = len(transport._ranges) - ranges
     subscriber.close()
     publisher.close()

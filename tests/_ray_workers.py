@@ -1,6 +1,7 @@
 """Ray actors for tests/test_ray.py: a sender that makes tensors and returns them through devipc's
 transport, a receiver that reads (and writes) what it is given. Importable by Ray's workers (the
 test puts this directory on their PYTHONPATH)."""
+
 import os
 
 import ray
@@ -21,11 +22,14 @@ devipc.ray.register_transport(NETWORK, network=True)
 def sample(device: str, step: float = 0.0) -> list[torch.Tensor]:
     """Tensors of several dtypes and layouts, some views of one storage, one empty."""
     base = torch.arange(24, dtype=torch.float32, device=device) + step
-    return [base, base.view(4, 6)[1:3, ::2], torch.full((5,), 7 + step, dtype=torch.bfloat16,
-                                                         device=device),
-            torch.arange(6, dtype=torch.int64, device=device).reshape(2, 3).t(),
-            torch.tensor([True, False, True], device=device),
-            torch.empty(0, 3, device=device)]
+    return [
+        base,
+        base.view(4, 6)[1:3, ::2],
+        torch.full((5,), 7 + step, dtype=torch.bfloat16, device=device),
+        torch.arange(6, dtype=torch.int64, device=device).reshape(2, 3).t(),
+        torch.tensor([True, False, True], device=device),
+        torch.empty(0, 3, device=device),
+    ]
 
 
 def described(tensors: list[torch.Tensor]) -> list[tuple]:
@@ -75,8 +79,10 @@ class Sender:
         gc.collect()
         devipc.ipc_collect()
         stats = devipc.stats()
-        return {"objects": _manager("DEVIPC").held() + _manager(NETWORK).held(),
-                "sent": stats["sent"]}
+        return {
+            "objects": _manager("DEVIPC").held() + _manager(NETWORK).held(),
+            "sent": stats["sent"],
+        }
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -89,9 +95,11 @@ class Receiver:
 
     def take(self, tensors: list[torch.Tensor], write: bool = False, keep: bool = False) -> dict:
         """What arrived, where, and whether it is the sender's memory (a write is seen there)."""
-        seen = {"devices": sorted({str(t.device) for t in tensors}),
-                "tensors": described(tensors),
-                "received_via_ipc": [devipc.received_via_ipc(t) for t in tensors if t.numel()]}
+        seen = {
+            "devices": sorted({str(t.device) for t in tensors}),
+            "tensors": described(tensors),
+            "received_via_ipc": [devipc.received_via_ipc(t) for t in tensors if t.numel()],
+        }
         if write:
             tensors[0][0] = -1
             torch.accelerator.synchronize()

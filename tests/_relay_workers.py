@@ -1,5 +1,6 @@
 """The processes of tests/test_relay.py, spawned: an engine and a trainer, each driven by
 commands through a pipe; each replies to each command, an error as its exception."""
+
 import hashlib
 import os
 
@@ -23,6 +24,7 @@ def engine(conn) -> None:
     waits for it without acknowledging, ("copy",) copies the held one out and acknowledges,
     ("close",) closes the subscription and replies how many fds are open; ("exit",) ends."""
     import devipc_openreg  # noqa: F401 - the device of the weights
+
     p2p.Endpoint(transport="nixl").close()  # NIXL's first use keeps some fds
     sub = None
     while True:
@@ -64,6 +66,7 @@ def trainer(conn) -> None:
     waits for their subscribers and publishes generation 0 (replies its number); exits at the
     second."""
     import devipc_openreg  # noqa: F401 - the device of the weights
+
     weights = devipc.pack({"w": torch.ones(1 << 18, device="openreg")})
     publisher = devipc.WeightPublisher(weights, transport="nixl", relay=True)
     conn.send([publisher.token() for _ in range(2)])

@@ -1,5 +1,6 @@
 """Child-process bodies of tests/test_sharded.py (spawn must import them): trainer ranks that
 publish their shards of a model whose every generation is known, and an FSDP2 trainer."""
+
 import os
 
 import torch
@@ -11,10 +12,16 @@ import devipc
 def full_model(layout, generation):
     """The whole model at `generation`: distinct values per parameter and generation, exact in
     float32."""
-    return {name: (torch.arange(max(1, torch.Size(param.shape).numel()), dtype=torch.float32)
-                   [:torch.Size(param.shape).numel()].view(param.shape)
-                   + 1000 * generation + 100_000 * index)
-            for index, (name, param) in enumerate(sorted(layout.items()))}
+    return {
+        name: (
+            torch.arange(max(1, torch.Size(param.shape).numel()), dtype=torch.float32)[
+                : torch.Size(param.shape).numel()
+            ].view(param.shape)
+            + 1000 * generation
+            + 100_000 * index
+        )
+        for index, (name, param) in enumerate(sorted(layout.items()))
+    }
 
 
 def shard_of(tensor, box):
@@ -28,8 +35,13 @@ def trainer_rank(conn, rank, layout, engines, device, transport="ipc"):
     import devipc_openreg  # noqa: F401
 
     full = full_model(layout, 0)
-    local = devipc.pack({name: shard_of(full[name], param.box(rank)).to(device)
-                         for name, param in layout.items() if param.box(rank) is not None})
+    local = devipc.pack(
+        {
+            name: shard_of(full[name], param.box(rank)).to(device)
+            for name, param in layout.items()
+            if param.box(rank) is not None
+        }
+    )
     with devipc.ShardedPublisher(local, layout, rank=rank, transport=transport) as publisher:
         conn.send([publisher.token() for _ in range(engines)])
         generation = 0

@@ -7,6 +7,7 @@ checks count only what this run's processes made.
 
 Fixtures built on these live in conftest.py; test modules import this module, never each other.
 """
+
 import contextlib
 import json
 import multiprocessing
@@ -37,6 +38,8 @@ def slowdown_now() -> float:
     """SLOWDOWN, or the load's factor now if the machine got busier since this module was
     imported (xdist workers import it before the suite loads the machine)."""
     return max(SLOWDOWN, _slowdown())
+
+
 TIMEOUT = round(60 * SLOWDOWN)  # seconds; every join, get and wait is bounded by it
 UCX_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL tests talk to this host only
 FRESH_TIMEOUT = round(120 * SLOWDOWN)  # seconds for a fresh interpreter that imports torch
@@ -192,14 +195,17 @@ def _ours(pid: int) -> bool:
                 line = stat.read()
         except (FileNotFoundError, ProcessLookupError):
             return pid in _started  # it (or a parent on the way) exited
-        walked = int(line[line.rfind(b")") + 2:].split()[1])
+        walked = int(line[line.rfind(b")") + 2 :].split()[1])
     return False
 
 
 def fresh_env(**env) -> dict:
     """This process's environment less OPENREG_*, DEVIPC_* and the autoload switch, plus `env`."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("OPENREG_", "DEVIPC_"))
-            and k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OPENREG_", "DEVIPC_")) and k != "TORCH_DEVICE_BACKEND_AUTOLOAD"
+    }
     full.update(env)
     return full
 
@@ -219,8 +225,13 @@ def run_python(code, **env) -> subprocess.CompletedProcess:
 
 def start_python(code, **env) -> subprocess.Popen:
     """Starts `code` as `run_python` does, without waiting: several can run at once."""
-    proc = subprocess.Popen([sys.executable, "-c", code], env=fresh_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=fresh_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _started.add(proc.pid)
     return proc
 
@@ -248,7 +259,7 @@ def process_state(pid: int) -> str:
             line = stat.read()
     except FileNotFoundError:
         return ""
-    return line[line.rfind(b")") + 2:][:1].decode()
+    return line[line.rfind(b")") + 2 :][:1].decode()
 
 
 @contextlib.contextmanager
@@ -271,8 +282,9 @@ def zombie_child(code, **env):
         proc.stderr.close()
 
 
-def wait_until(condition, what, timeout: float = TIMEOUT, poll: float = 0.01,
-               collect: bool = False):
+def wait_until(
+    condition, what, timeout: float = TIMEOUT, poll: float = 0.01, collect: bool = False
+):
     """Polls `condition()` until it is truthy, for effects that happen in the background (the
     collector thread, a killed process's locks); fails the test after `timeout` seconds, saying
     `what` (text, or a function that says what was seen last). With `collect`, each poll runs
@@ -285,8 +297,9 @@ def wait_until(condition, what, timeout: float = TIMEOUT, poll: float = 0.01,
             devipc.ipc_collect()
         if value := condition():
             return value
-        assert time.monotonic() < deadline, \
+        assert time.monotonic() < deadline, (
             f"not within {timeout} s: {what() if callable(what) else what}"
+        )
         time.sleep(poll)
 
 

@@ -1,6 +1,7 @@
 """vLLM for tests/test_vllm.py and benchmarks/vllm_weight_update.py: a tiny Llama made from a
 config (no hub), a vLLM engine in a process of its own driven through a Pipe, and the client that
 drives it as vLLM's trainer API expects (`VLLMWeightSyncClient`)."""
+
 import os
 
 import torch
@@ -8,17 +9,25 @@ import torch
 VOCAB, LAYERS = 256, 2
 
 
-def make_model(directory: str, seed: int = 0, hidden: int = 128, layers: int = LAYERS,
-               vocab: int = VOCAB):
+def make_model(
+    directory: str, seed: int = 0, hidden: int = 128, layers: int = LAYERS, vocab: int = VOCAB
+):
     """A random float32 Llama (head_dim 64, as vLLM's CPU attention needs) saved where vLLM
     loads it; returns the Hugging Face model, the trainer's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=hidden // 64, max_position_embeddings=128,
-                         tie_word_embeddings=False, torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     model = LlamaForCausalLM(config).float().eval()
     model.save_pretrained(directory)
     return model
@@ -27,9 +36,16 @@ def make_model(directory: str, seed: int = 0, hidden: int = 128, layers: int = L
 def fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Hugging Face Llama's weights as vLLM's model holds them: q, k, v in `qkv_proj` and gate,
     up in `gate_up_proj`."""
-    out, parts = {}, {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
-                      "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
-                      "up_proj": ("gate_up_proj", 1)}
+    out, parts = (
+        {},
+        {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        },
+    )
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in weights.items():
         for part, (into, index) in parts.items():
@@ -54,9 +70,17 @@ def engine(conn, model_dir: str, multiprocessing: bool = False) -> None:
     from vllm.config import WeightTransferConfig
 
     extra = {"distributed_executor_backend": "mp"} if multiprocessing else {}
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=128, max_num_seqs=4, seed=0,
-              weight_transfer_config=WeightTransferConfig(backend="devipc"), **extra)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config=WeightTransferConfig(backend="devipc"),
+        **extra,
+    )
     conn.send(("ok", "ready"))
     while (request := conn.recv()) is not None:
         method, args = request
@@ -71,8 +95,11 @@ def _generate(llm, prompt: list[int], tokens: int) -> list[int]:
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    return list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                             use_tqdm=False)[0].outputs[0].token_ids)
+    return list(
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 def _weights_in_use(llm) -> dict[str, torch.Tensor]:
@@ -92,7 +119,8 @@ COMMANDS = {
     "weights": _weights_in_use,
     "version": lambda llm: llm.get_weight_version(),
     "init_weight_transfer_engine": lambda llm, info: llm.init_weight_transfer_engine(
-        {"init_info": info}),
+        {"init_info": info}
+    ),
     "start_weight_update": lambda llm: llm.start_weight_update(),
     "update_weights": lambda llm, info: llm.update_weights({"update_info": info}),
     "finish_weight_update": lambda llm, version=None: llm.finish_weight_update(version),

@@ -1,4 +1,5 @@
 """Module-level child-process bodies for the multi-process tests (spawn must import them)."""
+
 import hashlib
 import os
 import pickle
@@ -15,8 +16,9 @@ import devipc
 def settle():
     """Run the releases that waited for device work, so the producer sees them now."""
     torch.accelerator.synchronize()
-    wait_until(lambda: not devipc.stats()["pending_releases"],
-               "received storages released", collect=True)
+    wait_until(
+        lambda: not devipc.stats()["pending_releases"], "received storages released", collect=True
+    )
 
 
 # -- _memfd / _refcount ----------------------------------------------------------------------------
@@ -52,13 +54,19 @@ def check_received(inbox, outbox):
     """Receives (tensor, expected CPU copy) pairs until None; reports what arrived."""
     while (item := inbox.get(timeout=TIMEOUT)) is not None:
         tensor, expected = item
-        outbox.put({
-            "equal": bool(torch.equal(tensor.cpu(), expected)),
-            "device": str(tensor.device), "dtype": tensor.dtype, "shape": tuple(tensor.shape),
-            "stride": tensor.stride(), "offset": tensor.storage_offset(),
-            "requires_grad": tensor.requires_grad, "type": type(tensor).__name__,
-            "received": devipc.received_via_ipc(tensor),
-        })
+        outbox.put(
+            {
+                "equal": bool(torch.equal(tensor.cpu(), expected)),
+                "device": str(tensor.device),
+                "dtype": tensor.dtype,
+                "shape": tuple(tensor.shape),
+                "stride": tensor.stride(),
+                "offset": tensor.storage_offset(),
+                "requires_grad": tensor.requires_grad,
+                "type": type(tensor).__name__,
+                "received": devipc.received_via_ipc(tensor),
+            }
+        )
         del tensor, item
 
 
@@ -77,8 +85,13 @@ def reopen_while_release_pends(first, second, outbox):
     del tensor
     pending = devipc.stats()["pending_releases"]
     tensor = devipc.open(second)
-    report = (len(maps), pending, devipc.stats()["pending_releases"], devipc.stats()["mapped"],
-              values == tensor.cpu().tolist())
+    report = (
+        len(maps),
+        pending,
+        devipc.stats()["pending_releases"],
+        devipc.stats()["mapped"],
+        values == tensor.cpu().tolist(),
+    )
     del tensor
     settle()
     outbox.put(report + (devipc.stats()["mapped"],))
@@ -86,17 +99,20 @@ def reopen_while_release_pends(first, second, outbox):
 
 def mutate_both_ways(inbox, outbox):
     tensor = inbox.get(timeout=TIMEOUT)
-    tensor.add_(1)                       # the parent must see this
+    tensor.add_(1)  # the parent must see this
     torch.accelerator.synchronize()
     outbox.put("added")
     assert inbox.get(timeout=TIMEOUT) == "filled"
-    outbox.put(tensor.cpu().tolist())    # and we must see the parent's fill
+    outbox.put(tensor.cpu().tolist())  # and we must see the parent's fill
 
 
 def views_of_one_storage(inbox, outbox):
     whole, first, second = inbox.get(timeout=TIMEOUT)
-    same = whole.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() \
+    same = (
+        whole.untyped_storage().data_ptr()
+        == first.untyped_storage().data_ptr()
         == second.untyped_storage().data_ptr()
+    )
     first.fill_(5)
     outbox.put({"same_storage": same, "whole": whole.cpu().tolist()})
 
@@ -158,8 +174,9 @@ def count_fds_around_a_receive(inbox, outbox):
     value = float(tensor.sum().item())
     del tensor, scratch
     devipc.ipc_collect()  # runs a release that waited for device work, if any
-    outbox.put((value, len(os.listdir("/proc/self/fd")) - before,
-                devipc.stats()["mapped_counter_files"]))
+    outbox.put(
+        (value, len(os.listdir("/proc/self/fd")) - before, devipc.stats()["mapped_counter_files"])
+    )
 
 
 def read_new_tensors(inbox, outbox, count):
@@ -177,10 +194,17 @@ def read_new_tensors(inbox, outbox, count):
         tensor = inbox.get(timeout=TIMEOUT)
         total += tensor[0].item()
         del tensor
-    wait_until(lambda: devipc.stats()["mapped"] == 0, "every received allocation let go",
-               collect=True)
-    outbox.put((total, len(os.listdir("/proc/self/fd")) - fds,
-                sorted(foreign_memfd_maps() - maps), devipc.stats()["mapped"]))
+    wait_until(
+        lambda: devipc.stats()["mapped"] == 0, "every received allocation let go", collect=True
+    )
+    outbox.put(
+        (
+            total,
+            len(os.listdir("/proc/self/fd")) - fds,
+            sorted(foreign_memfd_maps() - maps),
+            devipc.stats()["mapped"],
+        )
+    )
 
 
 def reduce_and_exit(outbox):
@@ -316,8 +340,10 @@ def rebuild_on(payload, index, outbox):
 
 
 def _bucket_report(tensors):
-    return {name: (t.dtype, tuple(t.shape), str(t.device), t.cpu().tolist())
-            for name, t in tensors.items()}
+    return {
+        name: (t.dtype, tuple(t.shape), str(t.device), t.cpu().tolist())
+        for name, t in tensors.items()
+    }
 
 
 def open_bucket_and_write(inbox, outbox):
@@ -440,8 +466,9 @@ def snapshot(model):
     return {name: t.detach().cpu().tolist() for name, t in model.state_dict().items()}
 
 
-def weight_subscriber(conn, token, generations, into, device=None, engine_device="openreg",
-                      verify=False):
+def weight_subscriber(
+    conn, token, generations, into, device=None, engine_device="openreg", verify=False
+):
     """Subscribes (reading on `device`), then for each generation: waits, checks its checksum
     (`verify`), reports what it sees (its own model's state on `engine_device` after
     copy_into, or the zero-copy views) and acknowledges."""
@@ -468,8 +495,7 @@ def digest(tensors) -> str:
     """What a generation's bytes come to, name by name: one line through a pipe."""
     found = hashlib.sha256()
     for name, tensor in sorted(tensors.items()):
-        found.update(name.encode() + tensor.cpu().contiguous().view(torch.uint8).numpy()
-                     .tobytes())
+        found.update(name.encode() + tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return found.hexdigest()
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures: spawned children that are always reaped, both openreg IPC modes, leak checks;
 xdist groups that hold on pytest 9.2."""
+
 import pytest
 from _support import Children, shm_entries
 
@@ -14,8 +15,12 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("loadgroup", False):
         return
     for item in items:
-        groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-                         for mark in item.iter_markers("xdist_group")})
+        groups = sorted(
+            {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+        )
         nodeid = item.nodeid
         if groups and nodeid.rfind("@") <= nodeid.rfind("]"):  # no suffix (xdist's test)
             from _pytest.nodeid import NodeId  # pytest >= 9.2: older ones took xdist's suffix

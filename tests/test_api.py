@@ -1,5 +1,6 @@
 """The public surface, by audience: `devipc` for users, `devipc.hooks` for vendors, `devipc.rfc`
 for torch's plumbing, `devipc.p2p` for transfers; each name documented in the README."""
+
 import pathlib
 import pickle
 import re
@@ -21,8 +22,11 @@ def test_every_public_name_is_exported_once():
         assert len(module.__all__) == len(set(module.__all__)), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
-    public = {name for name, value in vars(devipc).items()
-              if not name.startswith("_") and not isinstance(value, types.ModuleType)}
+    public = {
+        name
+        for name, value in vars(devipc).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
     assert public == set(devipc.__all__) - {"hooks", "rfc"}
 
 
@@ -49,8 +53,9 @@ def test_public_objects_report_the_module_users_import_them_from():
 
 
 def test_the_readme_documents_every_public_name():
-    spans = [span for line in README.read_text().splitlines()
-             for span in re.findall(r"`([^`]+)`", line)]
+    spans = [
+        span for line in README.read_text().splitlines() for span in re.findall(r"`([^`]+)`", line)
+    ]
     documented = {name for span in spans for name in re.findall(r"[A-Za-z_]\w*", span)}
     for module in AUDIENCES:
         missing = set(module.__all__) - documented
@@ -59,7 +64,8 @@ def test_the_readme_documents_every_public_name():
 
 def test_importing_off_linux_says_devipc_needs_linux():
     script = "import sys; sys.platform = 'darwin'; import devipc"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1
     assert "ImportError: devipc needs Linux" in result.stderr and "darwin" in result.stderr

@@ -1,5 +1,6 @@
 """The arena: streamed chunks with acknowledgements across spawned processes in both openreg IPC
 modes, flat device memory, a consumer killed mid-stream, close, and bad inputs."""
+
 import gc
 
 import _workers
@@ -17,16 +18,20 @@ def _drain():
     test's traceback) or waiting for a release would otherwise be counted as ours."""
     gc.collect()
     torch.accelerator.synchronize()
-    wait_until(lambda: (lambda s: s["sent"] == 0 and s["pending_releases"] == 0)(devipc.stats()),
-               "every send and release ended", collect=True)
+    wait_until(
+        lambda: (lambda s: s["sent"] == 0 and s["pending_releases"] == 0)(devipc.stats()),
+        "every send and release ended",
+        collect=True,
+    )
 
 
 def _chunk(generation):
     """A chunk whose values depend on its generation, with mixed dtypes and odd sizes."""
-    return {"w": torch.arange(300, dtype=torch.float32, device="openreg").reshape(20, 15)
-            + generation,
-            "b": torch.full((7,), generation, dtype=torch.int64, device="openreg"),
-            "h": torch.full((33,), generation / 4, dtype=torch.bfloat16, device="openreg")}
+    return {
+        "w": torch.arange(300, dtype=torch.float32, device="openreg").reshape(20, 15) + generation,
+        "b": torch.full((7,), generation, dtype=torch.int64, device="openreg"),
+        "h": torch.full((33,), generation / 4, dtype=torch.bfloat16, device="openreg"),
+    }
 
 
 def _start(children, arena, acknowledge=True):
@@ -72,11 +77,15 @@ def test_buffers_of_an_odd_size_start_aligned(children):
     assert arena.nbytes == 1024
     _, inbox, outbox = _start(children, arena)
     for generation in range(3):
-        source = {"b": torch.full((7,), generation, dtype=torch.int64, device="openreg"),
-                  "w": torch.arange(4, dtype=torch.float32, device="openreg") + generation}
+        source = {
+            "b": torch.full((7,), generation, dtype=torch.int64, device="openreg"),
+            "w": torch.arange(4, dtype=torch.float32, device="openreg") + generation,
+        }
         inbox.put(arena.put(source, timeout=TIMEOUT))
-        assert outbox.get(timeout=TIMEOUT) == (generation, {n: t.cpu().tolist()
-                                                            for n, t in source.items()})
+        assert outbox.get(timeout=TIMEOUT) == (
+            generation,
+            {n: t.cpu().tolist() for n, t in source.items()},
+        )
     inbox.put(None)
     children.join_ok()
     arena.close()
@@ -267,8 +276,11 @@ def test_records_of_closed_and_revoked_attachments_are_reused():
             arena.attach()
         devipc.set_unopened_deadline(0.05)
         try:
-            wait_until(lambda: devipc.stats()["sent"] == 0,
-                       "the unopened attachments revoked by the deadline", collect=True)
+            wait_until(
+                lambda: devipc.stats()["sent"] == 0,
+                "the unopened attachments revoked by the deadline",
+                collect=True,
+            )
         finally:
             devipc.set_unopened_deadline(None)
         fresh = arena.attach()  # a revoked attachment's record, under a new serial
@@ -289,9 +301,12 @@ def test_a_published_checksum_is_verified_where_it_is_read(device):
         reader = devipc.open_arena(arena.attach())
         assert reader.device.type == device
         for generation in range(3):
-            chunk = reader.read(arena.put(
-                {"x": torch.full((1000,), generation, dtype=torch.int32, device=device)},
-                checksum=generation != 1))
+            chunk = reader.read(
+                arena.put(
+                    {"x": torch.full((1000,), generation, dtype=torch.int32, device=device)},
+                    checksum=generation != 1,
+                )
+            )
             if generation == 1:
                 with pytest.raises(ValueError, match="without a checksum"):
                     reader.verify(generation)

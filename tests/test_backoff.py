@@ -1,4 +1,5 @@
 """Bounded waits: the deadline, the spins, and pauses that double up to their ceiling."""
+
 import threading
 import time
 from types import SimpleNamespace

@@ -1,5 +1,6 @@
 """devipc._tools._bench.ipc's floor of a message in the reduction's shape: it unpickles to what the
 consumer echoes without opening anything, and the send its reduction made is taken back."""
+
 import torch
 
 import devipc

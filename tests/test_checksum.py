@@ -1,5 +1,6 @@
 """A generation's block sums: sizes, and the same CRC-32s whether the bytes are read in place
 or copied through the host a piece at a time."""
+
 import zlib
 
 import pytest
@@ -21,7 +22,7 @@ def test_each_block_has_its_own_crc32():
     data = torch.randint(0, 256, (1000,), dtype=torch.uint8)
     sums = block_crc32s(data.untyped_storage(), 10, 300)  # 64-byte blocks, the last of 44
     raw = bytes(data.numpy())[10:310]
-    assert sums == [zlib.crc32(raw[at:at + 64]) for at in range(0, 300, 64)]
+    assert sums == [zlib.crc32(raw[at : at + 64]) for at in range(0, 300, 64)]
     with pytest.raises(ValueError, match="outside a storage"):
         block_crc32s(data.untyped_storage(), 900, 300)
 

@@ -1,5 +1,6 @@
 """The `devipc` command: doctor (here, and against a peer in another PID namespace), info on a
 live process's stats page, bench with its table, progress and PNG."""
+
 import contextlib
 import json
 import os
@@ -22,22 +23,33 @@ UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
 
 
 def run(args, timeout=FRESH_TIMEOUT, prefix=()) -> subprocess.CompletedProcess:
-    return subprocess.run([*prefix, *DEVIPC, *args], env=fresh_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [*prefix, *DEVIPC, *args], env=fresh_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_doctor_exits_0_here():
     proc = run(["doctor"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for line in ("ok    openreg: 2 device(s)", "ok    memfd:", "ok    round trip openreg:0",
-                 "ok    round trip cpu", "ok    p2p:", "sharing works here"):
+    for line in (
+        "ok    openreg: 2 device(s)",
+        "ok    memfd:",
+        "ok    round trip openreg:0",
+        "ok    round trip cpu",
+        "ok    p2p:",
+        "sharing works here",
+    ):
         assert line in proc.stdout, proc.stdout
 
 
 def _serving():
     """A `devipc doctor --serve` and the token it printed."""
-    proc = subprocess.Popen([*DEVIPC, "doctor", "--serve", "--timeout", "100"], env=fresh_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [*DEVIPC, "doctor", "--serve", "--timeout", "100"],
+        env=fresh_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     out, deadline = b"", time.monotonic() + FRESH_TIMEOUT
     while not (found := re.search(rb"devipc-doctor-1:\S+", out)):
         assert time.monotonic() < deadline and proc.poll() is None, out.decode()
@@ -94,7 +106,8 @@ def test_doctor_peer_in_the_same_namespace_passes_and_the_server_sees_it():
 
 
 def test_doctor_warns_when_the_devipc_processes_here_ask_for_more_threads_than_cores(
-        children, capsys):
+    children, capsys
+):
     """Issue 31: three processes with torch's default threads (one per core each)
     oversubscribe any machine; the warning names them (others may be counted too)."""
     import _workers
@@ -120,8 +133,15 @@ def test_doctor_finds_no_oversubscription_when_each_process_has_its_share(capsys
     from devipc._tools import _doctor
 
     report = _doctor.Report()
-    _doctor.threads(report, {1: {"stats": {"torch_threads": 1}}, 2: {"stats": {"sent": 0}},
-                             3: {"stats": [1]}, 4: {"stats": {"torch_threads": 10**9}}})
+    _doctor.threads(
+        report,
+        {
+            1: {"stats": {"torch_threads": 1}},
+            2: {"stats": {"sent": 0}},
+            3: {"stats": [1]},
+            4: {"stats": {"torch_threads": 10**9}},
+        },
+    )
     assert report.warnings == 0
     assert capsys.readouterr().out.startswith("ok    torch CPU threads: 1 for ")
 
@@ -129,8 +149,13 @@ def test_doctor_finds_no_oversubscription_when_each_process_has_its_share(capsys
 def test_doctor_reports_a_device_setting_its_hooks_refuse_as_a_failure_with_the_fix():
     """openreg's hooks refuse OPENREG_IPC_EVENTS=yes: the doctor (which never names a device)
     shows the package's message as the fix, and goes on without the device."""
-    proc = subprocess.run([*DEVIPC, "doctor"], env=fresh_env(OPENREG_IPC_EVENTS="yes"),
-                          capture_output=True, text=True, timeout=FRESH_TIMEOUT)
+    proc = subprocess.run(
+        [*DEVIPC, "doctor"],
+        env=fresh_env(OPENREG_IPC_EVENTS="yes"),
+        capture_output=True,
+        text=True,
+        timeout=FRESH_TIMEOUT,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
     failure, fix = re.search(r"FAIL  openreg: (.*)\n +fix: (.*)", proc.stdout).groups()
@@ -140,12 +165,18 @@ def test_doctor_reports_a_device_setting_its_hooks_refuse_as_a_failure_with_the_
     assert "1 problem(s)" in proc.stdout
 
 
-@pytest.mark.parametrize("hard, fix", [
-    (64, "the hard limit is 64 too, and only a privileged process raises it: `ulimit -n 65536` "
-         "as root"),
-    (4096, "ulimit -n 4096 in the shell"),
-    (1 << 20, "ulimit -n 65536 in the shell"),
-])
+@pytest.mark.parametrize(
+    "hard, fix",
+    [
+        (
+            64,
+            "the hard limit is 64 too, and only a privileged process raises it: `ulimit -n 65536` "
+            "as root",
+        ),
+        (4096, "ulimit -n 4096 in the shell"),
+        (1 << 20, "ulimit -n 65536 in the shell"),
+    ],
+)
 def test_doctor_advises_an_fd_limit_that_raises_a_low_one(hard, fix, monkeypatch, capsys):
     """`ulimit -n 64` sets the hard limit too: advising `ulimit -n <hard>` changed nothing."""
     from devipc._tools import _doctor
@@ -170,17 +201,25 @@ sys.stdin.read()  # until the test lets go
 
 
 def test_info_shows_a_live_process_unopened_sends():
-    proc = subprocess.Popen([sys.executable, "-c", SENDER], env=fresh_env(), text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER],
+        env=fresh_env(),
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert proc.stdout.readline() == "ready\n"
-        page = wait_until(lambda: (p := read_page(proc.pid))["stats"]
-                          and p["stats"]["unopened"] == 3 and p, "the page shows the sends")
+        page = wait_until(
+            lambda: (p := read_page(proc.pid))["stats"] and p["stats"]["unopened"] == 3 and p,
+            "the page shows the sends",
+        )
         assert page["pid"] == proc.pid and page["stats"]["sent"] == 3
         info = run(["info", "--pid", str(proc.pid)])
         assert info.returncode == 0, info.stderr
-        assert re.search(r"unopened sends +3 +sent, never opened, the oldest sent [\d.]+ s ago",
-                         info.stdout), info.stdout
+        assert re.search(
+            r"unopened sends +3 +sent, never opened, the oldest sent [\d.]+ s ago", info.stdout
+        ), info.stdout
         assert re.search(r"sends held +3", info.stdout), info.stdout
         pages = json.loads(run(["info", "--json"]).stdout)  # every visible devipc process
         assert pages[str(proc.pid)]["stats"]["unopened"] == 3
@@ -226,7 +265,8 @@ FORGED = {
     "bad UTF-8": _page_bytes(b'{"pid": "\xff\xfe", "started": 0, "updated": 0, "stats": null}'),
     "a number of the wrong type": _page_bytes(
         b'{"pid": 7, "started": 0, "updated": 0, "stats": {"unopened": 1, '
-        b'"oldest_unopened_s": "old"}}'),
+        b'"oldest_unopened_s": "old"}}'
+    ),
     "a zero length": _page_bytes(b"", length=0),
 }
 
@@ -235,8 +275,9 @@ FORGED = {
 def _holding(command: list[str], **popen):
     """A process started by `command` that prints "ready" once it holds what the test needs, and
     holds it until the test ends."""
-    proc = subprocess.Popen(command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            **popen)
+    proc = subprocess.Popen(
+        command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen
+    )
     try:
         assert proc.stdout.readline() == "ready\n"
         yield proc
@@ -281,9 +322,14 @@ def _page_mutations(page: dict):
             mutated = json.loads(json.dumps(page))
             parent = mutated[parents[0]] if parents else mutated
             original, parent[key] = parent[key], value
-            valid = (path == ("stats",) and value is None  # no numbers yet
-                     or path[-1] == "error" and isinstance(value, str)
-                     or type(original) is float and value == 1.5)
+            valid = (
+                path == ("stats",)
+                and value is None  # no numbers yet
+                or path[-1] == "error"
+                and isinstance(value, str)
+                or type(original) is float
+                and value == 1.5
+            )
             yield f"{'.'.join(path)} = {repr(value)[:12]}", mutated, valid
 
 
@@ -296,8 +342,10 @@ def test_info_fuzzed_page_keys_give_one_line_never_a_traceback(capsys):
     now = time.time()
     numbers = {key: 3 for key in _sharing._page_numbers()} | {"oldest_unopened_s": 1.5}
     assert set(numbers) == {*_statspage._COUNTS, *_statspage._SECONDS}  # what a page is read as
-    pages = [{"pid": 7, "started": now - 60.0, "updated": now - 1.0, "stats": stats}
-             for stats in (numbers, {"error": "5000 bytes do not fit"}, None)]
+    pages = [
+        {"pid": 7, "started": now - 60.0, "updated": now - 1.0, "stats": stats}
+        for stats in (numbers, {"error": "5000 bytes do not fit"}, None)
+    ]
     with _holding([sys.executable, "-c", REWRITTEN_PAGE]) as forger:
         for page in pages:
             for what, mutated, valid in _page_mutations(page):
@@ -310,15 +358,21 @@ def test_info_fuzzed_page_keys_give_one_line_never_a_traceback(capsys):
                     assert code == 0 and f"pid {forger.pid}: " in out and not err, (what, err)
                 else:
                     assert code == 1 and not out, (what, out)
-                    assert err.count("\n") == 1 and f"process {forger.pid} holds" in err, \
-                        (what, err)
+                    assert err.count("\n") == 1 and f"process {forger.pid} holds" in err, (
+                        what,
+                        err,
+                    )
 
 
 def test_plain_info_reports_the_others_beside_a_forged_page(capsys):
-    with _holding([sys.executable, "-c", FORGED_PAGE, FORGED["a list"].hex()]) as forger, \
-            _holding([sys.executable, "-c", SENDER], env=fresh_env()) as sender:
-        wait_until(lambda: (read_page(sender.pid)["stats"] or {}).get("unopened") == 3,
-                   "the sender's page shows its sends")
+    with (
+        _holding([sys.executable, "-c", FORGED_PAGE, FORGED["a list"].hex()]) as forger,
+        _holding([sys.executable, "-c", SENDER], env=fresh_env()) as sender,
+    ):
+        wait_until(
+            lambda: (read_page(sender.pid)["stats"] or {}).get("unopened") == 3,
+            "the sender's page shows its sends",
+        )
         assert _cli.main(["info"]) == 1
     out, err = capsys.readouterr()
     assert f"pid {sender.pid}: " in out, out
@@ -340,10 +394,24 @@ def test_info_never_blocks_on_a_fifo_named_like_a_page():
         pytest.skip("setpriv(1) and unshare(1) are needed")
     mount_point = tempfile.mkdtemp(prefix="devipc-fifo-")
     os.chmod(mount_point, 0o755)  # reachable by nobody
-    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "--user",
-               "--map-root-user", "--mount", "sh", "-c", FIFO_HOLDER, "sh", mount_point]
-    holder = subprocess.Popen(command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+    command = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        FIFO_HOLDER,
+        "sh",
+        mount_point,
+    ]
+    holder = subprocess.Popen(
+        command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         if holder.stdout.readline() != "ready\n":
             pytest.skip(f"no mount namespace for an unprivileged user here: {holder.stderr.read()}")
@@ -357,8 +425,9 @@ def test_info_never_blocks_on_a_fifo_named_like_a_page():
         os.rmdir(mount_point)
     assert one.returncode == 1 and "Traceback" not in one.stderr, one.stderr
     assert one.stderr.count("\n") == 1 and f"process {holder.pid} " in one.stderr, one.stderr
-    assert f"process {holder.pid} " in every.stderr and "Traceback" not in every.stderr, \
+    assert f"process {holder.pid} " in every.stderr and "Traceback" not in every.stderr, (
         every.stderr
+    )
 
 
 def test_bench_ipc_writes_a_table_a_png_and_shows_progress(tmp_path):
@@ -367,12 +436,17 @@ def test_bench_ipc_writes_a_table_a_png_and_shows_progress(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for row in ("| 4 KiB |", "| 64 KiB |", "| 1 MiB |"):
         assert row in proc.stdout, proc.stdout
-    assert "| size | small message (us) | devipc openreg, re-sent (us) | re-sent / message | " \
-        "devipc openreg, new each send (us) | new / its message | torch CPU shared (us) | " \
+    assert (
+        "| size | small message (us) | devipc openreg, re-sent (us) | re-sent / message | "
+        "devipc openreg, new each send (us) | new / its message | torch CPU shared (us) | "
         "copy via CPU (us)" in proc.stdout
+    )
     assert "ipc: 100%" in proc.stderr and "12/12" in proc.stderr  # tqdm's bar
-    assert re.search(r"DataLoader, 2 spawned workers: batches of \(64, 3, 32, 32\) float32 made "
-                     r"on openreg \d+/s, small Python objects \d+/s \(\d+%\)", proc.stdout)
+    assert re.search(
+        r"DataLoader, 2 spawned workers: batches of \(64, 3, 32, 32\) float32 made "
+        r"on openreg \d+/s, small Python objects \d+/s \(\d+%\)",
+        proc.stdout,
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

@@ -1,6 +1,7 @@
 """The conformance kit (`python -m devipc.conformance`): openreg passes it in both IPC modes, and
 deliberately broken hooks (`_broken_hooks.py`, installed in every process of the kit through
 --hooks-module) fail it, the failing check named."""
+
 import json
 import os
 import pathlib
@@ -20,20 +21,29 @@ def kit(*args, **env) -> subprocess.CompletedProcess:
     path = ":".join(filter(None, [str(TESTS), fresh_env().get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "devipc.conformance", "--device", "openreg", *args],
-        env=fresh_env(PYTHONPATH=path, **env), capture_output=True, text=True,
-        timeout=KIT_TIMEOUT)
+        env=fresh_env(PYTHONPATH=path, **env),
+        capture_output=True,
+        text=True,
+        timeout=KIT_TIMEOUT,
+    )
 
 
 def table(out: str) -> dict[str, str]:
     """{check: result} from the kit's table."""
     rows = [line.split() for line in out.splitlines()]
-    return {row[1]: row[0] for row in rows
-            if len(row) > 1 and row[0] in ("passed", "failed", "skipped")}
+    return {
+        row[1]: row[0] for row in rows if len(row) > 1 and row[0] in ("passed", "failed", "skipped")
+    }
 
 
 def listed() -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "devipc.conformance", "--list"],
-                         env=fresh_env(), capture_output=True, text=True, timeout=KIT_TIMEOUT)
+    out = subprocess.run(
+        [sys.executable, "-m", "devipc.conformance", "--list"],
+        env=fresh_env(),
+        capture_output=True,
+        text=True,
+        timeout=KIT_TIMEOUT,
+    )
     assert out.returncode == 0, out.stderr
     return [line.split()[0] for line in out.stdout.splitlines()]
 
@@ -44,29 +54,52 @@ def test_openreg_passes_in_both_ipc_modes(events):
     assert run.returncode == 0, run.stdout + run.stderr
     results = table(run.stdout)
     assert sorted(results) == sorted(listed())
-    mode, other = ("sync.events", "sync.producer_synchronizes")[::1 if events == "1" else -1]
+    mode, other = ("sync.events", "sync.producer_synchronizes")[:: 1 if events == "1" else -1]
     assert results[mode] == "passed" and results[other] == "skipped"
     assert [name for name, result in results.items() if result != "passed"] == [other]
     assert "0 failed" in run.stdout
 
 
 def test_an_offset_off_by_one_fails_the_round_trips_in_every_process():
-    run = kit("--hooks-module", "_broken_hooks", "-k", "contract.registered", "-k", "roundtrip.",
-              "-k", "writes.", "-k", "handles.share_open", "-k", "mp.dataloader",
-              DEVIPC_BROKEN_HOOKS="offset")
+    run = kit(
+        "--hooks-module",
+        "_broken_hooks",
+        "-k",
+        "contract.registered",
+        "-k",
+        "roundtrip.",
+        "-k",
+        "writes.",
+        "-k",
+        "handles.share_open",
+        "-k",
+        "mp.dataloader",
+        DEVIPC_BROKEN_HOOKS="offset",
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     results = table(run.stdout)
     assert results["contract.registered"] == "passed"  # the broken hooks are the ones tested
     assert "_broken_hooks.OffsetOffByOne" in run.stdout
-    for name in ("roundtrip.views", "writes.both_ways", "handles.share_open",
-                 "mp.dataloader"):  # produced in a DataLoader worker: broken there too
+    for name in (
+        "roundtrip.views",
+        "writes.both_ways",
+        "handles.share_open",
+        "mp.dataloader",
+    ):  # produced in a DataLoader worker: broken there too
         assert results[name] == "failed", name
     assert "from the peer" in run.stdout or "values differ" in run.stdout
 
 
 def test_a_consumer_that_does_not_wait_for_the_event_fails_sync_events():
-    run = kit("--hooks-module", "_broken_hooks", "-k", "sync.", "--json",
-              OPENREG_IPC_EVENTS="1", DEVIPC_BROKEN_HOOKS="no_event_wait")
+    run = kit(
+        "--hooks-module",
+        "_broken_hooks",
+        "-k",
+        "sync.",
+        "--json",
+        OPENREG_IPC_EVENTS="1",
+        DEVIPC_BROKEN_HOOKS="no_event_wait",
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     results = {result["name"]: result for result in json.loads(run.stdout)}
     assert results["sync.events"]["status"] == "failed"
@@ -74,30 +107,64 @@ def test_a_consumer_that_does_not_wait_for_the_event_fails_sync_events():
 
 
 def test_a_check_that_hangs_fails_by_timeout_and_the_kit_ends():
-    run = kit("--hooks-module", "_broken_hooks", "-k", "contract.mem_handle", "-k",
-              "contract.registered", "--timeout", "5", DEVIPC_BROKEN_HOOKS="open_hangs")
+    run = kit(
+        "--hooks-module",
+        "_broken_hooks",
+        "-k",
+        "contract.mem_handle",
+        "-k",
+        "contract.registered",
+        "--timeout",
+        "5",
+        DEVIPC_BROKEN_HOOKS="open_hangs",
+    )
     assert run.returncode == 1, run.stdout + run.stderr
-    assert table(run.stdout) == {"contract.registered": "passed",
-                                 "contract.mem_handle": "failed"}
+    assert table(run.stdout) == {"contract.registered": "passed", "contract.mem_handle": "failed"}
     assert "did not finish within 5 s" in run.stdout
 
 
 def test_as_pytest_each_check_is_a_test_and_a_failure_names_it():
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "devipc.conformance.pytest_plugin", "--pyargs",
-         "devipc.conformance", "--device", "openreg", "--hooks-module", "_broken_hooks", "-k",
-         "contract.registered or roundtrip.views", "-q", "-p", "no:cacheprovider"],
-        env=fresh_env(PYTHONPATH=":".join(filter(None, [str(TESTS), fresh_env().get(
-            "PYTHONPATH")])), DEVIPC_BROKEN_HOOKS="offset"), cwd=TESTS.parent,
-        capture_output=True, text=True, timeout=KIT_TIMEOUT)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "devipc.conformance.pytest_plugin",
+            "--pyargs",
+            "devipc.conformance",
+            "--device",
+            "openreg",
+            "--hooks-module",
+            "_broken_hooks",
+            "-k",
+            "contract.registered or roundtrip.views",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        env=fresh_env(
+            PYTHONPATH=":".join(filter(None, [str(TESTS), fresh_env().get("PYTHONPATH")])),
+            DEVIPC_BROKEN_HOOKS="offset",
+        ),
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=KIT_TIMEOUT,
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "FAILED" in run.stdout and "test_check[roundtrip.views]" in run.stdout
     assert "1 failed, 1 passed" in run.stdout
 
 
 def test_a_device_torch_does_not_know_is_refused_before_any_check():
-    run = subprocess.run([sys.executable, "-m", "devipc.conformance", "--device", "nodevice"],
-                         env=fresh_env(), capture_output=True, text=True, timeout=KIT_TIMEOUT)
+    run = subprocess.run(
+        [sys.executable, "-m", "devipc.conformance", "--device", "nodevice"],
+        env=fresh_env(),
+        capture_output=True,
+        text=True,
+        timeout=KIT_TIMEOUT,
+    )
     assert run.returncode == 2 and "cannot test nodevice:0" in run.stderr
 
 
@@ -107,25 +174,37 @@ def test_a_check_that_hangs_in_a_dataloader_worker_ends_with_the_worker_killed(t
     try:
         # long enough for the worker to start and reach the hooks (a spawned worker imports torch:
         # ~8 s for a CUDA build of torch on an idle 2-core machine)
-        run = kit("--hooks-module", "_broken_hooks", "-k", "mp.dataloader",
-                  "--timeout", str(round(10 * SLOWDOWN)),
-                  DEVIPC_BROKEN_HOOKS="worker_share_hangs", DEVIPC_BROKEN_HOOKS_PIDS=str(pids))
+        run = kit(
+            "--hooks-module",
+            "_broken_hooks",
+            "-k",
+            "mp.dataloader",
+            "--timeout",
+            str(round(10 * SLOWDOWN)),
+            DEVIPC_BROKEN_HOOKS="worker_share_hangs",
+            DEVIPC_BROKEN_HOOKS_PIDS=str(pids),
+        )
         assert run.returncode == 1, run.stdout + run.stderr
         assert table(run.stdout) == {"mp.dataloader": "failed"}
         workers = [int(pid) for pid in pids.read_text().split()]
         assert workers
-        wait_until(lambda: all(process_state(pid) in ("", "Z") for pid in workers),
-                   "the hung DataLoader worker is gone")
+        wait_until(
+            lambda: all(process_state(pid) in ("", "Z") for pid in workers),
+            "the hung DataLoader worker is gone",
+        )
     finally:
         for pid in (int(pid) for pid in pids.read_text().split()) if pids.exists() else ():
             if process_state(pid) not in ("", "Z"):
                 os.kill(pid, signal.SIGKILL)  # an orphan of the kit under test: ours to end
 
 
-@pytest.mark.parametrize("broken, check, says", [
-    ("close_keeps_mapping", "lifetime.release", "still maps"),
-    ("handles_repeat", "optional.reusable_mappings", "old allocation's handle"),
-])
+@pytest.mark.parametrize(
+    "broken, check, says",
+    [
+        ("close_keeps_mapping", "lifetime.release", "still maps"),
+        ("handles_repeat", "optional.reusable_mappings", "old allocation's handle"),
+    ],
+)
 def test_hooks_broken_in_one_way_fail_the_one_check_that_looks(broken, check, says):
     """A consumer whose close never unmaps; hooks that let mappings be kept, yet give every
     allocation the same handle."""
@@ -136,8 +215,17 @@ def test_hooks_broken_in_one_way_fail_the_one_check_that_looks(broken, check, sa
 
 
 def test_hooks_that_always_say_device_0_fail_on_index_1():
-    run = kit("--hooks-module", "_broken_hooks", "--index", "1", "-k", "roundtrip.views", "-k",
-              "mp.dataloader", DEVIPC_BROKEN_HOOKS="always_device_zero")
+    run = kit(
+        "--hooks-module",
+        "_broken_hooks",
+        "--index",
+        "1",
+        "-k",
+        "roundtrip.views",
+        "-k",
+        "mp.dataloader",
+        DEVIPC_BROKEN_HOOKS="always_device_zero",
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert table(run.stdout)["roundtrip.views"] == "failed"
     assert "arrived on openreg:0, sent from openreg:1" in run.stdout, run.stdout
@@ -146,16 +234,18 @@ def test_hooks_that_always_say_device_0_fail_on_index_1():
 def test_supports_ipc_that_raises_ends_the_run_at_once_naming_the_exception():
     run = kit("--hooks-module", "_broken_hooks", DEVIPC_BROKEN_HOOKS="supports_ipc_raises")
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "supports_ipc() raised RuntimeError: the driver is not loaded" in run.stderr, \
-        run.stderr
+    assert "supports_ipc() raised RuntimeError: the driver is not loaded" in run.stderr, run.stderr
     assert "no IPC hooks able to share" not in run.stdout + run.stderr
     assert table(run.stdout) == {}  # no check ran
 
 
-@pytest.mark.parametrize("broken, missing", [
-    ("only_supports_ipc", "get_ipc_mem_handle, open_ipc_mem_handle: "),
-    ("events_without_event_hooks", "get_ipc_event_handle, wait_ipc_event (requires_event_sync"),
-])
+@pytest.mark.parametrize(
+    "broken, missing",
+    [
+        ("only_supports_ipc", "get_ipc_mem_handle, open_ipc_mem_handle: "),
+        ("events_without_event_hooks", "get_ipc_event_handle, wait_ipc_event (requires_event_sync"),
+    ],
+)
 def test_hooks_left_to_the_base_class_end_the_run_at_once_naming_them(broken, missing):
     """A vendor's first try: every check would wait out its peer's 30 s on a send that raised
     in the producer's queue feeder thread, a traceback each."""

@@ -1,5 +1,6 @@
 """Device facts (`_devices`): the one place devipc asks torch about a device's streams, on the
 accelerator (openreg here) by index, and through the device's module otherwise."""
+
 import torch
 
 from devipc._core import _devices
@@ -13,8 +14,9 @@ def test_the_current_stream_is_torchs_for_the_device_asked():
         assert _devices.accelerator_streams()(1) == stream
         assert _devices.current_stream(torch.device("openreg", 0)) != stream
     assert _devices.current_stream(device) == torch.accelerator.current_stream(1)
-    assert _devices.current_stream(torch.device("openreg")) \
-        == torch.accelerator.current_stream()  # no index: the current device's, by its module
+    assert (
+        _devices.current_stream(torch.device("openreg")) == torch.accelerator.current_stream()
+    )  # no index: the current device's, by its module
 
 
 def test_synchronize_waits_for_the_work_queued_on_the_device():

@@ -1,5 +1,6 @@
 """The producer's side of a send's lifetime: the memory that was sent is held — not the storage
 object — until every consumer released it, died, or the send was revoked; in both IPC modes."""
+
 import os
 import pickle
 import signal
@@ -17,8 +18,7 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 def _baseline():
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["sent"] == 0,
-               "earlier sends ended", collect=True)
+    wait_until(lambda: devipc.stats()["sent"] == 0, "earlier sends ended", collect=True)
     return torch.accelerator.memory_allocated()
 
 
@@ -68,8 +68,10 @@ def test_a_killed_consumer_holding_100_tensors_gives_the_memory_back(children):
     os.kill(child.pid, signal.SIGKILL)
     child.join(TIMEOUT)
     # No ipc_collect needed: the collector thread notices the dead holder by itself.
-    wait_until(lambda: torch.accelerator.memory_allocated() <= baseline,
-               "memory of a SIGKILLed consumer back by the collector thread")
+    wait_until(
+        lambda: torch.accelerator.memory_allocated() <= baseline,
+        "memory of a SIGKILLed consumer back by the collector thread",
+    )
 
 
 def test_unopened_sends_are_revoked_after_the_deadline(children):
@@ -82,8 +84,7 @@ def test_unopened_sends_are_revoked_after_the_deadline(children):
     os.kill(child.pid, signal.SIGKILL)
     child.join(TIMEOUT)
     # The 50 read are reclaimed with their dead reader; the 50 never read wait for a deadline.
-    wait_until(lambda: devipc.stats()["sent"] == 50,
-               "the 50 opened sends reclaimed", collect=True)
+    wait_until(lambda: devipc.stats()["sent"] == 50, "the 50 opened sends reclaimed", collect=True)
     assert torch.accelerator.memory_allocated() >= baseline + 50 * 4096
     devipc.set_unopened_deadline(0.1)
     try:

@@ -2,6 +2,7 @@
 openreg IPC modes. Whatever is killed, the survivor must be left with nothing of it: no fd, no
 mapping of the dead process's memfds, nothing in /dev/shm, and (a surviving producer) its memory
 back to where it was, reclaimed by the collector thread on its own."""
+
 import contextlib
 import os
 import pickle
@@ -23,19 +24,23 @@ class Snapshot:
 
     def __init__(self):
         torch.accelerator.synchronize()
-        wait_until(lambda: devipc.stats()["sent"] == 0,
-                   "earlier sends ended", collect=True)
+        wait_until(lambda: devipc.stats()["sent"] == 0, "earlier sends ended", collect=True)
         self.memory = torch.accelerator.memory_allocated()
         self.fds, self.shm, self.maps = open_fds(), shm_entries(), foreign_memfd_maps()
 
     def nothing_left(self):
-        wait_until(lambda: torch.accelerator.memory_allocated() <= self.memory,
-                   "the producer's memory is back to its baseline")
+        wait_until(
+            lambda: torch.accelerator.memory_allocated() <= self.memory,
+            "the producer's memory is back to its baseline",
+        )
         wait_until(lambda: open_fds() <= self.fds, f"fds back to {self.fds}: {_fds()}")
-        wait_until(lambda: foreign_memfd_maps() <= self.maps,
-                   "no mapping of another process's memfd left")
-        wait_until(lambda: shm_entries() <= self.shm,
-                   f"nothing new in /dev/shm: {shm_entries() - self.shm}")
+        wait_until(
+            lambda: foreign_memfd_maps() <= self.maps, "no mapping of another process's memfd left"
+        )
+        wait_until(
+            lambda: shm_entries() <= self.shm,
+            f"nothing new in /dev/shm: {shm_entries() - self.shm}",
+        )
 
 
 def _fds():

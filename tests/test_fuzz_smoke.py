@@ -1,5 +1,6 @@
 """A bounded run of the handle fuzzer (benchmarks/fuzz_handles.py), through the same code, in both
 openreg IPC modes: no crash, no hang, no wrong error type, no forged handle accepted."""
+
 import os
 import sys
 

@@ -1,5 +1,6 @@
 """Typed handles and buckets: share / open / share_tensors / open_tensors / revoke, across spawned
 processes in both openreg IPC modes; device remap by identity, device=, and the args[6] pattern."""
+
 import pickle
 import shutil
 import subprocess
@@ -20,8 +21,7 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 def _drain():
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["sent"] == 0,
-               "every send ended", collect=True)
+    wait_until(lambda: devipc.stats()["sent"] == 0, "every send ended", collect=True)
 
 
 def _round_trip(children, tensor, device=None):
@@ -85,19 +85,24 @@ def test_open_on_a_device_the_hooks_cannot_map_is_refused(monkeypatch):
         devipc.open(handle, device="cpu")
     counter, slot = handle._shared.ref_counter_handle, handle._shared.ref_counter_offset
     from devipc._core import _sharing
+
     assert _sharing._exports._counters.file(counter).counter.state(slot) == RELEASED
     del tensor, handle
     _drain()
 
 
-@pytest.mark.parametrize("producer, visible, index, expected", [
-    ("openreg:0", None, 1, "openreg:1"),  # overwritten: that device, as rebuild_cuda_tensor
-    ("openreg:1", None, 0, "openreg:0"),
-    ("openreg:1", "1", None, "openreg:0"),  # left alone: found by identity
-    ("openreg:0", None, None, "openreg:0"),
-])
-def test_overwriting_args_6_selects_the_device(children, monkeypatch, producer, visible, index,
-                                               expected):
+@pytest.mark.parametrize(
+    "producer, visible, index, expected",
+    [
+        ("openreg:0", None, 1, "openreg:1"),  # overwritten: that device, as rebuild_cuda_tensor
+        ("openreg:1", None, 0, "openreg:0"),
+        ("openreg:1", "1", None, "openreg:0"),  # left alone: found by identity
+        ("openreg:0", None, None, "openreg:0"),
+    ],
+)
+def test_overwriting_args_6_selects_the_device(
+    children, monkeypatch, producer, visible, index, expected
+):
     tensor = torch.arange(3, dtype=torch.float32, device=producer)
     payload = pickle.dumps(torch_reductions.reduce_tensor(tensor))
     if visible is not None:
@@ -186,10 +191,12 @@ def test_a_bucket_of_mixed_dtypes_crosses_processes(children):
 
 
 def test_packed_weights_are_shared_where_they_lie(children):
-    source = {"w": torch.arange(6, dtype=torch.float32, device="openreg").reshape(2, 3),
-              "mask": torch.tensor([True, False, True], device="openreg"),
-              "z": torch.tensor([1 + 2j], dtype=torch.complex64, device="openreg"),
-              "empty": torch.empty(0, 5, device="openreg")}
+    source = {
+        "w": torch.arange(6, dtype=torch.float32, device="openreg").reshape(2, 3),
+        "mask": torch.tensor([True, False, True], device="openreg"),
+        "z": torch.tensor([1 + 2j], dtype=torch.complex64, device="openreg"),
+        "empty": torch.empty(0, 5, device="openreg"),
+    }
     packed = devipc.pack(source)
     assert len({t.untyped_storage().data_ptr() for t in packed.values()}) == 1
     assert all(t.storage_offset() * t.element_size() % 256 == 0 for t in packed.values())
@@ -220,8 +227,9 @@ def test_packed_weights_are_shared_where_they_lie(children):
 
 def test_share_without_copy_needs_views_of_one_storage():
     with pytest.raises(ValueError, match="views of one storage"):
-        devipc.share_tensors({"a": torch.ones(2, device="openreg"),
-                              "b": torch.ones(2, device="openreg")}, copy=False)
+        devipc.share_tensors(
+            {"a": torch.ones(2, device="openreg"), "b": torch.ones(2, device="openreg")}, copy=False
+        )
     base = torch.arange(8, dtype=torch.float32, device="openreg")
     handle = devipc.share_tensors({"head": base[:3], "odd": base[1::2]}, copy=False)
     assert (handle._table.offsets, handle._table.strides) == ([0, 4], [(1,), (2,)])
@@ -350,8 +358,9 @@ def _in_another_pid_namespace(code: str, *args: str) -> subprocess.CompletedProc
     command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code, *args]
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1) on this machine")
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=TIMEOUT)
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=TIMEOUT
+    )
     if probe.returncode != 0:
         pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.decode().strip()}")
     return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
@@ -360,13 +369,16 @@ def _in_another_pid_namespace(code: str, *args: str) -> subprocess.CompletedProc
 def test_a_consumer_in_another_pid_namespace_is_told_so_not_that_the_producer_exited():
     tensor = torch.arange(4.0, device="openreg")
     handle = devipc.share(tensor)
-    result = _in_another_pid_namespace(textwrap.dedent("""
+    result = _in_another_pid_namespace(
+        textwrap.dedent("""
         import sys, devipc
         try:
             devipc.open(bytes.fromhex(sys.argv[1]))
         except devipc.DevIpcError as error:
             print(type(error).__name__, error)
-    """), bytes(handle).hex())
+    """),
+        bytes(handle).hex(),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("InvalidHandleError"), result.stdout
     assert "another PID namespace" in result.stdout and "shareProcessNamespace" in result.stdout

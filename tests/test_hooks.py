@@ -89,8 +89,11 @@ def test_hooks_registered_already_are_replaced_only_when_asked():
     devipc.hooks.register_ipc_hooks("fakedev", first)
     try:
         devipc.hooks.register_ipc_hooks("fakedev", first)  # the same ones again: idempotent
-        with pytest.raises(ValueError, match=r"'fakedev' has IPC hooks registered already "
-                                             r"\(test_hooks._Unable\): pass replace=True"):
+        with pytest.raises(
+            ValueError,
+            match=r"'fakedev' has IPC hooks registered already "
+            r"\(test_hooks._Unable\): pass replace=True",
+        ):
             devipc.hooks.register_ipc_hooks("fakedev", second)
         assert devipc.hooks.get_ipc_hooks("fakedev") is first
         devipc.hooks.register_ipc_hooks("fakedev", second, replace=True)

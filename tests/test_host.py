@@ -1,6 +1,7 @@
 """Host memory between processes (`_host`): a CPU storage's shared-memory file sent as bytes
 and opened again, checked by inode; forged, stale and unreachable sends refused; device memory
 read on the CPU only where it is host memory."""
+
 import os
 import struct
 
@@ -36,8 +37,9 @@ def test_a_storage_outside_shared_memory_moves_there_with_its_tensors():
 def _forged(send, **fields):
     values = dict(pid=send.pid, fd=send.fd, inode=send.inode, nbytes=send.nbytes)
     values.update(fields)
-    return _host.HostSend(values["pid"], values["fd"], values["inode"], values["nbytes"],
-                          reach_tag())
+    return _host.HostSend(
+        values["pid"], values["fd"], values["inode"], values["nbytes"], reach_tag()
+    )
 
 
 def test_forged_stale_and_gone_sends_are_clear_errors():
@@ -97,6 +99,9 @@ def test_host_addressable_is_the_cpu_and_dram_devices(monkeypatch):
 def test_the_wire_form_holds_what_it_names():
     send = _host.HostSend.of(_host.shared_host_storage(8))
     again = _host.HostSend.from_bytes(bytes(send))
-    assert (again.pid, again.fd, again.inode, again.nbytes) == (
-        send.pid, send.fd, send.inode, send.nbytes) == (os.getpid(), send.fd, send.inode, 8)
+    assert (
+        (again.pid, again.fd, again.inode, again.nbytes)
+        == (send.pid, send.fd, send.inode, send.nbytes)
+        == (os.getpid(), send.fd, send.inode, 8)
+    )
     assert struct.unpack_from("<4s", bytes(send))[0] == _wire.MAGIC

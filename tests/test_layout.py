@@ -1,6 +1,7 @@
 """The house's rules, on both distributions: no module reaches into another's private names, and
 no import circle, deferred imports and those for type checking included, so that each layer reads
 before the ones above it."""
+
 import ast
 import pathlib
 
@@ -9,8 +10,10 @@ import pytest
 import devipc
 import devipc_openreg
 
-PACKAGES = {"devipc": pathlib.Path(devipc.__file__).parent,
-            "devipc_openreg": pathlib.Path(devipc_openreg.__file__).parent}
+PACKAGES = {
+    "devipc": pathlib.Path(devipc.__file__).parent,
+    "devipc_openreg": pathlib.Path(devipc_openreg.__file__).parent,
+}
 
 
 class Package:
@@ -31,7 +34,7 @@ class Package:
         package = module.split(".")
         if self.paths[module].name != "__init__.py":
             package = package[:-1]
-        base = package[:len(package) - node.level + 1]
+        base = package[: len(package) - node.level + 1]
         return ".".join(base + ([node.module] if node.module else []))
 
     def imports(self, module: str) -> set[str]:
@@ -61,9 +64,13 @@ class Package:
                     elif _private(alias.name):
                         found.append(f"from {source} import {alias.name}")
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                    and node.value.id in aliases and _private(node.attr) \
-                    and f"{aliases[node.value.id]}.{node.attr}" not in self.paths:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and _private(node.attr)
+                and f"{aliases[node.value.id]}.{node.attr}" not in self.paths
+            ):
                 found.append(f"{aliases[node.value.id]}.{node.attr}")
         return found
 
@@ -152,8 +159,11 @@ def part_of(module: str) -> str:
 
 def test_the_folders_are_the_layers():
     """No private module lies loose in the package: each is in the folder of its layer."""
-    loose = sorted(path.name for path in PACKAGES["devipc"].glob("_*.py")
-                   if path.stem not in ("__init__", "__main__", "_public"))
+    loose = sorted(
+        path.name
+        for path in PACKAGES["devipc"].glob("_*.py")
+        if path.stem not in ("__init__", "__main__", "_public")
+    )
     assert loose == []
     package = Package("devipc")
     assert {part_of(module) for module in package.paths} == set(LAYERS)
@@ -161,10 +171,12 @@ def test_the_folders_are_the_layers():
 
 def test_each_layer_imports_only_the_layers_it_names():
     package = Package("devipc")
-    upward = sorted(f"{module} -> {other}" for module in package.paths
-                    for other in package.imports(module)
-                    if part_of(other) != part_of(module)
-                    and part_of(other) not in LAYERS[part_of(module)])
+    upward = sorted(
+        f"{module} -> {other}"
+        for module in package.paths
+        for other in package.imports(module)
+        if part_of(other) != part_of(module) and part_of(other) not in LAYERS[part_of(module)]
+    )
     assert upward == []
 
 
@@ -174,7 +186,9 @@ def test_the_layer_rules_have_no_circle():
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_each_folder_says_what_it_owns_and_what_it_may_import(folder):
-    docstring = ast.get_docstring(ast.parse((PACKAGES["devipc"] / folder / "__init__.py")
-                                            .read_text())) or ""
+    docstring = (
+        ast.get_docstring(ast.parse((PACKAGES["devipc"] / folder / "__init__.py").read_text()))
+        or ""
+    )
     named = {part for part in LAYERS[folder] - {"_public"} if f"`{part}`" in docstring}
     assert len(docstring) > 200 and named == LAYERS[folder] - {"_public"}

@@ -45,8 +45,9 @@ def test_close_is_idempotent_and_releases_the_fd():
 _NOISE = random.Random(7).randbytes(HANDLE_SIZE)  # the same in every run (and xdist worker)
 
 
-@pytest.mark.parametrize("bad", [b"", b"x" * (HANDLE_SIZE - 1), _NOISE, "text"],
-                         ids=["empty", "short", "noise", "str"])
+@pytest.mark.parametrize(
+    "bad", [b"", b"x" * (HANDLE_SIZE - 1), _NOISE, "text"], ids=["empty", "short", "noise", "str"]
+)
 def test_malformed_handles_are_refused(bad):
     with pytest.raises(InvalidHandleError):
         open_shared_file(bad, b"TEST")
@@ -87,8 +88,9 @@ def _exited_pid() -> int:
 
 def test_handle_of_an_exited_but_unreaped_producer_says_peer_gone():
     # A zombie still answers kill(pid, 0), but its fds are closed: it is gone, not "another user".
-    code = ("from devipc._core._memfd import SharedFile; "
-            "print(SharedFile(b'TEST', 4096).handle.hex())")
+    code = (
+        "from devipc._core._memfd import SharedFile; print(SharedFile(b'TEST', 4096).handle.hex())"
+    )
     with zombie_child(code) as (pid, out):
         handle = bytes.fromhex(out.split()[-1])
         assert struct.unpack(_FORMAT, handle)[2] == pid
@@ -151,8 +153,9 @@ def test_the_exact_memfd_name_is_opened():
 def test_an_fd_that_is_no_file_is_an_invalid_handle():
     a, b = socket.socketpair()
     with a, b:
-        forged = struct.pack(_FORMAT, b"TEST", VERSION, os.getpid(), a.fileno(), 4096,
-                             reach_tag() + os.urandom(8))
+        forged = struct.pack(
+            _FORMAT, b"TEST", VERSION, os.getpid(), a.fileno(), 4096, reach_tag() + os.urandom(8)
+        )
         with pytest.raises(InvalidHandleError, match="forged or stale"):
             open_shared_file(forged, b"TEST")
 

@@ -17,8 +17,9 @@ from devipc._core._memory import reap_freed, tensor_from_memory, watched
 def test_storage_owns_the_memory_until_it_dies():
     backing = torch.arange(8, dtype=torch.uint8, device="openreg")
     freed = []
-    storage = tensor_from_memory(backing.data_ptr() + 2, 4, backing.device,
-                                 lambda: freed.append(True)).untyped_storage()
+    storage = tensor_from_memory(
+        backing.data_ptr() + 2, 4, backing.device, lambda: freed.append(True)
+    ).untyped_storage()
     assert storage.nbytes() == 4 and storage.device == backing.device
     view = torch.tensor([], dtype=torch.uint8, device="openreg").set_(storage)
     assert view.cpu().tolist() == [2, 3, 4, 5]
@@ -34,26 +35,36 @@ def test_storage_owns_the_memory_until_it_dies():
     assert reap_freed() == 0 and freed == [True]  # once
 
 
-@pytest.mark.parametrize("dtype, shape", [
-    (torch.float32, (2, 3)), (torch.bfloat16, (12,)), (torch.bool, (3, 2, 4)),
-    (torch.complex64, (3,)), (torch.int64, (1, 1, 3)), (torch.uint16, (4, 3))])
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [
+        (torch.float32, (2, 3)),
+        (torch.bfloat16, (12,)),
+        (torch.bool, (3, 2, 4)),
+        (torch.complex64, (3,)),
+        (torch.int64, (1, 1, 3)),
+        (torch.uint16, (4, 3)),
+    ],
+)
 def test_a_tensor_of_any_dlpack_dtype_and_contiguous_shape_is_made_in_one_call(dtype, shape):
     """What an open makes when a whole storage is sent: that tensor, no empty().set_()."""
     source = (torch.arange(24) % 5).to(dtype).to("openreg")
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     freed = []
-    tensor = tensor_from_memory(source.data_ptr(), nbytes, source.device,
-                                lambda: freed.append(True), dtype, shape)
+    tensor = tensor_from_memory(
+        source.data_ptr(), nbytes, source.device, lambda: freed.append(True), dtype, shape
+    )
     assert (tensor.dtype, tuple(tensor.shape), tensor.device) == (dtype, shape, source.device)
     assert tensor.is_contiguous() and tensor.data_ptr() == source.data_ptr()
     assert tensor.untyped_storage().nbytes() == nbytes
-    assert torch.equal(tensor.cpu(), source.cpu()[:tensor.numel()].reshape(shape))
+    assert torch.equal(tensor.cpu(), source.cpu()[: tensor.numel()].reshape(shape))
     del tensor
     assert reap_freed() == 1 and freed == [True]
 
 
 def test_the_struct_of_a_dead_tensor_is_reused_and_a_live_one_never():
     from devipc._core import _memory
+
     backing = torch.arange(16, dtype=torch.uint8, device="openreg")
     reap_freed()
     first = tensor_from_memory(backing.data_ptr(), 4, backing.device, lambda: None)
@@ -74,6 +85,7 @@ def test_a_reused_struct_is_a_new_entry_that_a_stale_look_cannot_take():
     thread switch) must not take the new tensor's entry for the dead one's: entries are not
     keyed by the struct's address."""
     from devipc._core import _memory
+
     backing = torch.arange(16, dtype=torch.uint8, device="openreg")
     reap_freed()
     freed: list[int] = []
@@ -82,8 +94,7 @@ def test_a_reused_struct_is_a_new_entry_that_a_stale_look_cannot_take():
     number, entry = stale[-1]
     del first
     assert reap_freed() == 1 and freed == [1]
-    second = tensor_from_memory(backing.data_ptr() + 4, 4, backing.device,
-                                lambda: freed.append(2))
+    second = tensor_from_memory(backing.data_ptr() + 4, 4, backing.device, lambda: freed.append(2))
     again, reused = next(reversed(_memory._live.items()))
     assert reused[0] == entry[0] and again != number  # the same struct, a new entry
     del second
@@ -94,6 +105,7 @@ def test_a_reused_struct_is_a_new_entry_that_a_stale_look_cannot_take():
 
 def test_a_struct_torch_refused_goes_back_for_the_next_tensor(monkeypatch):
     from devipc._core import _memory
+
     backing = torch.arange(8, dtype=torch.uint8, device="openreg")
     reap_freed()
     kept = list(_memory._recycled.get(("openreg", 0), []))
@@ -114,9 +126,12 @@ def test_a_bounded_reap_looks_at_the_newest_storages_only():
     backing = torch.zeros(64, dtype=torch.uint8, device="openreg")
     reap_freed()
     freed: list[int] = []
-    storages = [tensor_from_memory(backing.data_ptr() + i, 1, backing.device,
-                                   lambda i=i: freed.append(i)).untyped_storage()
-                for i in range(40)]
+    storages = [
+        tensor_from_memory(
+            backing.data_ptr() + i, 1, backing.device, lambda i=i: freed.append(i)
+        ).untyped_storage()
+        for i in range(40)
+    ]
     del storages[0], storages[-1]  # the oldest and the newest die
     assert reap_freed(newest=8) == 1 and freed == [39]
     assert reap_freed(newest=8) == 0  # the oldest is not among the 8 newest
@@ -169,8 +184,11 @@ def test_a_storage_dying_while_an_exception_unwinds_keeps_the_exception():
     freed = []
 
     def fail():
-        for _ in (tensor_from_memory(backing.data_ptr(), 4, backing.device,
-                                     lambda: freed.append(True)).untyped_storage(),):
+        for _ in (
+            tensor_from_memory(
+                backing.data_ptr(), 4, backing.device, lambda: freed.append(True)
+            ).untyped_storage(),
+        ):
             raise KeyError("the user's own error")  # the storage dies on the way out
 
     before = watched()

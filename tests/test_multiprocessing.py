@@ -1,4 +1,5 @@
 """torch's own multiprocessing tools on openreg tensors: DataLoader workers and Hogwild."""
+
 import _workers
 import pytest
 import torch
@@ -10,8 +11,13 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 
 def test_dataloader_with_spawn_workers_returns_device_tensors():
-    loader = torch.utils.data.DataLoader(_workers.DeviceDataset(), batch_size=2, num_workers=2,
-                                         multiprocessing_context="spawn", timeout=TIMEOUT)
+    loader = torch.utils.data.DataLoader(
+        _workers.DeviceDataset(),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        timeout=TIMEOUT,
+    )
     batches = list(loader)
     assert [b.device.type for b in batches] == ["openreg"] * 4
     assert torch.equal(torch.cat([b.cpu() for b in batches])[:, 0], torch.arange(8.0))
@@ -59,8 +65,10 @@ def test_thousands_of_new_tensors_through_a_queue_leave_nothing_behind(children)
     assert (fds_left, maps_left, mapped) == (0, [], 0)
     children.join_ok()
     wait_until(lambda: devipc.stats()["sent"] == 0, "every send ended", collect=True)
-    wait_until(lambda: torch.accelerator.memory_allocated() <= memory,
-               "the producer's memory is back to its baseline")
+    wait_until(
+        lambda: torch.accelerator.memory_allocated() <= memory,
+        "the producer's memory is back to its baseline",
+    )
     torch.accelerator.empty_cache()  # the allocator's cached segments: memfds of its own
     wait_until(lambda: open_fds() <= fds, f"fds back to {fds}", collect=True)  # (a counter file
     assert foreign_memfd_maps() <= maps  # that filled up meanwhile closes once its sends ended)

@@ -1,6 +1,7 @@
 """The weight publisher: pack_module, fan-out to subscribers in spawned processes, acknowledged
 generations, copy and in-place modes, late and dead subscribers, a killed publisher, bad tokens,
 and nothing left behind; in both openreg IPC modes."""
+
 import contextlib
 import gc
 import os
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.usefixtures("ipc_mode")
 
 
 # What a weight-sync user never meets in an error: the machinery beneath the publisher.
-_MACHINERY = re.compile(r"arena|attachment|slot|ACKS|consumer|chunk|record|devipc handle",
-                        re.IGNORECASE)
+_MACHINERY = re.compile(
+    r"arena|attachment|slot|ACKS|consumer|chunk|record|devipc handle", re.IGNORECASE
+)
 
 
 def _in_user_words(error):
@@ -38,8 +40,9 @@ def _drain():
 
 
 def _subscribe(children, publisher, generations, into=False):
-    proc, conn = children.start_piped(_workers.weight_subscriber, publisher.token(), generations,
-                                      into)
+    proc, conn = children.start_piped(
+        _workers.weight_subscriber, publisher.token(), generations, into
+    )
     assert recv(conn) == ("subscribed", "openreg:0")
     return proc, conn
 
@@ -108,8 +111,9 @@ def test_two_subscribers_see_every_generation_exactly(children, copy):
     children.reap()  # our ends of the pipes
     del model, publisher
     _drain()
-    wait_until(lambda: devipc.stats()["exports"] <= exports, "the packed memory let go",
-               collect=True)
+    wait_until(
+        lambda: devipc.stats()["exports"] <= exports, "the packed memory let go", collect=True
+    )
     assert open_fds() < fds
 
 
@@ -123,12 +127,19 @@ def _new_values(weights, seed):
 
 def test_one_publisher_serves_more_than_64_subscribers_every_byte_exact(children):
     """The cap was 64 subscribers a publisher: 66 here, 33 in each of two processes."""
-    weights = devipc.pack({"embed": torch.empty(64, 256, device="openreg"),
-                           "bias": torch.empty(256, device="openreg")})
+    weights = devipc.pack(
+        {
+            "embed": torch.empty(64, 256, device="openreg"),
+            "bias": torch.empty(256, device="openreg"),
+        }
+    )
     with devipc.WeightPublisher(weights) as publisher:
-        groups = [children.start_piped(_workers.weight_subscribers,
-                                       [publisher.token() for _ in range(33)], 3)[1]
-                  for _ in range(2)]
+        groups = [
+            children.start_piped(
+                _workers.weight_subscribers, [publisher.token() for _ in range(33)], 3
+            )[1]
+            for _ in range(2)
+        ]
         for conn in groups:  # 33 subscribers opened one after the other
             assert recv(conn, 2 * FRESH_TIMEOUT) == "subscribed"
         publisher.wait_subscribers(66, timeout=TIMEOUT)
@@ -181,8 +192,9 @@ def test_a_dead_subscriber_is_named_once_and_never_waited_for_again(children):
     model = _workers.TinyGPT()
     devipc.pack_module(model)
     with devipc.WeightPublisher(model) as publisher:
-        hanging, conn = children.start_piped(_workers.weight_subscriber_that_hangs,
-                                             publisher.token())
+        hanging, conn = children.start_piped(
+            _workers.weight_subscriber_that_hangs, publisher.token()
+        )
         _, live = _subscribe(children, publisher, 2)
         assert recv(conn) == "subscribed"
         with pytest.raises(devipc.AckTimeoutError, match="not acknowledged generation 0") as late:
@@ -203,14 +215,16 @@ def test_a_dead_subscriber_is_named_once_and_never_waited_for_again(children):
 
 
 def test_a_subscriber_dying_while_publish_waits_is_named_with_the_generation_that_went_out(
-        children):
+    children,
+):
     """Issue 47: from ConsumerDiedError alone, the trainer could not tell whether `publish` had
     published its generation."""
     model = _workers.TinyGPT()
     devipc.pack_module(model)
     with devipc.WeightPublisher(model) as publisher:
-        hanging, conn = children.start_piped(_workers.weight_subscriber_that_hangs,
-                                             publisher.token())
+        hanging, conn = children.start_piped(
+            _workers.weight_subscriber_that_hangs, publisher.token()
+        )
         assert recv(conn) == "subscribed"
 
         def kill_once_it_holds_the_generation():
@@ -253,7 +267,8 @@ def test_a_publish_that_raises_says_whether_its_generation_went_out(transport, m
 
 @pytest.mark.parametrize("transport", ["ipc", "nixl"])
 def test_copy_false_refuses_at_once_a_publish_before_the_last_one_was_acknowledged(
-        transport, monkeypatch):
+    transport, monkeypatch
+):
     """Issue 47: a second `publish(wait=False)` before the engines acknowledged waited 60 s,
     then raised AckTimeoutError; the trainer's write in between landed under their reads."""
     use_ucx_loopback(monkeypatch)  # nixl: to this host only
@@ -264,10 +279,14 @@ def test_copy_false_refuses_at_once_a_publish_before_the_last_one_was_acknowledg
         assert publisher.publish(wait=False) == 0
         assert subscriber.wait(timeout=TIMEOUT) == 0  # reading it, not acknowledged yet
         for wait in (False, True):
-            with pytest.raises(ValueError, match=(
+            with pytest.raises(
+                ValueError,
+                match=(
                     rf"subscribers 0 \(pid {os.getpid()}, attached, acknowledged -1\) have not "
                     rf"acknowledged generation 0: .*once wait_acks\(0\) returned.*nothing was "
-                    rf"published")) as refused:
+                    rf"published"
+                ),
+            ) as refused:
                 publisher.publish(wait=wait, timeout=TIMEOUT)
             assert not re.search("arena|consumer|record", str(refused.value))  # user words
             assert publisher.generation == 0
@@ -333,8 +352,10 @@ def test_copy_into_names_what_does_not_match():
         subscriber = devipc.WeightSubscriber(publisher.token())
         publisher.publish(wait=False)
         subscriber.wait(timeout=TIMEOUT)
-        wrong = {**_workers.TinyGPT().state_dict(),
-                 "block.weight": torch.zeros(3, device="openreg")}
+        wrong = {
+            **_workers.TinyGPT().state_dict(),
+            "block.weight": torch.zeros(3, device="openreg"),
+        }
         with pytest.raises(ValueError, match="'block.weight'.*\\(3,\\).*\\(8, 8\\)"):
             subscriber.copy_into(wrong)
         with pytest.raises(KeyError, match="mask"):
@@ -365,7 +386,7 @@ def test_every_error_a_weight_sync_user_meets_speaks_of_publishers_and_subscribe
         caught(devipc.InvalidHandleError, devipc.WeightSubscriber, bad)
     opened = []
     for at in range(20, len(token), 37):  # damaged fields, wherever they fall
-        damaged = token[:at] + bytes([token[at] ^ 0xFF]) + token[at + 1:]
+        damaged = token[:at] + bytes([token[at] ^ 0xFF]) + token[at + 1 :]
         try:
             devipc.WeightSubscriber(damaged).close()  # a byte free to differ
             opened.append(at)
@@ -426,8 +447,15 @@ def test_an_asyncio_loop_awaits_generations_for_two_subscribers():
             seen = []
             for _ in range(steps):
                 generation = await subscriber.wait_async(timeout=TIMEOUT)
-                seen.append((generation, {name: tensor.cpu().tolist()
-                                          for name, tensor in subscriber.tensors().items()}))
+                seen.append(
+                    (
+                        generation,
+                        {
+                            name: tensor.cpu().tolist()
+                            for name, tensor in subscriber.tensors().items()
+                        },
+                    )
+                )
                 subscriber.ack()
             return seen
 
@@ -503,8 +531,9 @@ def test_weights_that_left_the_packed_allocation_are_not_published_stale(transpo
         storage.copy_(keep.untyped_storage())
         with pytest.raises(ValueError, match="resized"):
             publisher.publish(timeout=TIMEOUT)
-    weights = devipc.pack({"a": torch.ones(4, device="openreg"),
-                           "b": torch.ones(4, device="openreg")})
+    weights = devipc.pack(
+        {"a": torch.ones(4, device="openreg"), "b": torch.ones(4, device="openreg")}
+    )
     with devipc.WeightPublisher(weights, transport=transport) as publisher:
         assert publisher.publish(timeout=TIMEOUT) == 0
         weights["b"] = torch.zeros(4, device="openreg")
@@ -555,11 +584,13 @@ def test_publishes_from_two_threads_take_turns(copy):
 
         threads = [threading.Thread(target=publish_some) for _ in range(2)]
         if copy:  # the subscriber acknowledges as it goes: copy=True waits two back
+
             def acknowledge():
                 while len(got) < 200 and not errors:
                     with contextlib.suppress(TimeoutError):
                         subscriber.wait(timeout=0.05)
                         subscriber.ack()
+
             threads.append(threading.Thread(target=acknowledge))
         else:
             subscriber.close()  # copy=False: nobody to wait for
@@ -650,8 +681,9 @@ def test_a_cpu_trainer_feeds_openreg_and_cpu_engines_exactly_every_generation(ch
         assert publisher.device == torch.device("cpu")
         engines = []
         for into, engine_device in ((False, "cpu"), (True, "openreg")):
-            proc, conn = children.start_piped(_workers.weight_subscriber, publisher.token(), 3,
-                                              into, None, engine_device, True)
+            proc, conn = children.start_piped(
+                _workers.weight_subscriber, publisher.token(), 3, into, None, engine_device, True
+            )
             assert recv(conn) == ("subscribed", "cpu")
             engines.append(conn)
         fds = open_fds()
@@ -677,8 +709,9 @@ def test_an_openreg_trainer_feeds_a_cpu_engine_without_a_copy(children, copy):
     if not copy:
         devipc.pack_module(model)
     with devipc.WeightPublisher(model, copy=copy) as publisher:
-        _, conn = children.start_piped(_workers.weight_subscriber, publisher.token(), 3, True,
-                                       "cpu", "cpu", True)
+        _, conn = children.start_piped(
+            _workers.weight_subscriber, publisher.token(), 3, True, "cpu", "cpu", True
+        )
         assert recv(conn) == ("subscribed", "cpu")
         publisher.wait_subscribers(1, timeout=TIMEOUT)
         for step in range(3):

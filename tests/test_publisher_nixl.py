@@ -2,6 +2,7 @@
 its own PID and mount namespace (`unshare --pid --fork --mount-proc`), so that it cannot reach the
 publisher's memory through /proc and only the NIXL path can pass. Skipped, with the reason, where
 NIXL or namespaces are absent."""
+
 import contextlib
 import os
 import shutil
@@ -38,8 +39,10 @@ def _unshare_works() -> str | None:
     return None if probe.returncode == 0 else f"unshare --pid is not permitted: {probe.stderr}"
 
 
-pytestmark = [pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})"),
-              pytest.mark.xdist_group("publisher_nixl")]  # one worker starts `remote`
+pytestmark = [
+    pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})"),
+    pytest.mark.xdist_group("publisher_nixl"),
+]  # one worker starts `remote`
 
 # The subscriber: commands from the test through a pipe, replies through another.
 SUBSCRIBER = textwrap.dedent("""
@@ -106,7 +109,9 @@ class Remote:
         env = {**os.environ, **UCX_LOOPBACK}
         self.proc = subprocess.Popen(
             [*UNSHARE, sys.executable, "-c", script, str(theirs_in), str(theirs_out), here],
-            pass_fds=(theirs_in, theirs_out), env=env)
+            pass_fds=(theirs_in, theirs_out),
+            env=env,
+        )
         os.close(theirs_in)
         os.close(theirs_out)
         self.commands, self.replies = Connection(ours_out), Connection(ours_in)
@@ -170,7 +175,8 @@ def test_a_subscriber_in_other_namespaces_gets_every_generation_exactly(remote, 
             expected = _workers.snapshot(model)
             assert publisher.publish(timeout=TIMEOUT) == step  # returns once acknowledged
             assert publisher.subscribers() == {
-                0: {"state": "attached", "acknowledged": step, "pid": pid}}
+                0: {"state": "attached", "acknowledged": step, "pid": pid}
+            }
             generation, views, own = recv(remote.replies)
             assert generation == step and views == own == expected, (copy, step)
         assert remote.ask("close") == "closed"
@@ -250,8 +256,12 @@ def test_bad_tokens_closed_publishers_and_nothing_left_behind(loopback):
     fds, shm = open_fds(), shm_entries()
     publisher = devipc.WeightPublisher(model, transport="nixl")
     token = publisher.token()
-    for forged in (token[:-3], token[:40], token[:300] + b"x" + token[301:],
-                   token.replace(b"openreg", b"openrex")):
+    for forged in (
+        token[:-3],
+        token[:40],
+        token[:300] + b"x" + token[301:],
+        token.replace(b"openreg", b"openrex"),
+    ):
         with pytest.raises(devipc.InvalidHandleError):
             devipc.WeightSubscriber(forged)
     subscriber = devipc.WeightSubscriber(token)
@@ -326,7 +336,8 @@ def _rewritten(token: bytes, nbytes: int | None = None, data=None, device=None) 
 
 
 def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
-        loopback, monkeypatch):
+    loopback, monkeypatch
+):
     """Issue 27, defect 6: sizes that disagree with the weights descriptor the token carries,
     and damaged descriptors, are refused before the subscriber allocates or claims anything."""
     from devipc import p2p
@@ -335,13 +346,17 @@ def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
     devipc.pack_module(model)
     with devipc.WeightPublisher(model, transport="nixl") as publisher:
         token = publisher.token()
-        flips = [lambda d, at=at: d[:at] + bytes([d[at] ^ 0x41]) + d[at + 1:]
-                 for at in (12, 40, 90, -40, -3)]  # descriptor fields, its NIXL part, digest
+        flips = [
+            lambda d, at=at: d[:at] + bytes([d[at] ^ 0x41]) + d[at + 1 :]
+            for at in (12, 40, 90, -40, -3)
+        ]  # descriptor fields, its NIXL part, digest
         forged = [_rewritten(token, nbytes=1 << 60), _rewritten(token, nbytes=4 << 30)]
         forged += [_rewritten(token, data=flip) for flip in flips]
         # issue 53: a device index (or type) this host lacks, by damage
-        forged += [_rewritten(token, device=device) for device in (
-            f"openreg:{torch.openreg.device_count()}", "openreg:127", "cuda:0")]
+        forged += [
+            _rewritten(token, device=device)
+            for device in (f"openreg:{torch.openreg.device_count()}", "openreg:127", "cuda:0")
+        ]
         made = []
         create = p2p.create_tensor
         monkeypatch.setattr(p2p, "create_tensor", lambda *a: made.append(a) or create(*a))
@@ -360,7 +375,8 @@ def test_a_refused_token_allocates_nothing_and_leaves_the_genuine_one_openable(
 
 @pytest.mark.parametrize("relay", [False, True])
 def test_a_token_of_a_device_this_host_lacks_is_refused_until_device_says_where(
-        loopback, children, monkeypatch, relay):
+    loopback, children, monkeypatch, relay
+):
     """Issue 53, item 2: a trainer on openreg:2 of a host with 3 devices, an engine on a host
     with 2. Without device= the token is refused as InvalidHandleError, before anything is
     allocated, naming the publisher's device, this host's count and device=; the same token
@@ -380,8 +396,12 @@ def test_a_token_of_a_device_this_host_lacks_is_refused_until_device_says_where(
     with pytest.raises(devipc.InvalidHandleError) as refused:
         devipc.WeightSubscriber(token)
     assert made == [], "a refused token allocated memory"
-    for words in (f"publisher is on openreg:{count}", f"this host has {count} openreg device(s)",
-                  "WeightSubscriber(token, device=...)", "device='openreg:0'"):
+    for words in (
+        f"publisher is on openreg:{count}",
+        f"this host has {count} openreg device(s)",
+        "WeightSubscriber(token, device=...)",
+        "device='openreg:0'",
+    ):
         assert words in str(refused.value)
     with pytest.raises(ValueError, match=rf"device='openreg:{count + 5}': this host has {count}"):
         devipc.WeightSubscriber(token, device=f"openreg:{count + 5}")
@@ -507,6 +527,7 @@ def test_an_error_of_the_prefetch_thread_is_raised_by_the_next_wait_then_it_goes
                     failed.append(1)
                     raise devipc.DevIpcError("a passing failure")
                 return fetch()
+
             backend._fetch = fail_once
             wait_until(backend.ready, "ready(): wait() would raise at once")
             with pytest.raises(devipc.DevIpcError, match="a passing failure"):
@@ -515,8 +536,9 @@ def test_an_error_of_the_prefetch_thread_is_raised_by_the_next_wait_then_it_goes
             publisher.publish(wait=False)
             wait_until(lambda: backend._prefetched is not None, "the thread prefetched again")
             assert subscriber.wait(timeout=TIMEOUT) == 0
-            assert {name: tensor.cpu().tolist() for name, tensor in
-                    subscriber.tensors().items()} == _workers.snapshot(model)
+            assert {
+                name: tensor.cpu().tolist() for name, tensor in subscriber.tensors().items()
+            } == _workers.snapshot(model)
 
 
 def test_closing_a_prefetching_subscriber_returns_once_the_publisher_was_told(loopback):
@@ -538,24 +560,25 @@ def test_closing_a_prefetching_subscriber_returns_once_the_publisher_was_told(lo
             inside.set()
             go.wait(TIMEOUT)
             return fetch()
+
         backend._fetch = held
         assert inside.wait(TIMEOUT), "the prefetch thread did not look"
+
         def let_it_go():
             wait_until(lambda: backend._calls._closed, "close() began")
             go.set()
+
         release = threading.Thread(target=let_it_go)
         release.start()
         try:
             subscriber.close()
-            assert [record["state"] for record in publisher.subscribers().values()] == [
-                "closed"]
+            assert [record["state"] for record in publisher.subscribers().values()] == ["closed"]
         finally:
             go.set()
             release.join(TIMEOUT)
 
 
-def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loopback,
-                                                                              children):
+def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loopback, children):
     """Issue 27, defect 9: Ctrl-C during wait() of a large generation (in flight: sent by the
     pull's post), in a spawned child so that a crash fails the test."""
     import _publisher_nixl_workers
@@ -577,7 +600,8 @@ def test_ctrl_c_during_a_pull_lands_at_once_and_the_next_wait_pulls_it_whole(loo
 # tests/p2p/test_nixl_inflight.py::test_ctrl_c_lands_at_once_while_a_nixl_poll_sits_in_c
 @pytest.mark.slow
 def test_ctrl_c_lands_within_half_a_second_of_a_512_mib_pull_and_the_next_is_exact(
-        loopback, children):
+    loopback, children
+):
     """Issue 53, item 1: a 512 MiB pull over NIXL (TCP loopback) interrupted 50 ms into its
     transfer raises KeyboardInterrupt within 0.5 s (a poll of NIXL may take seconds there: the
     wait must not sit in one), 10 runs of 10, in a spawned child (a crash is its exit code); the
@@ -589,10 +613,12 @@ def test_ctrl_c_lands_within_half_a_second_of_a_512_mib_pull_and_the_next_is_exa
     assert got is not None, "the child died"
     assert len(got["runs"]) == 10, (
         f"{got['ended_first']} pulls ended before their interrupt ({got['pull']:.2f} s for the "
-        f"first pull): fewer than 10 Ctrl-C during a pull were measured")
+        f"first pull): fewer than 10 Ctrl-C during a pull were measured"
+    )
     for run, result in enumerate(got["runs"], 1):
-        assert result["latency"] < 0.5, f"run {run}: KeyboardInterrupt {result['latency']:.2f} " \
-                                        f"s after SIGINT; {got}"
+        assert result["latency"] < 0.5, (
+            f"run {run}: KeyboardInterrupt {result['latency']:.2f} s after SIGINT; {got}"
+        )
         assert result["generation"] == result["expected"], (run, result)
     assert got["grown"] == 0, f"{got['grown']} more NIXL registrations than before the runs"
 
@@ -631,8 +657,9 @@ def test_an_asyncio_loop_awaits_a_generation_across_hosts(loopback):
             _workers.train_step(model, 3.0)
             publisher.publish(wait=False)
             assert asyncio.run(subscriber.wait_async(timeout=TIMEOUT)) == 0
-            assert {name: tensor.cpu().tolist() for name, tensor in
-                    subscriber.tensors().items()} == _workers.snapshot(model)
+            assert {
+                name: tensor.cpu().tolist() for name, tensor in subscriber.tensors().items()
+            } == _workers.snapshot(model)
             subscriber.ack()
             publisher.wait_acks(0, timeout=TIMEOUT)
 
@@ -666,8 +693,13 @@ def test_an_engine_closing_after_its_trainer_closed_posts_nothing_to_it(loopback
     logs that one post.)"""
     model = _workers.TinyGPT()
     devipc.pack_module(model)
-    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         with devipc.WeightPublisher(model, transport="nixl") as publisher:
             engine.stdin.write(publisher.token().hex() + "\n")

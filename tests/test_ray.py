@@ -3,6 +3,7 @@ CPU tensors through the DEVIPC transport; the same-host path (zero-copy, writes 
 the path between hosts forced over NIXL on one machine, more receivers than an object's handles,
 killed senders and receivers, and nothing left behind. Runs where Ray is installed (the README's
 test command installs it)."""
+
 import os
 
 import pytest
@@ -23,8 +24,9 @@ def cluster():
 
     here = os.path.dirname(os.path.abspath(__file__))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (here, os.environ.get(
-            "PYTHONPATH")))))  # the actors' module, for Ray's workers
+        patch.setenv(
+            "PYTHONPATH", os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
+        )  # the actors' module, for Ray's workers
         use_ucx_loopback(patch)  # NIXL to this host only
         patch.setenv("RAY_AUTH_MODE", "disabled")  # a cluster of this test alone
         # Ray's own bound on an object's transfer (60 s) assumes an idle machine: a receiver's
@@ -33,8 +35,7 @@ def cluster():
         # Ray runs its workers at niceness 15: beside the suite's other workers (niceness 0) an
         # actor starved, its start-up alone past every bound. The tests' cluster runs at 0.
         patch.setenv("RAY_worker_niceness", "0")
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             import _ray_workers  # registers both transports, before any actor is made
 
@@ -140,14 +141,16 @@ def test_killed_receivers_and_freed_objects_leave_nothing_behind(cluster, actors
         held.update(_get(sender.held.remote()))
         return held == {"objects": 0, "sent": 0}
 
-    wait_until(nothing_held, lambda: f"the sender holds no object and no send: {held}",
-               timeout=TIMEOUT)
+    wait_until(
+        nothing_held, lambda: f"the sender holds no object and no send: {held}", timeout=TIMEOUT
+    )
     assert _get(receivers[0].drop.remote())["mapped"] == 0
 
 
 @pytest.mark.parametrize("method", ["make", "make_over_network"])
-def test_an_object_freed_while_a_receiver_reads_it_stays_whole_until_it_lets_go(cluster, actors,
-                                                                                method):
+def test_an_object_freed_while_a_receiver_reads_it_stays_whole_until_it_lets_go(
+    cluster, actors, method
+):
     sender, _, receivers = actors
     key = f"freed while read {method}"
     ref = getattr(sender, method).remote(key, 5.0)
@@ -156,16 +159,28 @@ def test_an_object_freed_while_a_receiver_reads_it_stays_whole_until_it_lets_go(
     del ref  # Ray frees the object, and the sender its tensors, while the receiver holds them
     sender.forget.remote(key)
     if method == "make":  # the sender's memory: it stays until the receiver lets go
-        wait_until(lambda: _get(sender.held.remote())["objects"] == 0,
-                   "Ray freed the object", timeout=TIMEOUT)
+        wait_until(
+            lambda: _get(sender.held.remote())["objects"] == 0,
+            "Ray freed the object",
+            timeout=TIMEOUT,
+        )
     else:  # a copy of the receiver's own, read over NIXL
-        wait_until(lambda: _get(sender.held.remote()) == {"objects": 0, "sent": 0},
-                   "the sender holds nothing", timeout=TIMEOUT)
+        wait_until(
+            lambda: _get(sender.held.remote()) == {"objects": 0, "sent": 0},
+            "the sender holds nothing",
+            timeout=TIMEOUT,
+        )
     sender.make.remote("overwrites freed memory", 6.0)  # its allocator may reuse the blocks
     assert _get(receivers[2].kept_described.remote()) == expected
     _get(receivers[2].drop.remote())
-    wait_until(lambda: _get(receivers[2].drop.remote())["mapped"] == 0,
-               "the receiver maps nothing", timeout=TIMEOUT)
+    wait_until(
+        lambda: _get(receivers[2].drop.remote())["mapped"] == 0,
+        "the receiver maps nothing",
+        timeout=TIMEOUT,
+    )
     sender.forget.remote("overwrites freed memory")
-    wait_until(lambda: _get(sender.held.remote())["sent"] == 0,
-               "every send of the freed object ended", timeout=TIMEOUT)
+    wait_until(
+        lambda: _get(sender.held.remote())["sent"] == 0,
+        "every send of the freed object ended",
+        timeout=TIMEOUT,
+    )

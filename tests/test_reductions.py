@@ -1,4 +1,5 @@
 """torch.multiprocessing integration: what crosses a Queue, and what stays torch's."""
+
 import dataclasses
 import pickle
 import socket
@@ -18,9 +19,20 @@ from devipc._core._refcount import SENT
 
 pytestmark = pytest.mark.usefixtures("ipc_mode")
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-          torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
-          torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 
 
 def _cases():
@@ -65,8 +77,12 @@ def test_views_dtypes_and_empty_tensors_round_trip(children):
     for name, (tensor, cpu), report in zip(names, items, _roundtrip(children, items)):
         assert report["equal"], name
         assert report["device"] == "openreg:0", name
-        assert (report["dtype"], report["shape"], report["stride"], report["offset"]) == \
-            (cpu.dtype, tuple(cpu.shape), tensor.stride(), tensor.storage_offset()), name
+        assert (report["dtype"], report["shape"], report["stride"], report["offset"]) == (
+            cpu.dtype,
+            tuple(cpu.shape),
+            tensor.stride(),
+            tensor.storage_offset(),
+        ), name
         assert report["received"] == (tensor.numel() > 0), name
 
 
@@ -131,8 +147,10 @@ def test_parameter_keeps_requires_grad(children):
     parameter = torch.nn.Parameter(torch.ones(3, device="openreg"))
     frozen = torch.nn.Parameter(torch.ones(3, device="openreg"), requires_grad=False)
     reports = _roundtrip(children, [(parameter, torch.ones(3)), (frozen, torch.ones(3))])
-    assert [(r["type"], r["requires_grad"]) for r in reports] == \
-        [("Parameter", True), ("Parameter", False)]
+    assert [(r["type"], r["requires_grad"]) for r in reports] == [
+        ("Parameter", True),
+        ("Parameter", False),
+    ]
 
 
 def test_writes_cross_both_ways(children):
@@ -163,8 +181,7 @@ def test_a_received_tensor_is_forwarded_and_outlives_its_forwarder(children):
     """A -> B -> C: C maps A's memory, its writes reach A, and A's memory stays allocated until
     both B and C let go, also when B exits first."""
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["sent"] == 0,
-               "earlier sends ended", collect=True)
+    wait_until(lambda: devipc.stats()["sent"] == 0, "earlier sends ended", collect=True)
     baseline = torch.accelerator.memory_allocated()
     to_b, from_b = children.ctx.Queue(), children.ctx.Queue()
     to_c, from_c = children.ctx.Queue(), children.ctx.Queue()
@@ -183,8 +200,12 @@ def test_a_received_tensor_is_forwarded_and_outlives_its_forwarder(children):
     assert torch.accelerator.memory_allocated() >= baseline + (1 << 20), "freed while C holds it"
     to_c.put("drop")
     assert from_c.get(timeout=TIMEOUT) == "dropped"
-    wait_until(lambda: torch.accelerator.memory_allocated() == baseline, "A's memory freed", 10,
-               collect=True)
+    wait_until(
+        lambda: torch.accelerator.memory_allocated() == baseline,
+        "A's memory freed",
+        10,
+        collect=True,
+    )
     to_c.put("exit")
     children.join_ok()
 
@@ -238,20 +259,23 @@ def test_rfc_names_exist():
     devipc.ipc_collect()
 
 
-@pytest.mark.parametrize("field, value, error", [
-    (7, b"\x00" * 64, devipc.InvalidHandleError),         # forged memory handle
-    (7, b"short", devipc.InvalidHandleError),             # truncated memory handle
-    (11, b"\x01" * 36, devipc.InvalidHandleError),        # forged ref-counter handle
-    (12, 10 ** 9, devipc.InvalidHandleError),             # ref-counter offset out of range
-    # found by benchmarks/fuzz_handles.py: each was a TypeError/RuntimeError or was accepted
-    (6, None, devipc.InvalidHandleError),                 # not a device
-    (6, "garbage", devipc.InvalidHandleError),
-    (6, -1, devipc.InvalidHandleError),
-    (7, None, devipc.InvalidHandleError),                 # no memory handle, real slot: leaked it
-    (8, 0, devipc.InvalidHandleError),                    # forged empty storage: leaked the slot
-    (8, 4, devipc.InvalidHandleError),                    # the view does not fit the storage
-    (13, None, devipc.InvalidHandleError),                # an event handle that is not bytes
-])
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        (7, b"\x00" * 64, devipc.InvalidHandleError),  # forged memory handle
+        (7, b"short", devipc.InvalidHandleError),  # truncated memory handle
+        (11, b"\x01" * 36, devipc.InvalidHandleError),  # forged ref-counter handle
+        (12, 10**9, devipc.InvalidHandleError),  # ref-counter offset out of range
+        # found by benchmarks/fuzz_handles.py: each was a TypeError/RuntimeError or was accepted
+        (6, None, devipc.InvalidHandleError),  # not a device
+        (6, "garbage", devipc.InvalidHandleError),
+        (6, -1, devipc.InvalidHandleError),
+        (7, None, devipc.InvalidHandleError),  # no memory handle, real slot: leaked it
+        (8, 0, devipc.InvalidHandleError),  # forged empty storage: leaked the slot
+        (8, 4, devipc.InvalidHandleError),  # the view does not fit the storage
+        (13, None, devipc.InvalidHandleError),  # an event handle that is not bytes
+    ],
+)
 def test_forged_or_truncated_handles_raise(field, value, error):
     tensor = torch.ones(4, device="openreg")
     rebuild, args = torch_reductions.reduce_tensor(tensor)
@@ -286,10 +310,18 @@ def test_sent_arguments_pickle_without_globals_and_come_back_as_the_15():
     devipc.ipc_collect()
 
 
-@pytest.mark.parametrize("field, value", [
-    (0, "Module"), (0, ["unhashable"]), (1, "not_a_dtype"), (1, "Tensor"),
-    (5, b"not a wrapped handle"), (5, None), (5, b"DVIP\x04\x00truncated"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        (0, "Module"),
+        (0, ["unhashable"]),
+        (1, "not_a_dtype"),
+        (1, "Tensor"),
+        (5, b"not a wrapped handle"),
+        (5, None),
+        (5, b"DVIP\x04\x00truncated"),
+    ],
+)
 def test_forged_sent_arguments_raise(field, value):
     tensor = torch.ones(4, device="openreg")
     _, args = torch_reductions.reduce_tensor(tensor)
@@ -423,6 +455,7 @@ def test_install_is_idempotent_and_uninstall_restores_torch():
 @dataclasses.dataclass
 class _UpstreamMemHandle:
     """The memory-handle record of the RFC's pull requests: IpcMemHandle{offset, handle}."""
+
     offset: int
     handle: bytes
 
@@ -461,7 +494,7 @@ def test_hooks_in_the_rfc_prs_spelling_share_unchanged(children, ipc_mode):
     devipc.hooks.register_ipc_hooks("openreg", upstream, replace=True)
     try:
         cpu = torch.arange(12.0).reshape(3, 4)
-        report, = _roundtrip(children, [(cpu.to("openreg")[1:], cpu[1:])])
+        (report,) = _roundtrip(children, [(cpu.to("openreg")[1:], cpu[1:])])
     finally:
         devipc.hooks.register_ipc_hooks("openreg", inner, replace=True)
     assert report["equal"] and report["received"] and report["offset"] == 4
@@ -518,16 +551,18 @@ def test_a_torch_with_its_own_share_device_is_refused_not_overwritten():
 
 def test_a_non_leaf_that_requires_grad_is_refused_in_torchs_words():
     leaf = torch.ones(3, device="openreg", requires_grad=True)
-    with pytest.raises(RuntimeError, match="Cowardly refusing to serialize non-leaf tensor which "
-                                           "requires_grad"):
+    with pytest.raises(
+        RuntimeError, match="Cowardly refusing to serialize non-leaf tensor which requires_grad"
+    ):
         torch_reductions.reduce_tensor(leaf * 2)
 
 
 def _nested(layout=torch.strided):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "prototype stage" note on strided nesting
-        return torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)], layout=layout,
-                                          device="openreg")
+        return torch.nested.nested_tensor(
+            [torch.ones(2), torch.arange(3.0)], layout=layout, device="openreg"
+        )
 
 
 def test_tensors_devipc_cannot_send_fail_with_one_line_saying_what_to_do():
@@ -554,7 +589,8 @@ def test_a_jagged_nested_tensor_crosses_through_its_components():
 
 
 def test_a_queue_feeder_prints_devipc_s_line_not_a_dispatcher_dump():
-    result = run_python(textwrap.dedent("""
+    result = run_python(
+        textwrap.dedent("""
         import warnings, torch, torch.multiprocessing as mp
         import devipc
         warnings.simplefilter("ignore")
@@ -563,6 +599,7 @@ def test_a_queue_feeder_prints_devipc_s_line_not_a_dispatcher_dump():
         queue.put(nested)  # pickled by the feeder thread, which prints what failed
         queue.close()
         queue.join_thread()
-    """))
+    """)
+    )
     assert "UnsupportedTensorError" in result.stderr and "jagged" in result.stderr
     assert "Could not run" not in result.stderr and "aten::" not in result.stderr, result.stderr

@@ -1,4 +1,5 @@
 """Ref-counter slots: states, locks that die with their holder, files, forged indices."""
+
 import _workers
 import pytest
 from _support import TIMEOUT
@@ -102,7 +103,8 @@ def test_a_consumer_can_take_a_slot_for_forwarding():
 
 
 def test_a_slot_another_process_takes_is_listed_with_its_export_whenever_the_producer_looks(
-        monkeypatch):
+    monkeypatch,
+):
     # The producer's collector may look between a forwarder's (or p2p peer's) move of the
     # cursor and its assignment of the slot: a slot seen then with no export was never listed
     # again, its export let go of the memory while the slot still used it (p2p_stress read

@@ -3,6 +3,7 @@ relay=True)`): engines in processes of their own reach each other and the traine
 (UCX over TCP loopback, as between hosts). Every engine's bytes are checked against the trainer's,
 also when an engine of the chain is killed or frozen, and when one joins late. The emulated
 cluster's smoke run (network namespaces, rate-limited links) closes the file."""
+
 import contextlib
 import gc
 import hashlib
@@ -39,6 +40,7 @@ import relay_soak
 NIXL = nixl_missing()
 pytestmark = pytest.mark.xdist_group("relay")  # one worker starts the engines, its tests share them
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 class Driven:
     """A process of _relay_workers (spawned among `children`) driven through its pipe: `send`,
@@ -102,8 +104,9 @@ def fleet():
             for engine in [e for e in engines if not e.alive() or e.proc.pid in frozen]:
                 engines.remove(engine)
                 engine.stop()
-            engines.extend(Driven(children, _relay_workers.engine)
-                           for _ in range(count - len(engines)))
+            engines.extend(
+                Driven(children, _relay_workers.engine) for _ in range(count - len(engines))
+            )
             return engines[:count]
 
         frozen: set[int] = set()
@@ -118,9 +121,11 @@ def fleet():
 
 def _weights(copy: bool) -> dict[str, torch.Tensor]:
     """2 MiB of weights in three tensors: several chunks of the relay."""
-    weights = {"embed": torch.empty(300, 1024, device="openreg"),
-               "proj": torch.empty(200, 1024, device="openreg"),
-               "bias": torch.empty(1000, device="openreg")}
+    weights = {
+        "embed": torch.empty(300, 1024, device="openreg"),
+        "proj": torch.empty(200, 1024, device="openreg"),
+        "bias": torch.empty(1000, device="openreg"),
+    }
     return weights if copy else devipc.pack(weights)
 
 
@@ -175,8 +180,7 @@ def _three_generations(publisher, weights, engines, seed, places):
         for engine in engines:
             engine.send("take")
         assert publisher.publish(timeout=TIMEOUT) == generation  # every engine acked
-        assert [(r["upstream"], r["leader"]) for r in publisher.subscribers().values()] \
-            == places
+        assert [(r["upstream"], r["leader"]) for r in publisher.subscribers().values()] == places
         counts = []
         for engine in engines:
             got, found, pulled = engine.reply()
@@ -192,8 +196,9 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
     nbytes = sum(t.nbytes for t in weights.values())
     with devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True) as publisher:
         _open(publisher, engines)
-        digest, counts = _three_generations(publisher, weights, engines, 0,
-                                            [(-1, -1), (0, -1), (1, -1)])
+        digest, counts = _three_generations(
+            publisher, weights, engines, 0, [(-1, -1), (0, -1), (1, -1)]
+        )
         # the trainer's memory was read once a generation, by the head of the chain
         padded = publisher._backend._nbytes
         assert padded >= nbytes and chunk_size(padded) < padded // 4  # several chunks
@@ -212,8 +217,7 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
-def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet, monkeypatch,
-                                                                           how):
+def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet, monkeypatch, how):
     """B holds a generation when it is killed (SIGKILL) or frozen (SIGSTOP); C, downstream of
     it, then takes that generation from the trainer (around a killed B at once: its reads of B
     fail; around a frozen one after RELAY_STALL, 1 s here) with every byte exact. The
@@ -323,8 +327,9 @@ def test_engines_of_one_host_map_the_buffers_of_the_one_that_pulls(fleet, copy):
     weights = _weights(copy)
     with devipc.WeightPublisher(weights, copy=copy, transport="nixl", relay=True) as publisher:
         _open(publisher, engines, share=True)
-        digest, counts = _three_generations(publisher, weights, engines, 40,
-                                            [(-1, -1), (-1, 0), (-1, 0)])
+        digest, counts = _three_generations(
+            publisher, weights, engines, 40, [(-1, -1), (-1, 0), (-1, 0)]
+        )
         padded = publisher._backend._nbytes
         assert [c["trainer"] for c in counts] == [3 * padded, 0, 0]
         assert [c["upstream"] + c["left"] + c["bypassed"] for c in counts] == [0, 0, 0]
@@ -343,8 +348,9 @@ def test_engines_of_one_host_map_the_buffers_of_the_one_that_pulls(fleet, copy):
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
-def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(fleet, monkeypatch,
-                                                                             how):
+def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(
+    fleet, monkeypatch, how
+):
     """A leads B and C (one host, one device). Once A is killed (its reads fail) or frozen (no
     progress for RELAY_STALL, 1 s here), B and C pull the generation themselves, exact; A is
     named once (ConsumerDiedError) and B then leads: C maps B's buffers."""
@@ -375,8 +381,7 @@ def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(fle
         answers = [engine.reply() for engine in (b, c)]
         assert [(g, d) for g, d, _ in answers] == [(2, digest)] * 2
         places = publisher.subscribers()
-        assert [(places[i]["upstream"], places[i]["leader"]) for i in (1, 2)] == [(-1, -1),
-                                                                                 (-1, 1)]
+        assert [(places[i]["upstream"], places[i]["leader"]) for i in (1, 2)] == [(-1, -1), (-1, 1)]
         assert answers[1][2]["shared"] == 2  # generation 0 in A's buffers, 2 in B's
         for engine in (b, c):
             engine.ask("close")
@@ -404,8 +409,7 @@ def test_a_follower_reads_its_leaders_memory_and_drops_a_generation_it_overwrite
         b.close()
 
 
-def test_a_follower_paused_past_liveness_refuses_the_bytes_its_leader_overwrote(fleet,
-                                                                                 monkeypatch):
+def test_a_follower_paused_past_liveness_refuses_the_bytes_its_leader_overwrote(fleet, monkeypatch):
     """F follows A and holds generation 0 when it is frozen (SIGSTOP) past LIVENESS (2 s here):
     the publisher names it dead and publishes 1, which A pulls into the buffer F maps. Resumed,
     F's copy_into raises PeerGoneError rather than hand out generation 1's bytes as 0's (and
@@ -474,8 +478,9 @@ def test_a_follower_looks_at_its_leaders_word_after_the_bytes_were_read(fleet, m
         b.close()
 
 
-def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(fleet, monkeypatch,
-                                                                          children):
+def test_a_follower_that_pulls_once_the_trainer_was_killed_gets_peer_gone(
+    fleet, monkeypatch, children
+):
     """In this process, B follows A, which does not pull; B leaves A (RELAY_STALL, 0.5 s here)
     and makes its own relay to pull generation 0 from the trainer, which was killed meanwhile:
     PeerGoneError, as every way an engine learns of a dead trainer, not NIXL's failure to
@@ -536,21 +541,30 @@ def test_an_engine_late_to_wait_with_prefetch_does_not_hold_up_the_chain(fleet):
 
 
 @pytest.mark.slow  # 66 NIXL subscribers, each with its agents: 1.5-3 minutes on 2 cores
-def test_one_publisher_relays_to_more_than_64_subscribers_every_byte_exact(children,
-                                                                          monkeypatch):
+def test_one_publisher_relays_to_more_than_64_subscribers_every_byte_exact(children, monkeypatch):
     """The cap was 64 subscribers a publisher: 66 here, 33 in each of two processes, each
     with buffers of its own (as on hosts of their own), the chain running through all of them,
     its card slots and records past the 64th."""
     if NIXL is not None:
         pytest.skip(f"NIXL is not installed ({NIXL})")
     use_ucx_loopback(monkeypatch)
-    weights = devipc.pack({"embed": torch.empty(64, 256, device="openreg"),
-                           "bias": torch.empty(256, device="openreg")})
+    weights = devipc.pack(
+        {
+            "embed": torch.empty(64, 256, device="openreg"),
+            "bias": torch.empty(256, device="openreg"),
+        }
+    )
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
-        groups = [children.start_piped(_workers.weight_subscribers,
-                                       [publisher.token() for _ in range(33)], 3, 30.0,
-                                       {"share": False})[1]
-                  for _ in range(2)]
+        groups = [
+            children.start_piped(
+                _workers.weight_subscribers,
+                [publisher.token() for _ in range(33)],
+                3,
+                30.0,
+                {"share": False},
+            )[1]
+            for _ in range(2)
+        ]
         for conn in groups:  # 33 subscribers opened one after the other
             assert recv(conn, 2 * FRESH_TIMEOUT) == "subscribed"
         publisher.wait_subscribers(66, timeout=TIMEOUT)
@@ -600,8 +614,14 @@ def test_the_chain_groups_engines_by_host_and_shares_within_a_device():
     assert host_key() == host_key() != 0
     # host 3: records 1 and 3 share key 9, 5 has none (0); host 7: 0, 2 and 6 share key 8
     members = [(7, 8, 0), (3, 9, 1), (7, 8, 2), (3, 9, 3), (3, 0, 5), (7, 8, 6)]
-    assert chain(members) == {5: Place(-1), 1: Place(5), 3: Place(-1, 1), 0: Place(1),
-                              2: Place(-1, 0), 6: Place(-1, 0)}
+    assert chain(members) == {
+        5: Place(-1),
+        1: Place(5),
+        3: Place(-1, 1),
+        0: Place(1),
+        2: Place(-1, 0),
+        6: Place(-1, 0),
+    }
     key = share_key(torch.device("cpu"))
     assert key == share_key(torch.device("cpu")) != share_key(torch.device("openreg", 0))
     assert key != 0
@@ -620,8 +640,12 @@ def test_a_card_reads_back_from_its_slot_and_damage_is_refused():
     assert Card.from_slot(slot) == card and written(slot) and not written(bytes(CARD_BYTES))
     shared = card._replace(local=b"ipc", local_progress=b"words", local_buffers=(b"0", b"1"))
     assert Card.from_slot(shared.to_slot()) == shared
-    for damaged in (bytes(CARD_BYTES), slot[:20], slot[:8] + b"x" + slot[9:],
-                    (CARD_BYTES).to_bytes(8, "little") + slot[8:]):
+    for damaged in (
+        bytes(CARD_BYTES),
+        slot[:20],
+        slot[:8] + b"x" + slot[9:],
+        (CARD_BYTES).to_bytes(8, "little") + slot[8:],
+    ):
         with pytest.raises(devipc.InvalidHandleError):
             Card.from_slot(damaged)
     with pytest.raises(ValueError, match="subscribe without relay"):
@@ -634,8 +658,7 @@ def test_relay_is_refused_on_one_host():
         devipc.WeightPublisher(devipc.pack({"w": torch.zeros(4)}), relay=True)
 
 
-def test_the_relay_soak_smoke_run_holds_every_engines_bytes_under_pauses_and_kills(
-        monkeypatch):
+def test_the_relay_soak_smoke_run_holds_every_engines_bytes_under_pauses_and_kills(monkeypatch):
     """benchmarks/relay_soak.py, bounded: 4 engines (a leader, two followers, a copy) take 30
     generations while engines are paused within and past LIVENESS (1.5 s), killed and joined;
     every engine's copy of each generation it took is checked, none is wrong, and no engine
@@ -662,9 +685,12 @@ def _no_cluster() -> str | None:
 def test_the_emulated_cluster_smoke_run_delivers_every_engines_bytes():
     """benchmarks/fleet_relay.py --smoke: 2 hosts x 2 engines in network namespaces with
     rate-limited links, relay and one-hop, every engine's bytes checked; nothing left behind."""
-    with subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "fleet_relay.py"),
-                           "--smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as run:
+    with subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "fleet_relay.py"), "--smoke"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as run:
         try:
             stdout, stderr = run.communicate(timeout=4 * FRESH_TIMEOUT)
         finally:
@@ -672,6 +698,7 @@ def test_the_emulated_cluster_smoke_run_delivers_every_engines_bytes():
     assert run.returncode == 0, stderr[-3000:]
     assert "every engine's bytes exact in 2 settings" in stdout
     # its namespaces are named after its pid: another run's (beside this suite) are not its own
-    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                           check=True).stdout.split()
+    after = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert [name for name in after if name.startswith(f"dvf{run.pid % 100000}h")] == []

@@ -2,6 +2,7 @@
 nested, replicated, in DTensor's and vLLM's placement forms), engines of tensor-parallel size 1,
 2 and 4 read only their slices and find them equal to the full model's every generation; a rank
 killed mid-generation; FSDP2 over gloo; bad input."""
+
 import os
 import shutil
 import socket
@@ -38,29 +39,37 @@ TP_DIMS = {"w1": 0, "w2": 1, "b": 0, "norm": None, "scalar": None, "e": 0, "tiny
 
 def two_ranks():
     """Uneven shards (7 rows as 4 + 3), a dim-1 shard, a replicated norm and scalar."""
-    return {"w1": ParamLayout((7, 5), (2,), [Shard(0)]),
-            "w2": ParamLayout((6, 9), (2,), [Shard(1)]),
-            "b": ParamLayout((5,), (2,), [Shard(0)]),
-            "norm": ParamLayout((5,), (2,), [Replicate()]),
-            "scalar": ParamLayout((), (2,), None)}
+    return {
+        "w1": ParamLayout((7, 5), (2,), [Shard(0)]),
+        "w2": ParamLayout((6, 9), (2,), [Shard(1)]),
+        "b": ParamLayout((5,), (2,), [Shard(0)]),
+        "norm": ParamLayout((5,), (2,), [Replicate()]),
+        "scalar": ParamLayout((), (2,), None),
+    }
 
 
 def four_ranks():
     """A 2 x 2 mesh: a dim sharded twice (7 -> 4 + 3 -> 2 + 2, 2 + 1), two dims sharded, HSDP
     (replicated across one axis), vLLM's int codes with owners out of order, and a tensor of 3
     rows over 4 ranks (one shard empty)."""
-    return {"w1": ParamLayout((7, 5), (2, 2), [Shard(0), Shard(0)]),
-            "w2": ParamLayout((6, 9), (2, 2), [Shard(0), Shard(1)]),
-            "b": ParamLayout((5,), (2, 2), [Replicate(), Shard(0)]),
-            "norm": ParamLayout((5,), (2, 2), [Replicate(), Replicate()]),
-            "e": ParamLayout((9, 4), (2, 2), [1, -1], owners=[3, 2, 1, 0]),
-            "tiny": ParamLayout((3,), (2, 2), [Shard(0), Shard(0)])}
+    return {
+        "w1": ParamLayout((7, 5), (2, 2), [Shard(0), Shard(0)]),
+        "w2": ParamLayout((6, 9), (2, 2), [Shard(0), Shard(1)]),
+        "b": ParamLayout((5,), (2, 2), [Replicate(), Shard(0)]),
+        "norm": ParamLayout((5,), (2, 2), [Replicate(), Replicate()]),
+        "e": ParamLayout((9, 4), (2, 2), [1, -1], owners=[3, 2, 1, 0]),
+        "tiny": ParamLayout((3,), (2, 2), [Shard(0), Shard(0)]),
+    }
 
 
 def expected_slices(layout, slices, generation):
     full = full_model(layout, generation)
-    return {name: full[name] if asked is None else full[name].narrow(
-        asked[0], asked[1], asked[2] - asked[1]) for name, asked in slices.items()}
+    return {
+        name: full[name]
+        if asked is None
+        else full[name].narrow(asked[0], asked[1], asked[2] - asked[1])
+        for name, asked in slices.items()
+    }
 
 
 # -- the layout -----------------------------------------------------------------------------------
@@ -73,7 +82,7 @@ def test_each_rank_holds_the_box_dtensor_gives_it():
             choices = [Replicate()] + [Shard(dim) for dim in range(len(shape))]
             grid = torch.arange(torch.Size(mesh).numel()).view(mesh)
             for first in choices:
-                for second in (choices if len(mesh) == 2 else [None]):
+                for second in choices if len(mesh) == 2 else [None]:
                     placements = [first] if second is None else [first, second]
                     layout = ParamLayout(shape, mesh, placements)
                     for rank in range(grid.numel()):
@@ -81,8 +90,7 @@ def test_each_rank_holds_the_box_dtensor_gives_it():
                         size, offset = dtensor(shape, mesh, coordinate, placements)
                         box = layout.box(rank)
                         assert tuple(stop - start for start, stop in box) == tuple(size)
-                        assert all(start == at for (start, _), at, n in zip(box, offset, size)
-                                   if n)
+                        assert all(start == at for (start, _), at, n in zip(box, offset, size) if n)
                         checked += 1
     assert checked > 300
 
@@ -112,7 +120,9 @@ def test_tp_slices_split_as_torch_chunk_and_the_plan_reads_two_shards_for_a_span
     pieces = plan(layout, slices)
     assert pieces["w"][0] == (3, 5)
     assert [(p.rank, p.source[0], p.target[0]) for p in pieces["w"][1]] == [
-        (0, slice(3, 4), slice(0, 1)), (1, slice(0, 2), slice(1, 3))]
+        (0, slice(3, 4), slice(0, 1)),
+        (1, slice(0, 2), slice(1, 3)),
+    ]
     assert [p.rank for p in pieces["n"][1]] == [0]  # of replicas, one
     with pytest.raises(ValueError, match="outside"):
         plan(layout, {"w": (0, 5, 9)})
@@ -125,13 +135,19 @@ def _engines(layout):
     """Engines of tensor-parallel size 1 (every tensor whole), 2 and 4: (size, rank, slices)."""
     return [(1, 0, {name: None for name in layout})] + [
         (size, rank, devipc.tp_slices(layout, rank, size, TP_DIMS))
-        for size in (2, 4) for rank in range(size)]
+        for size in (2, 4)
+        for rank in range(size)
+    ]
 
 
 def _start_trainers(children, layout, engines, transport="ipc"):
     world = 1 + max(max(param.owners) for param in layout.values())
-    conns = [children.start_piped(_sharded_workers.trainer_rank, rank, layout, engines,
-                                  "openreg:0", transport)[1] for rank in range(world)]
+    conns = [
+        children.start_piped(
+            _sharded_workers.trainer_rank, rank, layout, engines, "openreg:0", transport
+        )[1]
+        for rank in range(world)
+    ]
     tokens = [recv(conn) for conn in conns]  # tokens[rank][engine]
     return conns, tokens
 
@@ -142,12 +158,20 @@ def test_every_engine_holds_its_slices_of_the_full_model_every_generation(layout
     children = Children()
     try:
         conns, tokens = _start_trainers(children, layout, len(engines))
-        subscribers = [devipc.ShardedSubscriber([tokens[rank][index] for rank in range(len(conns))],
-                                                layout, slices, device="openreg:0")
-                       for index, (_, _, slices) in enumerate(engines)]
+        subscribers = [
+            devipc.ShardedSubscriber(
+                [tokens[rank][index] for rank in range(len(conns))],
+                layout,
+                slices,
+                device="openreg:0",
+            )
+            for index, (_, _, slices) in enumerate(engines)
+        ]
         # the TP-2 rank 0 engine keeps its own bf16 tensors, under other names
-        own = {f"model.{name}": torch.empty(tensor.shape, dtype=torch.bfloat16)
-               for name, tensor in expected_slices(layout, engines[1][2], 0).items()}
+        own = {
+            f"model.{name}": torch.empty(tensor.shape, dtype=torch.bfloat16)
+            for name, tensor in expected_slices(layout, engines[1][2], 0).items()
+        }
         for generation in range(3):
             for conn in conns:
                 conn.send("publish")
@@ -201,9 +225,11 @@ def test_a_rank_killed_mid_generation_leaves_every_engine_its_generation_and_nam
         conns[0].send("publish")  # rank 0 publishes generation 1; rank 1 dies before it does
         children.procs[1].kill()
         children.procs[1].join(TIMEOUT)
-        with pytest.raises(devipc.PeerGoneError,
-                           match=r"trainer rank 1 of 2 is gone .* generation 1 is incomplete; "
-                                 r"this engine keeps generation 0"):
+        with pytest.raises(
+            devipc.PeerGoneError,
+            match=r"trainer rank 1 of 2 is gone .* generation 1 is incomplete; "
+            r"this engine keeps generation 0",
+        ):
             subscriber.wait(TIMEOUT)
         assert subscriber.generation == 0
         for name, tensor in expected_slices(layout, slices, 0).items():
@@ -219,8 +245,7 @@ def test_a_rank_killed_mid_generation_leaves_every_engine_its_generation_and_nam
 
 
 @pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL is not installed ({nixl_missing()})")
-def test_across_hosts_an_engine_pulls_only_the_blocks_of_its_slices_and_verifies_them(
-        monkeypatch):
+def test_across_hosts_an_engine_pulls_only_the_blocks_of_its_slices_and_verifies_them(monkeypatch):
     use_ucx_loopback(monkeypatch)
     layout = two_ranks()
     children = Children()
@@ -244,13 +269,14 @@ def test_across_hosts_an_engine_pulls_only_the_blocks_of_its_slices_and_verifies
             for sub in partial._subs:
                 pulled = torch.zeros(sub._local.numel(), dtype=torch.bool)
                 for start, length in sub._checked_runs:
-                    pulled[start:start + length] = True
+                    pulled[start : start + length] = True
                 assert not sub._local[~pulled].any()
             partial.verify()  # every block pulled, against the sums rank by rank
             served_row = partial._subs[1].tensors()["w1"][1]  # row 5: in the engine's slice
             served_row[2] += 1  # damaged after the pull
-            with pytest.raises(devipc.ChecksumError, match=f"generation {generation} holds "
-                                                           f"other bytes"):
+            with pytest.raises(
+                devipc.ChecksumError, match=f"generation {generation} holds other bytes"
+            ):
                 partial.verify()
             served_row[2] -= 1
             partial.verify()
@@ -260,8 +286,10 @@ def test_across_hosts_an_engine_pulls_only_the_blocks_of_its_slices_and_verifies
                 assert recv(conn) == ("published", generation)
         # with a checksum, the slices' bytes rounded out to whole blocks (of 64 bytes here),
         # each replicated tensor from one rank
-        for subscriber, nbytes in ((partial, served),
-                                   (whole, sum(t.nbytes for t in full_model(layout, 0).values()))):
+        for subscriber, nbytes in (
+            (partial, served),
+            (whole, sum(t.nbytes for t in full_model(layout, 0).values())),
+        ):
             runs = [run for sub in subscriber._subs for run in sub._checked_runs]
             assert subscriber.pull_bytes == sum(length for _, length in runs)
             assert nbytes <= subscriber.pull_bytes <= nbytes + 2 * 64 * len(runs)
@@ -288,9 +316,13 @@ def test_on_an_emulated_cluster_every_engine_gets_its_slices_from_the_ranks_host
     """benchmarks/sharded_weight_sync.py --smoke: 4 rank hosts and 4 TP engine hosts in network
     namespaces with rate-limited links, each engine's slices checked every generation; nothing
     left behind."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "sharded_weight_sync.py"),
-                             "--smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=fresh_env())
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "sharded_weight_sync.py"), "--smoke"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=fresh_env(),
+    )
     try:
         out, err = proc.communicate(timeout=4 * FRESH_TIMEOUT)
     finally:
@@ -314,15 +346,22 @@ def test_fsdp2_fully_shard_over_gloo_feeds_tensor_parallel_cpu_engines():
     children = Children()
     port, world = _free_port(), 2
     try:
-        conns = [children.start_piped(_sharded_workers.fsdp_trainer, rank, world, port, 2, 2)[1]
-                 for rank in range(world)]
+        conns = [
+            children.start_piped(_sharded_workers.fsdp_trainer, rank, world, port, 2, 2)[1]
+            for rank in range(world)
+        ]
         first = [recv(conn, 3 * TIMEOUT) for conn in conns]
         layout = first[0][0]
         assert layout["0.weight"] == ParamLayout((7, 6), (2,), [Shard(0)])
-        subscribers = [devipc.ShardedSubscriber(
-            [first[rank][1][tp] for rank in range(world)], layout,
-            devipc.tp_slices(layout, tp, 2, lambda name: 1 if name == "1.weight" else 0),
-            device="cpu") for tp in range(2)]
+        subscribers = [
+            devipc.ShardedSubscriber(
+                [first[rank][1][tp] for rank in range(world)],
+                layout,
+                devipc.tp_slices(layout, tp, 2, lambda name: 1 if name == "1.weight" else 0),
+                device="cpu",
+            )
+            for tp in range(2)
+        ]
         for _ in range(2):
             full = {name: torch.tensor(value) for name, value in recv(conns[0]).items()}
             assert recv(conns[1]).keys() == full.keys()
@@ -345,10 +384,19 @@ def test_fsdp2_fully_shard_over_gloo_feeds_tensor_parallel_cpu_engines():
 def _publishers(layout, generation=0):
     full = full_model(layout, generation)
     world = 1 + max(max(param.owners) for param in layout.values())
-    return [devipc.ShardedPublisher(
-        devipc.pack({name: shard_of(full[name], param.box(rank)).to("openreg")
-                     for name, param in layout.items()}), layout, rank=rank)
-        for rank in range(world)]
+    return [
+        devipc.ShardedPublisher(
+            devipc.pack(
+                {
+                    name: shard_of(full[name], param.box(rank)).to("openreg")
+                    for name, param in layout.items()
+                }
+            ),
+            layout,
+            rank=rank,
+        )
+        for rank in range(world)
+    ]
 
 
 def test_a_rank_whose_shards_do_not_match_the_layout_is_refused():
@@ -373,8 +421,9 @@ def test_tokens_of_the_wrong_count_or_order_are_refused():
         for publisher in publishers:
             publisher.publish(wait=False)
         swapped.wait(TIMEOUT)
-        with pytest.raises(ValueError, match="token 0 publishes shards that are not trainer "
-                                             "rank 0's"):
+        with pytest.raises(
+            ValueError, match="token 0 publishes shards that are not trainer rank 0's"
+        ):
             swapped.tensors()
         swapped.close()
     finally:
@@ -388,8 +437,11 @@ def test_an_engine_never_takes_a_generation_some_rank_has_not_published():
     try:
         subscriber = devipc.ShardedSubscriber([p.token() for p in publishers], layout)
         publishers[0].publish(wait=False)
-        with pytest.raises(TimeoutError, match=r"generation 0 not published by trainer ranks "
-                                               r"\[1\]"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"generation 0 not published by trainer ranks "
+            r"\[1\]",
+        ):
             subscriber.wait(0.2)
         assert subscriber.generation == -1
         waited = []
@@ -427,7 +479,6 @@ def test_an_engine_that_joins_between_two_ranks_publishes_takes_the_next_whole_g
     finally:
         for publisher in publishers:
             publisher.close()
-
 
 
 def test_block_checksums_are_for_pulls_across_hosts():

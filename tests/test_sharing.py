@@ -1,5 +1,6 @@
 """share_device / new_shared_device / release_ipc_counter_device and the sent-data collector,
 in one process and across processes, in both openreg IPC modes."""
+
 import gc
 import logging
 import textwrap
@@ -109,14 +110,12 @@ def test_an_allocation_sent_again_stays_mapped_across_a_pending_release(children
     first, second = bytes(devipc.share(tensor)), bytes(devipc.share(tensor))
     outbox = children.ctx.Queue()
     children.start(_workers.reopen_while_release_pends, first, second, outbox)
-    maps, pending_before, pending_after, mapped, same, mapped_at_end = \
-        outbox.get(timeout=TIMEOUT)
+    maps, pending_before, pending_after, mapped, same, mapped_at_end = outbox.get(timeout=TIMEOUT)
     assert (pending_before, pending_after) == (1, 0)  # the old release ran, after the open
     assert (maps, mapped, same, mapped_at_end) == (1, 1, True, 0)
     children.join_ok()
     del tensor
-    wait_until(lambda: devipc.stats()["sent"] == 0,
-               "every send ended", collect=True)
+    wait_until(lambda: devipc.stats()["sent"] == 0, "every send ended", collect=True)
 
 
 def test_a_refused_open_leaves_the_send_to_the_genuine_bytes():
@@ -167,29 +166,34 @@ def test_many_unopened_sends_warn_once_naming_revoke_and_are_freed_once_released
     tensor = torch.ones(4, device="openreg")
     before = _sharing.stats()["sent"]
     with pytest.warns(UserWarning, match=r"never opened.*revoke\(storage\).*set_unopened_deadline"):
-        sends = [devipc.rfc.share_device(tensor.untyped_storage())
-                 for _ in range(_sharing.LIMBO_WARN_BLOCKS + 1)]
+        sends = [
+            devipc.rfc.share_device(tensor.untyped_storage())
+            for _ in range(_sharing.LIMBO_WARN_BLOCKS + 1)
+        ]
         devipc.ipc_collect()
     assert _sharing.stats()["unopened"] == len(sends)
     assert _sharing.stats()["oldest_unopened_s"] >= 0
     for shared in sends:
         devipc.rfc.release_ipc_counter_device(shared[4], shared[5])
     # With IPC events a release completes on the stream's worker: collect until all have.
-    wait_until(lambda: _sharing.stats()["sent"] <= before,
-               "every released send collected", collect=True)
+    wait_until(
+        lambda: _sharing.stats()["sent"] <= before, "every released send collected", collect=True
+    )
     assert _sharing.stats()["unopened"] == 0
 
 
 def test_unopened_sends_print_one_visible_warning_apart_from_held_ones():
     # a plain script, default warning filters: the warning must show without -W flags
-    result = run_python(textwrap.dedent("""
+    result = run_python(
+        textwrap.dedent("""
         import torch, devipc
         tensor = torch.ones(4, device="openreg")
         sends = [devipc.rfc.share_device(tensor.untyped_storage()) for _ in range(3000)]
         for _ in range(3):
             devipc.ipc_collect()
         print(devipc.stats()["unopened"], devipc.stats()["sent"])
-    """))
+    """)
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["3000", "3000"]
     lines = [line for line in result.stderr.splitlines() if "devipc:" in line]
@@ -201,7 +205,8 @@ def test_dropping_received_memory_waits_for_copies_queued_on_it():
     source = torch.full((8 << 20,), 3, dtype=torch.int32, device="openreg")
     shared = devipc.rfc.share_device(source.untyped_storage())
     received = torch.tensor([], dtype=torch.int32, device="openreg").set_(
-        devipc.rfc.new_shared_device(*shared))
+        devipc.rfc.new_shared_device(*shared)
+    )
     out = torch.zeros(8 << 20, dtype=torch.int32)
     for _ in range(4):
         out.copy_(received, non_blocking=True)  # queued reads of the mapping
@@ -222,15 +227,17 @@ def test_opened_allocations_find_an_address_by_its_range():
     class Hooks:
         def open_ipc_mem_handle(self, handle):
             base = int.from_bytes(handle, "little")
-            return OpenedMemory(base, 100, torch.device("openreg", 0),
-                                lambda: closed.append(base))
+            return OpenedMemory(base, 100, torch.device("openreg", 0), lambda: closed.append(base))
 
     opened, hooks = OpenedAllocations(), Hooks()
     for base in (5000, 1000, 3000):
         opened.acquire(hooks, base.to_bytes(4, "little"))
     device = torch.device("openreg", 0)
-    assert [ptr for ptr in (999, 1000, 1099, 1100, 2999, 3050, 5099, 5100)
-            if opened.contains(device, ptr)] == [1000, 1099, 3050, 5099]
+    assert [
+        ptr
+        for ptr in (999, 1000, 1099, 1100, 2999, 3050, 5099, 5100)
+        if opened.contains(device, ptr)
+    ] == [1000, 1099, 3050, 5099]
     assert not opened.contains(torch.device("cpu"), 1000)  # another device type
     opened.release((3000).to_bytes(4, "little"))
     assert closed == [3000] and not opened.contains(device, 3050)
@@ -252,8 +259,9 @@ def test_a_failing_release_is_logged_and_the_open_that_ran_it_goes_on(monkeypatc
     try:
         gc.collect()  # an earlier test's received storages, in cycles: their releases go first
         torch.accelerator.synchronize()
-        wait_until(lambda: devipc.stats()["pending_releases"] == 0, "earlier releases ran",
-                   collect=True)
+        wait_until(
+            lambda: devipc.stats()["pending_releases"] == 0, "earlier releases ran", collect=True
+        )
         keep_collector_out(monkeypatch)  # its rounds would run the releases too
         before = devipc.stats()["mapped"]
         tensor, other = torch.arange(4.0, device="openreg"), torch.ones(4, device="openreg")
@@ -304,8 +312,7 @@ def test_mappings_kept_open_for_reuse_are_bounded_and_close(monkeypatch):
         def open_ipc_mem_handle(self, handle):
             base = int.from_bytes(handle, "little")
             opened_count.append(base)
-            return OpenedMemory(base, 10, torch.device("openreg", 0),
-                                lambda: closed.append(base))
+            return OpenedMemory(base, 10, torch.device("openreg", 0), lambda: closed.append(base))
 
     monkeypatch.setattr(_received, "IDLE_MAPPINGS", 2)
     opened, reusable = _received.OpenedAllocations(), Hooks(True)
@@ -337,8 +344,9 @@ def test_a_new_tensor_per_send_maps_nothing_new_and_the_producer_reuses_its_memo
     keep_collector_out(monkeypatch)
     hooks = hooks_for(torch.device("openreg"))
     maps, open_handle = [], hooks.open_ipc_mem_handle
-    monkeypatch.setattr(hooks, "open_ipc_mem_handle",
-                        lambda handle: maps.append(handle) or open_handle(handle))
+    monkeypatch.setattr(
+        hooks, "open_ipc_mem_handle", lambda handle: maps.append(handle) or open_handle(handle)
+    )
     mapped, baseline = devipc.stats()["mapped"], torch.accelerator.memory_allocated()
     size, places = 16 << 20, set()
     for step in range(40):

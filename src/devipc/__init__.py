@@ -8,13 +8,16 @@ The public surface, by audience: `devipc` for users (below, `__all__`); `devipc.
 vendors; `devipc.rfc` for the RFC's plumbing that torch calls; `devipc.p2p` for point-to-point
 transfers.
 """
+
 import sys
 
 __version__ = "0.1.0"
 
 if sys.platform != "linux":  # memfds, /proc/<pid>/fd and OFD locks have no equivalent elsewhere
-    raise ImportError(f"devipc needs Linux (memfds, /proc/<pid>/fd, open file description locks); "
-                      f"this is {sys.platform}, which it does not support")
+    raise ImportError(
+        f"devipc needs Linux (memfds, /proc/<pid>/fd, open file description locks); "
+        f"this is {sys.platform}, which it does not support"
+    )
 
 # The torch-free layers first: importing torch (below) may autoload a device package that
 # registers its hooks through these names while this package is still importing.
@@ -95,6 +98,7 @@ _MOVED = {name: module.__name__ for module in (hooks, rfc) for name in module.__
 def __getattr__(name: str) -> object:
     """A vendor's or torch's name asked of `devipc` itself: say where it lives."""
     if name in _MOVED:
-        raise AttributeError(f"devipc.{name} is {_MOVED[name]}.{name}: "
-                             f"`from {_MOVED[name]} import {name}`")
+        raise AttributeError(
+            f"devipc.{name} is {_MOVED[name]}.{name}: `from {_MOVED[name]} import {name}`"
+        )
     raise AttributeError(f"module 'devipc' has no attribute {name!r}")

@@ -1,4 +1,5 @@
 """`python -m devipc`: the `devipc` command."""
+
 import sys
 
 from ._tools._cli import main

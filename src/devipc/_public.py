@@ -1,5 +1,6 @@
 """Public objects name the module a user imports them from (`devipc.Handle`, not
 `devipc._core._handles.Handle`): in reprs, tracebacks, documentation and pickles by reference."""
+
 from collections.abc import Iterable
 from types import ModuleType
 

@@ -6,16 +6,25 @@ The storage methods (`share_device`, `new_shared_device`, `release_ipc_counter_d
 `torch.multiprocessing.reductions.rebuild_device_tensor`, once `install()` ran (a device's
 registration runs it); `uninstall()` gives torch its own reducers back.
 """
+
 from ._core._reductions import install, installed, rebuild_device_tensor, uninstall
 from ._core._sharing import (
-           SharedStorage,
-           new_shared_device,
-           release_ipc_counter_device,
-           share_device,
+    SharedStorage,
+    new_shared_device,
+    release_ipc_counter_device,
+    share_device,
 )
 from ._public import name_as_public
 
-__all__ = ["SharedStorage", "install", "installed", "new_shared_device", "rebuild_device_tensor",
-           "release_ipc_counter_device", "share_device", "uninstall"]
+__all__ = [
+    "SharedStorage",
+    "install",
+    "installed",
+    "new_shared_device",
+    "rebuild_device_tensor",
+    "release_ipc_counter_device",
+    "share_device",
+    "uninstall",
+]
 
 name_as_public(__name__, globals(), __all__)

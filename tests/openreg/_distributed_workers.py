@@ -1,6 +1,7 @@
 """Ranks of the process-group tests, run in spawned children: they do the collectives on openreg
 tensors and send back plain lists (no tensors through pipes: those would use shared memory), so
 the test compares them with values it computes on CPU."""
+
 import datetime
 import gc
 import os
@@ -30,8 +31,13 @@ def collectives(conn, rank, world, store_path, backend, ddp):
 
     warm = torch.ones(1, device="openreg")  # the allocator's first segment is not a leak
     before = _counts()
-    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
     out = {"config": str(dist.get_backend_config()), "name": dist.group.WORLD.name()}
 
     def dev(dtype=torch.float32):
@@ -50,8 +56,8 @@ def collectives(conn, rank, world, store_path, backend, ddp):
     out["all_reduce_coalesced"] = torch.cat(pair).tolist()
 
     base = torch.zeros(N + 4, device="openreg")  # a view at an offset: only its elements change
-    base[2:2 + N] = dev()
-    dist.all_reduce(base[2:2 + N])
+    base[2 : 2 + N] = dev()
+    dist.all_reduce(base[2 : 2 + N])
     out["all_reduce_view"] = base.tolist()
 
     x = dev()
@@ -148,8 +154,9 @@ def lost_peer(conn, rank, world, store_path, how):
     import devipc_openreg  # noqa: F401
 
     store = dist.FileStore(store_path, world)  # the rendezvous keeps the store's long timeout
-    dist.init_process_group("oreg", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=3))
+    dist.init_process_group(
+        "oreg", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=3)
+    )
     dist.barrier()
     if rank == 1:
         if how == "dies":

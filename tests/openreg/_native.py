@@ -5,6 +5,7 @@ It uses `_runtime`'s library handle and error check; what the package itself cal
 statistics, stream lookup) the tests take from `_runtime`. Constants mirror openreg.h, checked by
 test_runtime.py.
 """
+
 import contextlib
 import ctypes
 import os
@@ -13,8 +14,9 @@ import threading
 from devipc_openreg._runtime import check, declare, lib, stream_from_id
 
 # for a fresh interpreter (_support.start_python / json_of) whose code imports this module
-PYTHONPATH = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
-                                           os.environ.get("PYTHONPATH")]))
+PYTHONPATH = os.pathsep.join(
+    filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")])
+)
 
 INVALID_VALUE, MEMORY_ALLOCATION, INVALID_DEVICE, INVALID_RESOURCE_HANDLE, NOT_READY = 1, 2, 3, 4, 5
 HOST_TO_HOST, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = 0, 1, 2, 3
@@ -23,36 +25,44 @@ MEMORY_TYPE_UNREGISTERED = 0
 
 class PointerAttributes(ctypes.Structure):
     """orPointerAttributes, field by field."""
-    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("base", ctypes.c_void_p),
-                ("size", ctypes.c_size_t), ("offset", ctypes.c_size_t)]
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("base", ctypes.c_void_p),
+        ("size", ctypes.c_size_t),
+        ("offset", ctypes.c_size_t),
+    ]
 
 
 _P, _vp, _int, _size = ctypes.POINTER, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-declare({
-    "orGetDeviceCount": [_P(_int)],
-    "orGetDevice": [_P(_int)],
-    "orSetDevice": [_int],
-    "orDeviceGetUuid": [_int, ctypes.c_char_p, _size],
-    "orDeviceGetByUuid": [ctypes.c_char_p, _P(_int)],
-    "orDeviceSynchronize": [],
-    "orMalloc": [_P(_vp), _size],
-    "orFree": [_vp],
-    "orEmptyCache": [_int],
-    "orMemResetPeakStats": [_int],
-    "orMemResetAccumulatedStats": [_int],
-    "orPointerGetAttributes": [_P(PointerAttributes), _vp],
-    "orStreamCreate": [_P(_vp)],
-    "orStreamDestroy": [_vp],
-    "orStreamSynchronize": [_vp],
-    "orStreamQuery": [_vp],
-    "orStreamGetId": [_vp, _P(ctypes.c_int64)],
-    "orLaunchHostFunc": [_vp, _vp, _vp],
-    "orMemcpy": [_vp, _vp, _size, _int],
-    "orMemcpyAsync": [_vp, _vp, _size, _int, _vp],
-    "orEventQuery": [_vp],
-    "orEventSynchronize": [_vp],
-    "orEventElapsedTime": [_P(ctypes.c_float), _vp, _vp],
-})
+declare(
+    {
+        "orGetDeviceCount": [_P(_int)],
+        "orGetDevice": [_P(_int)],
+        "orSetDevice": [_int],
+        "orDeviceGetUuid": [_int, ctypes.c_char_p, _size],
+        "orDeviceGetByUuid": [ctypes.c_char_p, _P(_int)],
+        "orDeviceSynchronize": [],
+        "orMalloc": [_P(_vp), _size],
+        "orFree": [_vp],
+        "orEmptyCache": [_int],
+        "orMemResetPeakStats": [_int],
+        "orMemResetAccumulatedStats": [_int],
+        "orPointerGetAttributes": [_P(PointerAttributes), _vp],
+        "orStreamCreate": [_P(_vp)],
+        "orStreamDestroy": [_vp],
+        "orStreamSynchronize": [_vp],
+        "orStreamQuery": [_vp],
+        "orStreamGetId": [_vp, _P(ctypes.c_int64)],
+        "orLaunchHostFunc": [_vp, _vp, _vp],
+        "orMemcpy": [_vp, _vp, _size, _int],
+        "orMemcpyAsync": [_vp, _vp, _size, _int, _vp],
+        "orEventQuery": [_vp],
+        "orEventSynchronize": [_vp],
+        "orEventElapsedTime": [_P(ctypes.c_float), _vp, _vp],
+    }
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SEM_WAIT = ctypes.cast(_libc.sem_wait, _vp).value
@@ -114,8 +124,10 @@ def device_synchronize(device):
 def malloc(size, device):
     """Allocates on `device` without changing this thread's current device."""
     ptr = _vp()
-    _on(device, lambda: check(lib.orMalloc(ctypes.byref(ptr), size),
-                              f"malloc({size}, device={device})"))
+    _on(
+        device,
+        lambda: check(lib.orMalloc(ctypes.byref(ptr), size), f"malloc({size}, device={device})"),
+    )
     return ptr.value or 0
 
 

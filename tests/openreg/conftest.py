@@ -1,4 +1,5 @@
 """Fixtures of the openreg tests."""
+
 import pytest
 from _native import Gate
 

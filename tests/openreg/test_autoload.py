@@ -3,13 +3,14 @@ by `import devipc_openreg` or DEVIPC_OPENREG=1, and never over another PrivateUs
 
 Each case runs a fresh interpreter: what torch registers cannot be undone in this one.
 """
+
 import importlib.metadata
 import json
 import textwrap
 
 from _support import FRESH_TIMEOUT, json_of, run_python, start_python
 
-SEED_USAGE = '''\
+SEED_USAGE = """\
 import torch
 
 if not torch.openreg.is_available():
@@ -28,11 +29,11 @@ print(f"Device of y: {y.device}")
 z = y.cpu()
 print("Result z:\\n", z)
 print(f"Device of z: {z.device}")
-'''
+"""
 
 
 # torch's own autoload, run again by hand after the process arranged what the machine has.
-AUTOLOAD_AFTER = '''
+AUTOLOAD_AFTER = """
 import json, logging, os, torch
 logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s")
 {before}
@@ -40,20 +41,24 @@ torch._import_device_backends()  # what `import torch` runs for every torch.back
 print(json.dumps({{"privateuse1": torch._C._get_privateuse1_backend_name(),
                    "openreg": hasattr(torch, "openreg"),
                    "works": torch.ones(2).add(1).sum().item()}}))
-'''
+"""
 
 
 def autoload_after(before, **env):
-    proc = run_python(AUTOLOAD_AFTER.format(before=textwrap.dedent(before)),
-                      TORCH_DEVICE_BACKEND_AUTOLOAD="0", **env)
+    proc = run_python(
+        AUTOLOAD_AFTER.format(before=textwrap.dedent(before)),
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+        **env,
+    )
     logs = [line for line in proc.stderr.splitlines() if line.startswith("LOG devipc_openreg")]
     return json.loads(proc.stdout.strip().splitlines()[-1]), logs
 
 
 def test_entry_point_is_installed():
     values = [ep.value for ep in importlib.metadata.entry_points(group="torch.backends")]
-    assert "_devipc_openreg_autoload:autoload" in values, \
+    assert "_devipc_openreg_autoload:autoload" in values, (
         "run `make setup`: devipc-openreg's torch.backends entry point is not installed"
+    )
 
 
 def test_seed_usage_runs_verbatim_with_only_torch_imported():
@@ -64,7 +69,8 @@ def test_seed_usage_runs_verbatim_with_only_torch_imported():
 
 
 def test_direct_import_without_autoload():
-    out = json_of(textwrap.dedent("""
+    out = json_of(
+        textwrap.dedent("""
         import json, torch
         assert not hasattr(torch, "openreg")
         import devipc_openreg
@@ -72,15 +78,19 @@ def test_direct_import_without_autoload():
         x = torch.ones(2, device="openreg") * 3
         print(json.dumps({"device": str(x.device), "sum": x.sum().item(),
                           "accelerator": str(torch.accelerator.current_accelerator())}))
-    """), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    """),
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+    )
     assert out == {"device": "openreg:0", "sum": 6.0, "accelerator": "openreg"}
 
 
 def test_import_devipc_before_torch():
     """devipc imports torch, whose autoload registers openreg's hooks while devipc is half done."""
-    out = json_of("import json, devipc, torch; t = torch.ones(1, device='openreg'); "
-                  "print(json.dumps([str(t.device), devipc.hooks.device_supports_ipc('openreg'), "
-                  "devipc.rfc.installed()]))")
+    out = json_of(
+        "import json, devipc, torch; t = torch.ones(1, device='openreg'); "
+        "print(json.dumps([str(t.device), devipc.hooks.device_supports_ipc('openreg'), "
+        "devipc.rfc.installed()]))"
+    )
     assert out == ["openreg:0", True, True]
 
 
@@ -97,8 +107,9 @@ def test_steps_aside_for_another_privateuse1_backend():
 
 
 def test_another_privateuse1_backend_wins_even_when_forced():
-    state, logs = autoload_after('torch.utils.rename_privateuse1_backend("vendordev")',
-                                 DEVIPC_OPENREG="1")
+    state, logs = autoload_after(
+        'torch.utils.rename_privateuse1_backend("vendordev")', DEVIPC_OPENREG="1"
+    )
     assert state["privateuse1"] == "vendordev" and not state["openreg"]
     assert len(logs) == 1
 
@@ -120,14 +131,17 @@ def test_switch_off_never_loads_it():
 
 
 def test_explicit_import_over_another_backend_says_why():
-    proc = run_python(textwrap.dedent("""
+    proc = run_python(
+        textwrap.dedent("""
         import torch
         torch.utils.rename_privateuse1_backend("vendordev")
         try:
             import devipc_openreg
         except RuntimeError as error:
             print("refused:", error)
-    """), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    """),
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+    )
     assert "refused: cannot load openreg" in proc.stdout and "'vendordev'" in proc.stdout
 
 
@@ -161,14 +175,17 @@ def test_a_glue_built_against_another_torch_is_refused_in_one_line():
     assert out["openreg"] is False and out["privateuse1"] == "privateuseone" and out["works"] == 4
     assert len(logs) == 1 and "built against torch 2.1" in logs[0] and "2.99.0" in logs[0]
     assert "pip install --no-build-isolation --force-reinstall --no-deps devipc-openreg" in logs[0]
-    out = json_of(textwrap.dedent("""
+    out = json_of(
+        textwrap.dedent("""
         import json, torch
         torch.__version__ = "2.99.0"
         try:
             import devipc_openreg
         except ImportError as error:
             print(json.dumps({"error": str(error), "name": error.name}))
-    """), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    """),
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+    )
     assert out["name"] == "devipc_openreg._C" and "\n" not in out["error"]
     assert "but this is torch 2.99.0; rebuild it against this torch: `make setup`" in out["error"]
 

@@ -7,14 +7,17 @@ and share one inductor cache (`shared_cache`): what inductor sets up once per ca
 compile there, costs ~8 s of the ~14 s a first compile takes here; no test finds another's graph
 in it.
 """
+
 import textwrap
 
 import pytest
 from _native import PYTHONPATH
 from _support import json_of
 
-pytestmark = [pytest.mark.slow,  # a fresh interpreter that compiles: ~10 s a test here
-              pytest.mark.xdist_group("compile")]  # one worker, one warm `shared_cache`
+pytestmark = [
+    pytest.mark.slow,  # a fresh interpreter that compiles: ~10 s a test here
+    pytest.mark.xdist_group("compile"),
+]  # one worker, one warm `shared_cache`
 
 
 def compiled(code, cache, **env):
@@ -28,7 +31,8 @@ def shared_cache(tmp_path_factory):
 
 
 def test_device_interface_is_registered_when_dynamo_loads(shared_cache):
-    out = compiled("""
+    out = compiled(
+        """
         import json, sys, torch, devipc_openreg
         loaded = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
         from torch._dynamo.device_interface import get_interface_for_device
@@ -46,7 +50,9 @@ def test_device_interface_is_registered_when_dynamo_loads(shared_cache):
             "stream_and_event": [issubclass(iface.Stream, torch.Stream),
                                  issubclass(iface.Event, torch.Event)],
             "cpus": iface.Worker.get_device_properties().multi_processor_count}))
-    """, shared_cache)
+    """,
+        shared_cache,
+    )
     assert out["loaded_by_import"] == []  # importing openreg does not import dynamo or inductor
     assert out["same_for_device"] and out["available"] and out["count"] == 2
     assert out["exchanged"] == [0, 1, 0]
@@ -56,7 +62,8 @@ def test_device_interface_is_registered_when_dynamo_loads(shared_cache):
 
 
 def test_registered_when_dynamo_and_inductor_came_first(shared_cache):
-    out = compiled("""
+    out = compiled(
+        """
         import json, torch
         import torch._dynamo.device_interface as di
         import torch._inductor.codegen.common as common
@@ -65,12 +72,16 @@ def test_registered_when_dynamo_and_inductor_came_first(shared_cache):
         y = torch.compile(lambda x: x * 2 + 1)(torch.ones(3, device="openreg"))
         print(json.dumps([di.get_interface_for_device("openreg").current_device(), str(y.device),
                           y.cpu().tolist()]))
-    """, shared_cache, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    """,
+        shared_cache,
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+    )
     assert out == [0, "openreg:0", [3.0, 3.0, 3.0]]
 
 
 def test_compiled_function_matches_cpu_on_each_device_and_backend(shared_cache):
-    out = compiled("""
+    out = compiled(
+        """
         import json, torch, devipc_openreg
         from torch._inductor.utils import run_and_get_code
 
@@ -94,7 +105,9 @@ def test_compiled_function_matches_cpu_on_each_device_and_backend(shared_cache):
                     "max_error": max((g.cpu() - e).abs().max().item()
                                      for g, e in zip(got, expected))}
         print(json.dumps({"results": results, "codes": codes}))
-    """, shared_cache)
+    """,
+        shared_cache,
+    )
     for key, result in out["results"].items():
         device = "openreg:1" if key.startswith("openreg:1") else "openreg:0"
         assert result["devices"] == [device] * 3 and result["dtypes"], key
@@ -103,15 +116,16 @@ def test_compiled_function_matches_cpu_on_each_device_and_backend(shared_cache):
     for code, index in ((code0, 0), (code1, 1)):
         assert "cpp_fused" in code  # C++ kernels from inductor's CPU code generation
         assert f"device='openreg:{index}'" in code
-        call = [line.strip() for line in code[code.index("def call("):].splitlines()]
+        call = [line.strip() for line in code[code.index("def call(") :].splitlines()]
         launches = [n for n, line in enumerate(call) if line.startswith("cpp_fused")]
         assert launches and all(  # each kernel launch right after its stream is synchronized
-            call[n - 1] == f"torch.openreg.current_stream({index}).synchronize()"
-            for n in launches)
+            call[n - 1] == f"torch.openreg.current_stream({index}).synchronize()" for n in launches
+        )
 
 
 def test_compiled_module_forward_and_backward_match_cpu(shared_cache):
-    out = compiled("""
+    out = compiled(
+        """
         import json, torch, devipc_openreg
         from torch._inductor.utils import run_and_get_code
 
@@ -138,7 +152,9 @@ def test_compiled_module_forward_and_backward_match_cpu(shared_cache):
             "devices": sorted({str(d.device) for d, _ in pairs}),
             "max_error": max((d.detach().cpu() - c).abs().max().item() for d, c in pairs),
             "graphs": len(codes), "cpp": all("cpp_fused" in code for code in codes)}))
-    """, shared_cache)
+    """,
+        shared_cache,
+    )
     assert out["devices"] == ["openreg:0"]
     assert out["max_error"] < 1e-5
     assert out["graphs"] == 2 and out["cpp"]  # forward and backward, each with C++ kernels
@@ -159,7 +175,8 @@ def test_cached_compilation_runs_in_a_new_process(shared_cache):
 def test_compiled_kernel_waits_for_pending_copy_on_the_current_stream(shared_cache):
     # The stream is held by a gate that a timer opens; without the wrapper's synchronization the
     # kernel would read the zeros the pending copy has not overwritten yet.
-    out = compiled("""
+    out = compiled(
+        """
         import json, threading, torch, devipc_openreg
         from _native import Gate
 
@@ -174,13 +191,17 @@ def test_compiled_kernel_waits_for_pending_copy_on_the_current_stream(shared_cac
         threading.Timer(0.5, gate.open).start()
         y = f(x)
         print(json.dumps({"pending": pending, "values": y.cpu().unique().tolist()}))
-    """, shared_cache, PYTHONPATH=PYTHONPATH)
+    """,
+        shared_cache,
+        PYTHONPATH=PYTHONPATH,
+    )
     assert out["pending"]
     assert out["values"] == [3.0]
 
 
 def test_cpp_wrapper_is_refused_naming_what_is_missing(shared_cache):
-    out = compiled("""
+    out = compiled(
+        """
         import json, torch, devipc_openreg
         import torch._inductor.config as config
 
@@ -189,5 +210,7 @@ def test_cpp_wrapper_is_refused_naming_what_is_missing(shared_cache):
             torch.compile(lambda x: x + 1)(torch.ones(3, device="openreg"))
         except Exception as error:
             print(json.dumps(str(error)))
-    """, shared_cache)
+    """,
+        shared_cache,
+    )
     assert "openreg" in out and "C++ wrapper" in out and "cpp_wrapper" in out

@@ -2,6 +2,7 @@
 
 Environment variables are read once per process, so those tests run fresh interpreters.
 """
+
 import textwrap
 import time
 
@@ -55,28 +56,42 @@ def test_pointer_names_its_device():
     assert native.pointer_attributes(x.data_ptr())[0] == 1  # runtime memory of device 1
 
 
-@pytest.mark.parametrize("env, count", [({"OPENREG_DEVICE_COUNT": "3"}, 3),
-                                        ({"OPENREG_VISIBLE_DEVICES": "1"}, 1),
-                                        ({"OPENREG_VISIBLE_DEVICES": ""}, 0)])
+@pytest.mark.parametrize(
+    "env, count",
+    [
+        ({"OPENREG_DEVICE_COUNT": "3"}, 3),
+        ({"OPENREG_VISIBLE_DEVICES": "1"}, 1),
+        ({"OPENREG_VISIBLE_DEVICES": ""}, 0),
+    ],
+)
 def test_device_count_follows_environment(env, count):
-    out = json_of(textwrap.dedent("""
+    out = json_of(
+        textwrap.dedent("""
         import json, torch
         print(json.dumps({"openreg": torch.openreg.device_count(),
                           "accelerator": torch.accelerator.device_count(),
                           "available": torch.openreg.is_available()}))
-    """), **env)
+    """),
+        **env,
+    )
     assert out == {"openreg": count, "accelerator": count, "available": count > 0}
 
 
 def test_visible_devices_renumber():
-    physical_1 = json_of("import json, torch, _native; print(json.dumps(_native.device_uuid(1)))",
-                         PYTHONPATH=native.PYTHONPATH)
-    out = json_of(textwrap.dedent("""
+    physical_1 = json_of(
+        "import json, torch, _native; print(json.dumps(_native.device_uuid(1)))",
+        PYTHONPATH=native.PYTHONPATH,
+    )
+    out = json_of(
+        textwrap.dedent("""
         import json, torch, _native
         x = torch.ones(4, device="openreg:0")
         print(json.dumps({"uuid": _native.device_uuid(x.device.index),
                           "device": str(x.device), "sum": x.sum().item()}))
-    """), OPENREG_VISIBLE_DEVICES="1", PYTHONPATH=native.PYTHONPATH)
+    """),
+        OPENREG_VISIBLE_DEVICES="1",
+        PYTHONPATH=native.PYTHONPATH,
+    )
     assert out == {"uuid": physical_1, "device": "openreg:0", "sum": 4.0}
 
 

@@ -2,6 +2,7 @@
 (fork_rng, activation checkpointing), AMP (autocast, GradScaler), device information and memory
 info, ipc_collect, pinned host memory.
 """
+
 import os
 from multiprocessing.reduction import ForkingPickler
 
@@ -17,11 +18,14 @@ from devipc_openreg import _runtime
 
 
 # ---- RNG state ----
-@pytest.mark.parametrize("draw", [
-    lambda: torch.rand(64, device="openreg"),
-    lambda: torch.randn(8, 8, device="openreg"),
-    lambda: F.dropout(torch.ones(256, device="openreg"), 0.5),
-])
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda: torch.rand(64, device="openreg"),
+        lambda: torch.randn(8, 8, device="openreg"),
+        lambda: F.dropout(torch.ones(256, device="openreg"), 0.5),
+    ],
+)
 def test_rng_state_round_trip_repeats_the_numbers(draw):
     state = torch.openreg.get_rng_state()
     assert state.device.type == "cpu" and state.dtype == torch.uint8
@@ -82,8 +86,9 @@ def test_fork_rng_restores_the_device_generators():
 
 def _net():
     torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.5),
-                               torch.nn.Linear(64, 8)).to("openreg")
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 8)
+    ).to("openreg")
 
 
 def _grads(net, x, **checkpoint_kwargs):
@@ -147,8 +152,9 @@ def test_grad_scaler_step_end_to_end():
     assert any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, model.parameters()))
     # An overflow skips the step and halves the scale.
     after = [p.detach().cpu().clone() for p in model.parameters()]
-    (model(torch.full((3, 4), float("inf"), device="openreg")).sum() * scaler.get_scale()
-     ).backward()
+    (
+        model(torch.full((3, 4), float("inf"), device="openreg")).sum() * scaler.get_scale()
+    ).backward()
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 512.0
@@ -173,8 +179,16 @@ NAME_ONLY = {getattr(torch, f"{kind}{bits}") for kind in ("int", "uint") for bit
 def test_device_capability_lists_the_dtypes_openreg_holds_and_converts():
     dtypes = torch.accelerator.get_device_capability("openreg:1")["supported_dtypes"]
     assert dtypes == torch.accelerator.get_device_capability()["supported_dtypes"]
-    assert {torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.uint64,
-            torch.complex128, torch.bits8, torch.float4_e2m1fn_x2} <= dtypes
+    assert {
+        torch.float32,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.bool,
+        torch.uint64,
+        torch.complex128,
+        torch.bits8,
+        torch.float4_e2m1fn_x2,
+    } <= dtypes
     assert not dtypes & (QUANTIZED | NAME_ONLY)
     raw = torch.arange(16, dtype=torch.uint8)
     for dtype in dtypes:  # each one held: its bytes go there and back
@@ -252,8 +266,9 @@ def test_dataloader_pin_memory_pins_batches():
     assert torch.equal(torch.cat(batches), data.tensors[0])
 
 
-@pytest.mark.skipif(not hasattr(torch.accelerator, "random"),
-                    reason="torch.accelerator.random came with torch 2.14")
+@pytest.mark.skipif(
+    not hasattr(torch.accelerator, "random"), reason="torch.accelerator.random came with torch 2.14"
+)
 def test_torch_accelerator_random_reads_openreg_generators():
     torch.manual_seed(5)
     assert torch.accelerator.random.initial_seed() == 5

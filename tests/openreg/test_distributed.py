@@ -4,6 +4,7 @@ spawned processes against values computed on CPU, stream ordering, errors, a dea
 The backend moves bytes with gloo over CPU aliases of openreg memory, never with devipc handles,
 so openreg's IPC modes do not apply here.
 """
+
 import functools
 import threading
 
@@ -21,33 +22,41 @@ def _reduced(world, op, dtype=torch.float32):
     inputs = torch.stack([rank_input(r, dtype) for r in range(world)])
     if op == "AVG":
         return inputs.sum(0) / world
-    return {"SUM": inputs.sum(0), "MAX": inputs.amax(0), "MIN": inputs.amin(0),
-            "PRODUCT": inputs.prod(0)}[op]
+    return {
+        "SUM": inputs.sum(0),
+        "MAX": inputs.amax(0),
+        "MIN": inputs.amin(0),
+        "PRODUCT": inputs.prod(0),
+    }[op]
 
 
 def _expected(rank, world, ddp):
     """What `collectives` must report on `rank`, computed on CPU."""
     total = _reduced(world, "SUM")
-    expected = {f"all_reduce_{op}": _reduced(world, op)
-                for op in ("SUM", "MAX", "MIN", "PRODUCT", "AVG")}
-    expected.update({
-        "all_reduce_int64": _reduced(world, "SUM", torch.int64),
-        "all_reduce_BOR": functools.reduce(
-            torch.bitwise_or, [rank_input(r, torch.int64) for r in range(world)]),
-        "scatter": rank_input(rank) * 10,
-        "all_to_all_single": torch.cat([rank_input(j) + 100 * rank for j in range(world)]),
-        "all_to_all": torch.cat([rank_input(j) + 100 * rank for j in range(world)]),
-        "all_reduce_coalesced": torch.cat([total, total[:2]]),
-        "all_reduce_view": torch.cat([torch.zeros(2), total, torch.zeros(2)]),
-        "broadcast": rank_input(world - 1),
-        "all_gather": torch.stack([rank_input(r) for r in range(world)]),
-        "all_gather_single": torch.cat([rank_input(r) for r in range(world)]),
-        "reduce_scatter": total * (rank + 1),
-        "reduce_scatter_single": total * (rank + 1),
-        "recv": rank_input((rank - 1) % world),
-        "all_reduce_async": total,
-        "subgroup_all_reduce": rank_input(0) + rank_input(1) if rank < 2 else rank_input(rank),
-    })
+    expected = {
+        f"all_reduce_{op}": _reduced(world, op) for op in ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
+    }
+    expected.update(
+        {
+            "all_reduce_int64": _reduced(world, "SUM", torch.int64),
+            "all_reduce_BOR": functools.reduce(
+                torch.bitwise_or, [rank_input(r, torch.int64) for r in range(world)]
+            ),
+            "scatter": rank_input(rank) * 10,
+            "all_to_all_single": torch.cat([rank_input(j) + 100 * rank for j in range(world)]),
+            "all_to_all": torch.cat([rank_input(j) + 100 * rank for j in range(world)]),
+            "all_reduce_coalesced": torch.cat([total, total[:2]]),
+            "all_reduce_view": torch.cat([torch.zeros(2), total, torch.zeros(2)]),
+            "broadcast": rank_input(world - 1),
+            "all_gather": torch.stack([rank_input(r) for r in range(world)]),
+            "all_gather_single": torch.cat([rank_input(r) for r in range(world)]),
+            "reduce_scatter": total * (rank + 1),
+            "reduce_scatter_single": total * (rank + 1),
+            "recv": rank_input((rank - 1) % world),
+            "all_reduce_async": total,
+            "subgroup_all_reduce": rank_input(0) + rank_input(1) if rank < 2 else rank_input(rank),
+        }
+    )
     if rank == 0:
         expected["reduce"] = total
         expected["gather"] = torch.stack([rank_input(r) for r in range(world)])
@@ -70,8 +79,10 @@ def test_collectives_match_cpu(children, tmp_path, world, backend):
     """backend None: on a machine whose accelerator is openreg, the default picks "oreg"."""
     store = tmp_path / "store"
     ddp = world == 2  # once is enough: DDP imports dynamo in every rank
-    conns = [children.start_piped(collectives, rank, world, str(store), backend, ddp)[1]
-             for rank in range(world)]
+    conns = [
+        children.start_piped(collectives, rank, world, str(store), backend, ddp)[1]
+        for rank in range(world)
+    ]
     results = [recv(conn) for conn in conns]
     children.join_ok()
     for rank, got in enumerate(results):
@@ -79,8 +90,11 @@ def test_collectives_match_cpu(children, tmp_path, world, backend):
         assert got["name"] == "oreg"
         assert ("ddp_weight_grad" in got) == ddp
         for op, want in _expected(rank, world, ddp).items():
-            torch.testing.assert_close(torch.tensor(got[op], dtype=want.dtype), want,
-                                       msg=lambda m, op=op, rank=rank: f"rank {rank}, {op}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(got[op], dtype=want.dtype),
+                want,
+                msg=lambda m, op=op, rank=rank: f"rank {rank}, {op}: {m}",
+            )
         assert got["all_gather_object"] == [{"rank": r} for r in range(world)]
         before, after = got["counts"]
         assert after == before, "descriptors or /dev/shm entries left after the group's end"
@@ -88,8 +102,10 @@ def test_collectives_match_cpu(children, tmp_path, world, backend):
 
 @pytest.mark.parametrize("how", ["dies", "stalls"])
 def test_a_lost_peer_raises_instead_of_hanging(children, tmp_path, how):
-    conns = [children.start_piped(lost_peer, rank, 2, str(tmp_path / "store"), how)[1]
-             for rank in range(2)]
+    conns = [
+        children.start_piped(lost_peer, rank, 2, str(tmp_path / "store"), how)[1]
+        for rank in range(2)
+    ]
     error = recv(conns[0])
     if how == "stalls":
         conns[1].send("go on")
@@ -132,17 +148,33 @@ def _ones(dtype=torch.float32):
     return torch.ones(2, dtype=dtype, device="openreg")
 
 
-@pytest.mark.parametrize("call, error, match", [  # tensors made in the test, not at collection
-    (lambda: dist.all_reduce(torch.zeros(2, device="meta")), ValueError,
-     "serves openreg and cpu tensors; all_reduce got a tensor on meta"),
-    (lambda: dist.all_reduce(_ones(torch.int64), op=dist.ReduceOp.AVG), TypeError,
-     "AVG .* needs floating point"),
-    (lambda: dist.reduce(_ones(), 0, op=dist.ReduceOp.AVG), ValueError,
-     "reduce on the 'oreg' process group does not support AVG"),
-    (lambda: dist.all_reduce(_ones(), op=dist._make_nccl_premul_sum(2.0)), RuntimeError,
-     "all_reduce on the 'oreg' \\(openreg\\) process group: .*PREMUL_SUM"),
-    (lambda: dist.all_reduce(torch.ones(2).to_sparse()), ValueError, "needs dense tensors"),
-], ids=["meta", "avg-int", "reduce-avg", "premul-sum", "sparse"])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [  # tensors made in the test, not at collection
+        (
+            lambda: dist.all_reduce(torch.zeros(2, device="meta")),
+            ValueError,
+            "serves openreg and cpu tensors; all_reduce got a tensor on meta",
+        ),
+        (
+            lambda: dist.all_reduce(_ones(torch.int64), op=dist.ReduceOp.AVG),
+            TypeError,
+            "AVG .* needs floating point",
+        ),
+        (
+            lambda: dist.reduce(_ones(), 0, op=dist.ReduceOp.AVG),
+            ValueError,
+            "reduce on the 'oreg' process group does not support AVG",
+        ),
+        (
+            lambda: dist.all_reduce(_ones(), op=dist._make_nccl_premul_sum(2.0)),
+            RuntimeError,
+            "all_reduce on the 'oreg' \\(openreg\\) process group: .*PREMUL_SUM",
+        ),
+        (lambda: dist.all_reduce(torch.ones(2).to_sparse()), ValueError, "needs dense tensors"),
+    ],
+    ids=["meta", "avg-int", "reduce-avg", "premul-sum", "sparse"],
+)
 def test_bad_calls_raise_errors_that_name_the_backend(group, call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -166,7 +198,10 @@ def test_the_ops_called_without_options_take_their_defaults(group):
     backend = dist.distributed_c10d._get_default_group()
     x = torch.arange(4.0, device="openreg")
     gathered, single = [torch.empty_like(x)], torch.empty_like(x)
-    for work in (backend.allgather([gathered], [x]), backend.all_gather_single(single, x),
-                 backend.allgather_coalesced([gathered], [x])):
+    for work in (
+        backend.allgather([gathered], [x]),
+        backend.all_gather_single(single, x),
+        backend.allgather_coalesced([gathered], [x]),
+    ):
         work.wait()
     assert torch.equal(gathered[0].cpu(), x.cpu()) and torch.equal(single.cpu(), x.cpu())

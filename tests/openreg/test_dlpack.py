@@ -1,4 +1,5 @@
 """DLPack on openreg: zero-copy between torch tensors, a clear refusal elsewhere."""
+
 import numpy as np
 import pytest
 import torch

@@ -3,6 +3,7 @@ use with the value echoed, never turned silently into some number of devices.
 
 The variables are read once per process, so every case runs a fresh interpreter.
 """
+
 import textwrap
 
 import pytest
@@ -26,19 +27,22 @@ PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("name, value", [
-    ("OPENREG_DEVICE_COUNT", "two"),
-    ("OPENREG_DEVICE_COUNT", "-1"),
-    ("OPENREG_DEVICE_COUNT", "3x"),
-    ("OPENREG_DEVICE_COUNT", ""),
-    ("OPENREG_DEVICE_COUNT", "100000"),
-    ("OPENREG_VISIBLE_DEVICES", "0,0"),
-    ("OPENREG_VISIBLE_DEVICES", "2"),
-    ("OPENREG_VISIBLE_DEVICES", "-1"),
-    ("OPENREG_VISIBLE_DEVICES", "1,,0"),
-    ("OPENREG_VISIBLE_DEVICES", "0,"),
-    ("OPENREG_VISIBLE_DEVICES", "gpu0"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("OPENREG_DEVICE_COUNT", "two"),
+        ("OPENREG_DEVICE_COUNT", "-1"),
+        ("OPENREG_DEVICE_COUNT", "3x"),
+        ("OPENREG_DEVICE_COUNT", ""),
+        ("OPENREG_DEVICE_COUNT", "100000"),
+        ("OPENREG_VISIBLE_DEVICES", "0,0"),
+        ("OPENREG_VISIBLE_DEVICES", "2"),
+        ("OPENREG_VISIBLE_DEVICES", "-1"),
+        ("OPENREG_VISIBLE_DEVICES", "1,,0"),
+        ("OPENREG_VISIBLE_DEVICES", "0,"),
+        ("OPENREG_VISIBLE_DEVICES", "gpu0"),
+    ],
+)
 def test_nonsense_is_refused_with_the_value_echoed(name, value):
     out = json_of(PROBE, **{name: value})
     for call in ("device_count", "allocate", "set_device", "accelerator_count"):
@@ -47,13 +51,16 @@ def test_nonsense_is_refused_with_the_value_echoed(name, value):
         assert f"{name}='{value}' is not valid" in message, (call, message)
 
 
-@pytest.mark.parametrize("env, count", [
-    ({"OPENREG_DEVICE_COUNT": "0"}, 0),
-    ({"OPENREG_DEVICE_COUNT": " 3 "}, 3),
-    ({"OPENREG_VISIBLE_DEVICES": ""}, 0),  # hides every device, as CUDA_VISIBLE_DEVICES does
-    ({"OPENREG_VISIBLE_DEVICES": " 1 , 0 "}, 2),
-    ({"OPENREG_DEVICE_COUNT": "4", "OPENREG_VISIBLE_DEVICES": "3,1"}, 2),
-])
+@pytest.mark.parametrize(
+    "env, count",
+    [
+        ({"OPENREG_DEVICE_COUNT": "0"}, 0),
+        ({"OPENREG_DEVICE_COUNT": " 3 "}, 3),
+        ({"OPENREG_VISIBLE_DEVICES": ""}, 0),  # hides every device, as CUDA_VISIBLE_DEVICES does
+        ({"OPENREG_VISIBLE_DEVICES": " 1 , 0 "}, 2),
+        ({"OPENREG_DEVICE_COUNT": "4", "OPENREG_VISIBLE_DEVICES": "3,1"}, 2),
+    ],
+)
 def test_sensible_values_are_accepted(env, count):
     out = json_of(PROBE, **env)
     assert out["device_count"] == ["ok", count]
@@ -66,6 +73,8 @@ def test_sensible_values_are_accepted(env, count):
 
 def test_import_survives_a_refused_environment():
     """torch's autoload imports openreg: a bad value must surface at use, not break `import`."""
-    out = json_of("import json, torch; print(json.dumps(torch.openreg.is_initialized()))",
-                  OPENREG_DEVICE_COUNT="nonsense")
+    out = json_of(
+        "import json, torch; print(json.dumps(torch.openreg.is_initialized()))",
+        OPENREG_DEVICE_COUNT="nonsense",
+    )
     assert out is False

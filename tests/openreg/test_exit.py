@@ -1,4 +1,5 @@
 """A script whose last statement is a backward on openreg exits cleanly (devipc_openreg._exit)."""
+
 import os
 
 import pytest
@@ -31,8 +32,10 @@ def test_processes_ending_in_backward_exit_cleanly():
     """Without the drain, about 1 run in 13 aborted at exit here ("terminate called without an
     active exception"); each run must exit 0."""
     for first in range(0, RUNS, 12):  # 12 interpreters at a time: memory stays bounded
-        procs = [start_python(_BACKWARD_THEN_EXIT.format(device=i % 2))
-                 for i in range(first, min(RUNS, first + 12))]
+        procs = [
+            start_python(_BACKWARD_THEN_EXIT.format(device=i % 2))
+            for i in range(first, min(RUNS, first + 12))
+        ]
         try:
             for proc in procs:
                 assert json_from(proc) == {"grad": "openreg"}

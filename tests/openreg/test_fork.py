@@ -4,6 +4,7 @@ device call with CUDA's kind of message; a child forked before any use works.
 Each case runs in a fresh interpreter (this one has used openreg long ago), which forks with
 multiprocessing's 'fork' context and hears from the child through a pipe, within a bounded time.
 """
+
 import textwrap
 
 import pytest
@@ -57,8 +58,16 @@ FORK = textwrap.dedent("""
     print(json.dumps(out))
 """)
 
-REFUSED = ["set_device", "current_device", "accelerator_index", "lazy_init", "allocate",
-           "copy_to_device", "copy_to_host", "pin_memory"]
+REFUSED = [
+    "set_device",
+    "current_device",
+    "accelerator_index",
+    "lazy_init",
+    "allocate",
+    "copy_to_device",
+    "copy_to_host",
+    "pin_memory",
+]
 
 
 def run(mode):
@@ -73,8 +82,10 @@ def test_child_forked_after_use_is_refused_with_cudas_message():
     assert child["bad_fork"] is True
     for call in REFUSED:
         assert child[call].startswith("RuntimeError: "), (call, child[call])
-        assert "Cannot re-initialize openreg in forked subprocess. To use openreg with " \
-               "multiprocessing, you must use the 'spawn' start method" in child[call], call
+        assert (
+            "Cannot re-initialize openreg in forked subprocess. To use openreg with "
+            "multiprocessing, you must use the 'spawn' start method" in child[call]
+        ), call
         assert "OutOfMemoryError" not in child[call]
     assert child["manual_seed"] == "ok" and child["device_count"] == 2
     assert child["works"] is False
@@ -91,11 +102,14 @@ def test_child_forked_before_any_use_works():
     assert out["parent_still_works"] == 2.0  # the child's use does not poison its parent
 
 
-@pytest.mark.parametrize("use, initialized", [
-    ("pass", False),
-    ("torch.openreg.device_count(); torch.manual_seed(0)", False),
-    ("torch.zeros(1, device='openreg')", True),
-])
+@pytest.mark.parametrize(
+    "use, initialized",
+    [
+        ("pass", False),
+        ("torch.openreg.device_count(); torch.manual_seed(0)", False),
+        ("torch.zeros(1, device='openreg')", True),
+    ],
+)
 def test_only_real_use_initializes(use, initialized):
     """Importing torch, counting devices and seeding leave forked children usable, as in CUDA."""
     code = f"import json, torch; {use}; print(json.dumps(torch.openreg.is_initialized()))"

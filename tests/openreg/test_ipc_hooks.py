@@ -1,4 +1,5 @@
 """openreg's six hooks, against the contract's semantics."""
+
 import _workers
 import pytest
 import torch
@@ -100,8 +101,9 @@ def test_a_received_storage_is_released_after_the_work_queued_on_it(gate, monkey
         gate.open()
         torch.openreg.synchronize()
         assert copy.sum().item() == 1 << 20
-        wait_until(lambda: not devipc.stats()["pending_releases"], "the deferred release ran",
-                   collect=True)
+        wait_until(
+            lambda: not devipc.stats()["pending_releases"], "the deferred release ran", collect=True
+        )
         assert counter.state(shared[5]) == RELEASED
     finally:
         _sharing._counters._put(shared[4])
@@ -117,8 +119,7 @@ def test_make_resizable_gives_a_storage_its_allocator_back():
     from devipc._core._memory import tensor_from_memory
 
     base = torch.arange(16.0, device="openreg")
-    borrowed = tensor_from_memory(base.data_ptr(), 64, base.device,
-                                  lambda: None).untyped_storage()
+    borrowed = tensor_from_memory(base.data_ptr(), 64, base.device, lambda: None).untyped_storage()
     assert not borrowed.resizable()
     OpenRegIpcHooks().make_resizable(borrowed)
     assert borrowed.resizable()

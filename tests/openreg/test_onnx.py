@@ -3,6 +3,7 @@
 Needs devipc-openreg's `onnx` extra, which `make setup` installs. Each export runs in a fresh
 interpreter: the exporter keeps the model's device tensors in state of its own after it returned,
 which would hold openreg memory that later tests expect to be given back."""
+
 import textwrap
 
 import pytest

@@ -4,6 +4,7 @@
 Environment variables are read once per process, so device-selection tests run subprocesses.
 Streams are held back with a semaphore the stream waits on (`_native.Gate`), never with sleeps.
 """
+
 import ctypes
 import os
 import re
@@ -16,8 +17,9 @@ from _support import TIMEOUT, json_from, start_python
 from devipc_openreg import _runtime as rt
 
 MIB = 1 << 20
-HEADER = os.path.join(os.path.dirname(__file__), "..", "..", "openreg", "csrc", "runtime",
-                      "openreg.h")
+HEADER = os.path.join(
+    os.path.dirname(__file__), "..", "..", "openreg", "csrc", "runtime", "openreg.h"
+)
 # The constants of the bindings (product and test) by their names in openreg.h.
 HEADER_NAMES = {
     "IPC_HANDLE_SIZE": "OR_IPC_HANDLE_SIZE",
@@ -63,20 +65,27 @@ def header():
 
 
 def test_constants_match_the_header():
-    values = {name: int(value) for name, value in
-              re.findall(r"\b(or\w+)\s*=\s*(\d+)", header())
-              + re.findall(r"#define\s+(\w+)\s+(\d+)", header())}
+    values = {
+        name: int(value)
+        for name, value in re.findall(r"\b(or\w+)\s*=\s*(\d+)", header())
+        + re.findall(r"#define\s+(\w+)\s+(\d+)", header())
+    }
     for module in (rt, native):
-        constants = {name: value for name, value in vars(module).items()
-                     if name.isupper() and name[0] != "_" and isinstance(value, int)}
+        constants = {
+            name: value
+            for name, value in vars(module).items()
+            if name.isupper() and name[0] != "_" and isinstance(value, int)
+        }
         assert constants, module
         for name, value in constants.items():
             assert name in HEADER_NAMES, f"{module.__name__}.{name} is not mapped to openreg.h"
             assert value == values[HEADER_NAMES[name]], f"{module.__name__}.{name}"
 
 
-@pytest.mark.parametrize("structure, c_name", [(rt.MemStats, "orMemStats"),
-                                               (native.PointerAttributes, "orPointerAttributes")])
+@pytest.mark.parametrize(
+    "structure, c_name",
+    [(rt.MemStats, "orMemStats"), (native.PointerAttributes, "orPointerAttributes")],
+)
 def test_structures_match_the_header(structure, c_name):
     body = re.search(rf"typedef struct {c_name} \{{(.*?)\}} {c_name};", header(), re.S)[1]
     assert [name for name, _ in structure._fields_] == re.findall(r"(\w+)\s*;", body)
@@ -246,8 +255,9 @@ def test_memcpy_is_ordered_after_the_default_stream(gate):
     native.memcpy(dev, ctypes.addressof(ctypes.c_uint64(0)), 8, native.HOST_TO_DEVICE)
     gate.hold(None)
     native.memcpy_async(dev, ctypes.addressof(one), 8, native.HOST_TO_DEVICE, None)
-    t = threading.Thread(target=native.memcpy,
-                         args=(ctypes.addressof(out), dev, 8, native.DEVICE_TO_HOST))
+    t = threading.Thread(
+        target=native.memcpy, args=(ctypes.addressof(out), dev, 8, native.DEVICE_TO_HOST)
+    )
     t.start()
     assert not native.stream_query(None)
     gate.open()
@@ -397,8 +407,12 @@ def test_forked_child_cannot_allocate():
 
 def test_host_alloc_is_known_to_the_runtime_and_free_host_refuses_strangers():
     """orHostAlloc is pin_memory()'s memory: the runtime resolves it (interior pointers too)."""
-    rt.declare({"orHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t],
-                "orFreeHost": [ctypes.c_void_p]})
+    rt.declare(
+        {
+            "orHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t],
+            "orFreeHost": [ctypes.c_void_p],
+        }
+    )
     p = ctypes.c_void_p()
     rt.check(rt.lib.orHostAlloc(ctypes.byref(p), 1000), "host_alloc")
     device, base, size, offset = native.pointer_attributes(p.value + 999)

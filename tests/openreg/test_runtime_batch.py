@@ -1,5 +1,6 @@
 """orMemcpyBatchAsync through the package's binding (`_runtime.memcpy_batch_async`): many copies
 as one stream operation, ordered with the stream's other work, checked before anything runs."""
+
 import ctypes
 
 import _native as native
@@ -30,12 +31,14 @@ def test_a_batch_copies_every_range_both_ways(stream):
     offsets = torch.randint(0, 4093, (n,), generator=generator).tolist()
     host = ctypes.addressof(src)
     # host -> device: 4 bytes each, from random offsets; then device -> host, all in one stream
-    rt.memcpy_batch_async(_table([(dev + 4 * i, host + o, 4) for i, o in enumerate(offsets)]),
-                          stream)
-    rt.memcpy_batch_async(_table([(ctypes.addressof(out) + 4 * i, dev + 4 * i, 4)
-                                  for i in range(n)]), stream)
+    rt.memcpy_batch_async(
+        _table([(dev + 4 * i, host + o, 4) for i, o in enumerate(offsets)]), stream
+    )
+    rt.memcpy_batch_async(
+        _table([(ctypes.addressof(out) + 4 * i, dev + 4 * i, 4) for i in range(n)]), stream
+    )
     native.stream_synchronize(stream)
-    assert out.raw == b"".join(data[o:o + 4] for o in offsets)
+    assert out.raw == b"".join(data[o : o + 4] for o in offsets)
     rt.memcpy_batch_async(_table([]), stream)  # nothing to do
     native.free(dev)
 
@@ -47,9 +50,16 @@ def test_a_batch_is_one_operation_ordered_on_its_stream(stream, gate):
     out = ctypes.c_uint64(7)
     gate.hold(stream)
     # the batch writes 1 then 2 to the same address (its order), then copies it out
-    rt.memcpy_batch_async(_table([(dev, ctypes.addressof(one), 8),
-                                  (dev, ctypes.addressof(two), 8),
-                                  (ctypes.addressof(out), dev, 8)]), stream)
+    rt.memcpy_batch_async(
+        _table(
+            [
+                (dev, ctypes.addressof(one), 8),
+                (dev, ctypes.addressof(two), 8),
+                (ctypes.addressof(out), dev, 8),
+            ]
+        ),
+        stream,
+    )
     assert not native.stream_query(stream)
     assert out.value == 7  # held behind the gate
     gate.open()
@@ -72,8 +82,7 @@ def _refused(stream, dev):
     a, b = ctypes.create_string_buffer(b"x" * 64), ctypes.create_string_buffer(64)
     good = (dev, ctypes.addressof(a), 64)
     with pytest.raises(rt.OpenRegError, match="copy 1: neither destination .* nor source"):
-        rt.memcpy_batch_async(_table([good, (ctypes.addressof(b), ctypes.addressof(a), 8)]),
-                              stream)
+        rt.memcpy_batch_async(_table([good, (ctypes.addressof(b), ctypes.addressof(a), 8)]), stream)
     with pytest.raises(rt.OpenRegError, match="copy 1: source .* runs past"):
         rt.memcpy_batch_async(_table([good, (ctypes.addressof(b), end - 32, 64)]), stream)
     with pytest.raises(rt.OpenRegError, match="copy 1: destination .* runs past"):

@@ -2,6 +2,7 @@
 memfd name is opened, a denied open names the rules, a forged event handle is refused instead of
 waited on, a forged device field is an invalid handle. The core's side is in test_memfd.py.
 """
+
 import json
 import mmap
 import os
@@ -34,10 +35,17 @@ def test_the_layout_matches_a_real_handle():
     try:
         handle, _ = rt.ipc_get_mem_handle(p)
         assert struct.calcsize(LAYOUT) == len(handle) == rt.IPC_HANDLE_SIZE
-        magic, version, kind, pid, _fd, size, physical, slot, _epoch, _token = \
-            struct.unpack(LAYOUT, handle)
-        assert (handle[:4], version, kind, pid, physical, slot) == \
-            (b"ORIP", 1, MEMORY, os.getpid(), 0, -1)
+        magic, version, kind, pid, _fd, size, physical, slot, _epoch, _token = struct.unpack(
+            LAYOUT, handle
+        )
+        assert (handle[:4], version, kind, pid, physical, slot) == (
+            b"ORIP",
+            1,
+            MEMORY,
+            os.getpid(),
+            0,
+            -1,
+        )
         assert size % 4096 == 0
     finally:
         native.free(p)
@@ -45,10 +53,10 @@ def test_the_layout_matches_a_real_handle():
 
 PRODUCERS = {
     "memory": "import _native as native\n"
-              "from devipc_openreg import _runtime as rt\n"
-              "print(rt.ipc_get_mem_handle(native.malloc(4096, 0))[0].hex())",
+    "from devipc_openreg import _runtime as rt\n"
+    "print(rt.ipc_get_mem_handle(native.malloc(4096, 0))[0].hex())",
     "event": "from devipc_openreg import _runtime as rt\n"
-             "print(rt.ipc_get_event_handle(rt.event_create(True, False)).hex())",
+    "print(rt.ipc_get_event_handle(rt.event_create(True, False)).hex())",
 }
 
 
@@ -65,8 +73,19 @@ def test_handle_of_an_exited_but_unreaped_producer_says_peer_gone(kind):
 
 def forged(kind, fd, size, token, physical=0):
     slot, epoch = (-1, 0) if kind == MEMORY else (0, 1)  # an event: slot 0, first epoch
-    return struct.pack(LAYOUT, 0x5049524F, 1, kind, os.getpid(), fd, size,
-                       physical if kind == MEMORY else -1, slot, epoch, token)
+    return struct.pack(
+        LAYOUT,
+        0x5049524F,
+        1,
+        kind,
+        os.getpid(),
+        fd,
+        size,
+        physical if kind == MEMORY else -1,
+        slot,
+        epoch,
+        token,
+    )
 
 
 # (handle kind, what its fd is, that file's name); {hex} is the forged handle's token.
@@ -170,8 +189,10 @@ def with_slot_epoch(handle, slot, epoch):
 
 
 def read_slot(fd, slot):
-    with open(f"/proc/self/fd/{fd}", "rb") as page, \
-            mmap.mmap(page.fileno(), PAGE_BYTES, prot=mmap.PROT_READ) as m:
+    with (
+        open(f"/proc/self/fd/{fd}", "rb") as page,
+        mmap.mmap(page.fileno(), PAGE_BYTES, prot=mmap.PROT_READ) as m,
+    ):
         return struct.unpack_from(SLOT_LAYOUT, m, struct.calcsize(SLOT_LAYOUT) * slot)
 
 
@@ -222,9 +243,13 @@ time.sleep(600)
 @pytest.fixture(scope="module")
 def exported_events():
     """(handles of A, B, C) of a live exporter running EVENT_PRODUCER."""
-    proc = subprocess.Popen([sys.executable, "-c", EVENT_PRODUCER],
-                            env=fresh_env(PYTHONPATH=native.PYTHONPATH),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EVENT_PRODUCER],
+        env=fresh_env(PYTHONPATH=native.PYTHONPATH),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], FRESH_TIMEOUT)
         line = proc.stdout.readline() if ready else ""
@@ -276,18 +301,31 @@ def test_genuine_event_handles_are_waited_on(exported_events):
         rt.event_destroy(retired)
 
 
-@pytest.mark.parametrize("slot, epoch, message", [
-    (0, 3, "only at epoch 1"),  # a later epoch of A's slot
-    (0, 1001, "only at epoch 1"),
-    (2, 3, "only at epoch 2"),  # C's slot: freed, not handed out again
-    (3, 1, "never handed out event slot 3"),  # the next free slot
-    (SLOTS - 1, 1, "never handed out"),
-    (0, 0, "corrupted"),  # live epochs are odd
-    (0, 2, "corrupted"),
-    (-1, 1, "corrupted"),
-    (SLOTS, 1, "corrupted"),
-], ids=["epoch+2", "epoch+1000", "freed slot", "next free slot", "last slot", "epoch 0",
-        "even epoch", "slot -1", "slot past the page"])
+@pytest.mark.parametrize(
+    "slot, epoch, message",
+    [
+        (0, 3, "only at epoch 1"),  # a later epoch of A's slot
+        (0, 1001, "only at epoch 1"),
+        (2, 3, "only at epoch 2"),  # C's slot: freed, not handed out again
+        (3, 1, "never handed out event slot 3"),  # the next free slot
+        (SLOTS - 1, 1, "never handed out"),
+        (0, 0, "corrupted"),  # live epochs are odd
+        (0, 2, "corrupted"),
+        (-1, 1, "corrupted"),
+        (SLOTS, 1, "corrupted"),
+    ],
+    ids=[
+        "epoch+2",
+        "epoch+1000",
+        "freed slot",
+        "next free slot",
+        "last slot",
+        "epoch 0",
+        "even epoch",
+        "slot -1",
+        "slot past the page",
+    ],
+)
 def test_forged_event_handles_are_refused_before_waiting(exported_events, slot, epoch, message):
     a, _, _ = exported_events
     error, seconds = open_and_wait(with_slot_epoch(a, slot, epoch))
@@ -311,11 +349,14 @@ def test_a_forged_device_field_is_an_invalid_handle(physical):
 
 
 # ---- what may be passed as a handle -----------------------------------------------------------
-@pytest.mark.parametrize("handle", [[0] * 64, "x" * 64, None, 64, b"\0" * 63, bytearray(65),
-                                    memoryview(b"\0" * 63)],
-                         ids=["list", "str", "None", "int", "63 bytes", "65 bytes", "short view"])
-@pytest.mark.parametrize("open_handle", [rt.ipc_open_mem_handle, rt.ipc_open_event_handle],
-                         ids=["memory", "event"])
+@pytest.mark.parametrize(
+    "handle",
+    [[0] * 64, "x" * 64, None, 64, b"\0" * 63, bytearray(65), memoryview(b"\0" * 63)],
+    ids=["list", "str", "None", "int", "63 bytes", "65 bytes", "short view"],
+)
+@pytest.mark.parametrize(
+    "open_handle", [rt.ipc_open_mem_handle, rt.ipc_open_event_handle], ids=["memory", "event"]
+)
 def test_anything_but_handle_bytes_is_an_invalid_handle(open_handle, handle):
     with pytest.raises(InvalidHandleError, match="is 64 bytes"):
         open_handle(handle)
@@ -363,5 +404,7 @@ def test_a_forked_child_is_told_to_use_spawn():
     error_type, message = json.loads(run_python(USE_AFTER_FORK).stdout.splitlines()[-1])
     assert error_type != "OutOfMemoryError", message
     assert error_type == "RuntimeError", message
-    assert "Cannot re-initialize openreg in forked subprocess. To use openreg with " \
-           "multiprocessing, you must use the 'spawn' start method" in message
+    assert (
+        "Cannot re-initialize openreg in forked subprocess. To use openreg with "
+        "multiprocessing, you must use the 'spawn' start method" in message
+    )

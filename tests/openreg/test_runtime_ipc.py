@@ -4,6 +4,7 @@ Children are `spawn`ed (the `children` fixture); every handle crosses a Pipe as 
 has a timeout. Streams are held back by a process-shared Gate living in openreg memory (`hold`),
 never by sleeps.
 """
+
 import ctypes
 import os
 import signal
@@ -81,8 +82,9 @@ def event_producer(conn, n):
     native.memcpy_async(data, ctypes.addressof(final), n, native.HOST_TO_DEVICE, stream)
     event = rt.event_create(interprocess=True, timing=False)
     rt.event_record(event, stream)
-    conn.send((rt.ipc_get_mem_handle(data), rt.ipc_get_mem_handle(sem),
-               rt.ipc_get_event_handle(event)))
+    conn.send(
+        (rt.ipc_get_mem_handle(data), rt.ipc_get_mem_handle(sem), rt.ipc_get_event_handle(event))
+    )
     assert conn.recv() == "bye"
 
 
@@ -212,8 +214,9 @@ def test_interprocess_event_orders_a_stream_of_another_process(children):
     children.join_ok()
 
 
-@pytest.mark.parametrize("records_before", [0, 1], ids=["handle before any record",
-                                                      "handle after an earlier record"])
+@pytest.mark.parametrize(
+    "records_before", [0, 1], ids=["handle before any record", "handle after an earlier record"]
+)
 def test_an_importer_waits_for_the_latest_record_made_after_the_handle(children, records_before):
     _, conn = children.start_piped(recording_producer, records_before)
     event_h, (sem_h, sem_off) = recv(conn)
@@ -370,10 +373,15 @@ def test_bad_handles_are_rejected():
         b[offset] ^= value
         return bytes(b)
 
-    bad = [os.urandom(rt.IPC_HANDLE_SIZE), handle[:-1], handle + b"\0", "x" * 64,
-           forged(36, 0xFF),  # right magic, wrong token
-           forged(12, 0x3F),  # another fd number: not the memory the token names
-           forged(63, 1)]     # junk in the unused bytes
+    bad = [
+        os.urandom(rt.IPC_HANDLE_SIZE),
+        handle[:-1],
+        handle + b"\0",
+        "x" * 64,
+        forged(36, 0xFF),  # right magic, wrong token
+        forged(12, 0x3F),  # another fd number: not the memory the token names
+        forged(63, 1),
+    ]  # junk in the unused bytes
     for h in bad:
         with pytest.raises(InvalidHandleError):
             rt.ipc_open_mem_handle(h)
@@ -452,8 +460,9 @@ def test_fd_count_returns_to_baseline():
     ev = rt.event_create(interprocess=True, timing=False)
     event_handle = rt.ipc_get_event_handle(ev)  # its event page's fd stays, once
     baseline = open_fds()
-    ptrs = [native.malloc(size, d)
-            for d in (0, 1) for size in (100, 512 * 1024, MIB, 5 * MIB, 9 * MIB)]
+    ptrs = [
+        native.malloc(size, d) for d in (0, 1) for size in (100, 512 * 1024, MIB, 5 * MIB, 9 * MIB)
+    ]
     assert open_fds() > baseline
     for p in ptrs:
         native.free(p)

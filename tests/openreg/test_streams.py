@@ -3,6 +3,7 @@ stream and event APIs on openreg, and PyTorch's CUDA multiprocessing event tests
 swapped (test/test_multiprocessing.py: test_event_multiprocess, test_event_handle_importer,
 test_event_handle_exporter). Streams are held back by Gates, never by sleeps.
 """
+
 import pickle
 import time
 
@@ -24,8 +25,11 @@ def assert_times_the_hold(elapsed_ms, before, started, opened, after):
     """`elapsed_ms` from a start event to an end event with a gate between them: at least the
     time from seeing start done to opening the gate, at most the time around both records
     (perf_counter and the runtime's steady_clock are both CLOCK_MONOTONIC)."""
-    assert 0 < (opened - started) * 1e3 <= elapsed_ms <= (after - before) * 1e3, \
-        (elapsed_ms, (opened - started) * 1e3, (after - before) * 1e3)
+    assert 0 < (opened - started) * 1e3 <= elapsed_ms <= (after - before) * 1e3, (
+        elapsed_ms,
+        (opened - started) * 1e3,
+        (after - before) * 1e3,
+    )
 
 
 @pytest.fixture
@@ -46,11 +50,11 @@ def test_a_stream_is_a_new_torch_stream_of_the_chosen_device():
     assert b.device == torch.device("openreg", 1)
     assert a.stream_id not in (0, torch.openreg.current_stream().stream_id)
     assert a != torch.openreg.Stream()  # every call makes a stream of its own
-    same = torch.openreg.Stream(stream_id=a.stream_id, device_index=0,
-                                device_type=a.device_type)
+    same = torch.openreg.Stream(stream_id=a.stream_id, device_index=0, device_type=a.device_type)
     assert same == a and hash(same) == hash(a)
-    assert torch.openreg.default_stream(1) == torch.Stream(stream_id=0, device_index=1,
-                                                           device_type=a.device_type)
+    assert torch.openreg.default_stream(1) == torch.Stream(
+        stream_id=0, device_index=1, device_type=a.device_type
+    )
     assert a.query()
     a.synchronize()
 
@@ -131,8 +135,9 @@ def test_set_stream_refuses_what_is_no_openreg_stream(restore_current):
         torch.openreg.set_stream("openreg:0")
     with pytest.raises(ValueError, match="stream of cpu"):
         torch.openreg.set_stream(torch.Stream("cpu"))
-    unknown = torch.Stream(stream_id=123456, device_index=0,
-                           device_type=torch.openreg.Stream().device_type)
+    unknown = torch.Stream(
+        stream_id=123456, device_index=0, device_type=torch.openreg.Stream().device_type
+    )
     with pytest.raises(RuntimeError, match="123456"):
         torch.openreg.set_stream(unknown)
     assert torch.openreg.current_stream().stream_id != 123456

@@ -1,4 +1,5 @@
 """Tied parameters through module.to("openreg") and back (devipc_openreg._ties)."""
+
 import torch
 
 from devipc_openreg import _ties
@@ -30,8 +31,10 @@ def test_a_tied_model_moved_to_openreg_stays_tied_and_trains_as_on_the_cpu():
     assert model[0].weight is model[1].weight and model[0].weight.device.type == "openreg"
     assert len(list(model.parameters())) == 2  # the tie, the bias
     on_openreg = _losses(model, "openreg")
-    assert torch.allclose(torch.tensor(on_openreg), torch.tensor(on_cpu), atol=1e-5), \
-        (on_openreg, on_cpu)
+    assert torch.allclose(torch.tensor(on_openreg), torch.tensor(on_cpu), atol=1e-5), (
+        on_openreg,
+        on_cpu,
+    )
     back = model.to("cpu")
     assert back[0].weight is back[1].weight and back[0].weight.device.type == "cpu"
 

@@ -3,6 +3,7 @@
 A stream is held back with a semaphore it waits on (the `gate` fixture, a `_native.Gate`), never
 with sleeps, so "not finished yet" is observed deterministically.
 """
+
 import functools
 import threading
 
@@ -27,9 +28,16 @@ def test_host_device_round_trip(dtype):
     assert torch.equal(dev.cpu(), cpu)
 
 
-@pytest.mark.parametrize("src, dst", [("cpu", "openreg"), ("openreg", "cpu"),
-                                      ("openreg", "openreg"), ("openreg:0", "openreg:1"),
-                                      ("openreg:1", "openreg:0")])
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        ("cpu", "openreg"),
+        ("openreg", "cpu"),
+        ("openreg", "openreg"),
+        ("openreg:0", "openreg:1"),
+        ("openreg:1", "openreg:0"),
+    ],
+)
 def test_copy_directions_with_conversion_and_non_contiguous(src, dst):
     base = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     source = base.to(src)[:, 1::2].t()  # non-contiguous
@@ -68,17 +76,35 @@ def test_non_blocking_copies_round_trip():
 
 def test_views_alias_their_base():
     base = torch.zeros(4, 6, device="openreg")
-    views = [base[1], base.t()[2], base.view(24)[3:5], base.reshape(2, 12)[1],
-             base.unfold(1, 2, 2)[0, 1], base.narrow(0, 2, 1), base.diagonal(),
-             base.unsqueeze(0)[0, 3], base.flatten()[-2:]]
+    views = [
+        base[1],
+        base.t()[2],
+        base.view(24)[3:5],
+        base.reshape(2, 12)[1],
+        base.unfold(1, 2, 2)[0, 1],
+        base.narrow(0, 2, 1),
+        base.diagonal(),
+        base.unsqueeze(0)[0, 3],
+        base.flatten()[-2:],
+    ]
     for value, view in enumerate(views, start=1):
         assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
         view.fill_(value)
     expected = torch.zeros(4, 6)
-    for value, view in enumerate([expected[1], expected.t()[2], expected.view(24)[3:5],
-                                  expected.reshape(2, 12)[1], expected.unfold(1, 2, 2)[0, 1],
-                                  expected.narrow(0, 2, 1), expected.diagonal(),
-                                  expected.unsqueeze(0)[0, 3], expected.flatten()[-2:]], start=1):
+    for value, view in enumerate(
+        [
+            expected[1],
+            expected.t()[2],
+            expected.view(24)[3:5],
+            expected.reshape(2, 12)[1],
+            expected.unfold(1, 2, 2)[0, 1],
+            expected.narrow(0, 2, 1),
+            expected.diagonal(),
+            expected.unsqueeze(0)[0, 3],
+            expected.flatten()[-2:],
+        ],
+        start=1,
+    ):
         view.fill_(value)
     assert torch.equal(base.cpu(), expected)
 
@@ -97,8 +123,9 @@ def test_no_view_op_falls_back():
     would return a copy where an alias is due."""
     missing = []
     for schema in torch._C._jit_get_all_schemas():
-        aliases = any(r.alias_info is not None and not r.alias_info.is_write
-                      for r in schema.returns)
+        aliases = any(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
         if not schema.name.startswith("aten::") or not aliases:
             continue
         name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
@@ -108,9 +135,15 @@ def test_no_view_op_falls_back():
                 continue
         except RuntimeError:  # a schema without an operator registration
             continue
-        if not any(has(k) for k in ("PrivateUse1", "CompositeImplicitAutograd",
-                                    "CompositeExplicitAutograd",
-                                    "CompositeExplicitAutogradNonFunctional")):
+        if not any(
+            has(k)
+            for k in (
+                "PrivateUse1",
+                "CompositeImplicitAutograd",
+                "CompositeExplicitAutograd",
+                "CompositeExplicitAutogradNonFunctional",
+            )
+        ):
             missing.append(name)
     assert missing == []
 
@@ -192,9 +225,9 @@ def test_failed_resize_of_borrowed_memory_leaves_the_tensor_unchanged():
     """Memory that is not openreg's to reallocate (as from another process) cannot grow: resize_
     and set_ raise, and the tensor keeps sizes within its memory."""
     from devipc._core._memory import tensor_from_memory
+
     base = torch.arange(16.0, device="openreg")
-    borrowed = tensor_from_memory(base.data_ptr(), 64, base.device,
-                                  lambda: None).untyped_storage()
+    borrowed = tensor_from_memory(base.data_ptr(), 64, base.device, lambda: None).untyped_storage()
     t = torch.empty(0, device="openreg").set_(borrowed)
     with pytest.raises(RuntimeError, match="cannot be resized"):
         t.resize_(32)

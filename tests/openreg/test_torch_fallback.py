@@ -1,5 +1,6 @@
 """Ops without an openreg kernel run on the CPU through the fallback and still give openreg
 tensors, with the same values as on the CPU."""
+
 import warnings
 
 import pytest
@@ -15,15 +16,19 @@ def both(make):
     return cpu, dev.cpu()
 
 
-@pytest.mark.parametrize("op", [
-    lambda d: torch.arange(12.0, device=d).reshape(3, 4) @ torch.ones(4, 2, device=d),
-    lambda d: torch.arange(12.0, device=d).reshape(3, 4).sum(dim=0),
-    lambda d: torch.arange(12.0, device=d).reshape(3, 4).t().contiguous().exp(),
-    lambda d: torch.where(torch.arange(6, device=d) > 2, 1.0, -1.0),
-    lambda d: torch.cat([torch.ones(2, device=d), torch.zeros(3, device=d)]),
-    lambda d: torch.arange(10, device=d)[torch.tensor([1, 3, 5], device=d)],
-    lambda d: torch.linspace(0, 1, 5, device=d).to(torch.float16),
-], ids=["matmul", "sum", "exp_transposed", "where", "cat", "index", "linspace_half"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda d: torch.arange(12.0, device=d).reshape(3, 4) @ torch.ones(4, 2, device=d),
+        lambda d: torch.arange(12.0, device=d).reshape(3, 4).sum(dim=0),
+        lambda d: torch.arange(12.0, device=d).reshape(3, 4).t().contiguous().exp(),
+        lambda d: torch.where(torch.arange(6, device=d) > 2, 1.0, -1.0),
+        lambda d: torch.cat([torch.ones(2, device=d), torch.zeros(3, device=d)]),
+        lambda d: torch.arange(10, device=d)[torch.tensor([1, 3, 5], device=d)],
+        lambda d: torch.linspace(0, 1, 5, device=d).to(torch.float16),
+    ],
+    ids=["matmul", "sum", "exp_transposed", "where", "cat", "index", "linspace_half"],
+)
 def test_matches_cpu(op):
     cpu, dev = both(op)
     assert torch.equal(cpu, dev)
@@ -46,10 +51,14 @@ def test_tensors_on_the_second_device():
 def test_random_ops_are_reproducible_with_manual_seed():
     def draw():
         torch.manual_seed(1234)
-        return [torch.randn(3, device="openreg").cpu(), torch.rand(3, device="openreg").cpu(),
-                torch.randint(0, 10, (4,), device="openreg").cpu(),
-                torch.empty(4, device="openreg").normal_(2, 3).cpu(),
-                torch.nn.functional.dropout(torch.ones(8, device="openreg"), 0.5).cpu()]
+        return [
+            torch.randn(3, device="openreg").cpu(),
+            torch.rand(3, device="openreg").cpu(),
+            torch.randint(0, 10, (4,), device="openreg").cpu(),
+            torch.empty(4, device="openreg").normal_(2, 3).cpu(),
+            torch.nn.functional.dropout(torch.ones(8, device="openreg"), 0.5).cpu(),
+        ]
+
     first, second = draw(), draw()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
@@ -84,9 +93,16 @@ def test_structured_reductions_match_cpu_without_resize_warnings():
         ld = logits.detach().to(device).requires_grad_()
         ce = torch.nn.functional.cross_entropy(ld, labels.to(device))
         ce.backward()
-        return [loss, xd.grad, ce, ld.grad, torch.sum(x.to(device), dim=0),
-                torch.mean(x.to(device)), torch.nn.functional.smooth_l1_loss(xd, t.to(device)),
-                torch.nn.functional.huber_loss(xd, t.to(device), reduction="sum")]
+        return [
+            loss,
+            xd.grad,
+            ce,
+            ld.grad,
+            torch.sum(x.to(device), dim=0),
+            torch.mean(x.to(device)),
+            torch.nn.functional.smooth_l1_loss(xd, t.to(device)),
+            torch.nn.functional.huber_loss(xd, t.to(device), reduction="sum"),
+        ]
 
     cpu = _no_warnings(lambda: run("cpu"))
     dev = _no_warnings(lambda: run("openreg"))

@@ -1,5 +1,6 @@
 """Ops on openreg give the CPU's results, run in place on openreg's memory (no copy of operands),
 and keep torch's aliasing: in-place, out= and view ops write and share the device memory."""
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,30 +36,60 @@ def _topk(x):
 
 torch.manual_seed(0)
 CASES = {
-    "conv2d": (_conv2d, [torch.randn(2, 3, 9, 9, requires_grad=True),
-                         torch.randn(4, 3, 3, 3, requires_grad=True),
-                         torch.randn(4, requires_grad=True)]),
-    "conv_transpose2d": (_conv_transpose2d, [torch.randn(2, 4, 5, 5, requires_grad=True),
-                                             torch.randn(4, 2, 3, 3, requires_grad=True),
-                                             torch.randn(2, requires_grad=True)]),
-    "embedding": (_embedding, [torch.randn(10, 4, requires_grad=True),
-                               torch.tensor([[1, 3, 3], [0, 9, 1]])]),
-    "index": (lambda x, i: [x[i]], [torch.randn(6, 5, requires_grad=True),
-                                    torch.tensor([4, 0, 4])]),
-    "index_select": (lambda x, i: [x.index_select(1, i)], [torch.randn(6, 5, requires_grad=True),
-                                                           torch.tensor([2, 2, 0])]),
-    "gather": (lambda x, i: [x.gather(1, i)], [torch.randn(4, 5, requires_grad=True),
-                                               torch.randint(0, 5, (4, 3))]),
-    "scatter": (lambda x, i, s: [x.scatter(1, i, s)], [torch.randn(3, 5, requires_grad=True),
-                                                      torch.tensor([[0, 1], [2, 3], [4, 0]]),
-                                                      torch.randn(3, 2, requires_grad=True)]),
-    "scatter_add": (lambda x, i, s: [x.scatter_add(1, i, s)],
-                    [torch.randn(3, 5, requires_grad=True), torch.tensor([[0, 0], [2, 2], [4, 4]]),
-                     torch.randn(3, 2, requires_grad=True)]),
+    "conv2d": (
+        _conv2d,
+        [
+            torch.randn(2, 3, 9, 9, requires_grad=True),
+            torch.randn(4, 3, 3, 3, requires_grad=True),
+            torch.randn(4, requires_grad=True),
+        ],
+    ),
+    "conv_transpose2d": (
+        _conv_transpose2d,
+        [
+            torch.randn(2, 4, 5, 5, requires_grad=True),
+            torch.randn(4, 2, 3, 3, requires_grad=True),
+            torch.randn(2, requires_grad=True),
+        ],
+    ),
+    "embedding": (
+        _embedding,
+        [torch.randn(10, 4, requires_grad=True), torch.tensor([[1, 3, 3], [0, 9, 1]])],
+    ),
+    "index": (
+        lambda x, i: [x[i]],
+        [torch.randn(6, 5, requires_grad=True), torch.tensor([4, 0, 4])],
+    ),
+    "index_select": (
+        lambda x, i: [x.index_select(1, i)],
+        [torch.randn(6, 5, requires_grad=True), torch.tensor([2, 2, 0])],
+    ),
+    "gather": (
+        lambda x, i: [x.gather(1, i)],
+        [torch.randn(4, 5, requires_grad=True), torch.randint(0, 5, (4, 3))],
+    ),
+    "scatter": (
+        lambda x, i, s: [x.scatter(1, i, s)],
+        [
+            torch.randn(3, 5, requires_grad=True),
+            torch.tensor([[0, 1], [2, 3], [4, 0]]),
+            torch.randn(3, 2, requires_grad=True),
+        ],
+    ),
+    "scatter_add": (
+        lambda x, i, s: [x.scatter_add(1, i, s)],
+        [
+            torch.randn(3, 5, requires_grad=True),
+            torch.tensor([[0, 0], [2, 2], [4, 4]]),
+            torch.randn(3, 2, requires_grad=True),
+        ],
+    ),
     "sort": (_sort, [torch.randn(4, 6, requires_grad=True)]),
     "topk": (_topk, [torch.randn(4, 6, requires_grad=True)]),
-    "contiguous_of_slice": (lambda x: [x[:, ::2].contiguous()],
-                            [torch.randn(5, 8, requires_grad=True)]),
+    "contiguous_of_slice": (
+        lambda x: [x[:, ::2].contiguous()],
+        [torch.randn(5, 8, requires_grad=True)],
+    ),
 }
 
 
@@ -66,8 +97,11 @@ def _run(device, fn, inputs):
     """The outputs and the gradients of every input that requires them."""
     args = _on(device, inputs)
     outputs = fn(*args)
-    loss = sum((o * torch.arange(o.numel(), device=device).reshape(o.shape)).sum()
-               for o in outputs if o.is_floating_point())
+    loss = sum(
+        (o * torch.arange(o.numel(), device=device).reshape(o.shape)).sum()
+        for o in outputs
+        if o.is_floating_point()
+    )
     loss.backward()
     return [o.detach() for o in outputs] + [a.grad for a in args if a.requires_grad]
 
@@ -117,8 +151,13 @@ def test_ops_read_the_device_memory_in_place_without_copies():
     torch.openreg.synchronize()
     before = torch.openreg.memory_allocated()
     torch.openreg.reset_peak_memory_stats()
-    ops = [lambda: x.index_select(0, idx), lambda: x[idx], lambda: x.gather(1, idx[None]),
-           lambda: x.sum(), lambda: torch.nn.functional.embedding(idx, x)]
+    ops = [
+        lambda: x.index_select(0, idx),
+        lambda: x[idx],
+        lambda: x.gather(1, idx[None]),
+        lambda: x.sum(),
+        lambda: torch.nn.functional.embedding(idx, x),
+    ]
     for op in ops:
         assert _cpu_bytes_allocated(op) < x.nbytes // 16
     assert torch.openreg.max_memory_allocated() - before < x.nbytes // 16
@@ -193,8 +232,17 @@ def test_out_variants_that_must_resize():
 
 def test_views_alias_device_memory():
     x = torch.arange(12.0).reshape(3, 4).to("openreg")
-    views = [x.t(), x[:, 1], x.diagonal(), x.unfold(1, 2, 2), x.view(2, 6), x.narrow(1, 1, 2),
-             x.expand(2, 3, 4)[1], x.unbind(0)[2], x.split(2, dim=1)[1]]
+    views = [
+        x.t(),
+        x[:, 1],
+        x.diagonal(),
+        x.unfold(1, 2, 2),
+        x.view(2, 6),
+        x.narrow(1, 1, 2),
+        x.expand(2, 3, 4)[1],
+        x.unbind(0)[2],
+        x.split(2, dim=1)[1],
+    ]
     for v in views:
         assert v.device == x.device and v.untyped_storage().data_ptr() == x.data_ptr()
         assert v._base is x
@@ -224,8 +272,11 @@ def test_a_custom_view_op_with_a_cpu_kernel_returns_a_device_view(library):
 def test_custom_op_with_a_meta_kernel_runs_on_openreg_and_meta(library):
     library.define("scaled_rows(Tensor x, Tensor rows, float scale) -> Tensor")
     library.impl("scaled_rows", lambda x, rows, scale: x.index_select(0, rows) * scale, "CPU")
-    library.impl("scaled_rows",
-                 lambda x, rows, scale: x.new_empty((rows.shape[0],) + tuple(x.shape[1:])), "Meta")
+    library.impl(
+        "scaled_rows",
+        lambda x, rows, scale: x.new_empty((rows.shape[0],) + tuple(x.shape[1:])),
+        "Meta",
+    )
     x, rows = torch.randn(5, 3), torch.tensor([4, 1])
     op = torch.ops.devipc_openreg_test.scaled_rows
     dev = op(x.to("openreg"), rows.to("openreg"), 2.0)
@@ -239,8 +290,9 @@ def test_meta_tensors_shaped_like_device_tensors_predict_the_device_results():
     x = torch.randn(2, 3, 9, 9, device="openreg")
     w = torch.randn(4, 3, 3, 3, device="openreg")
     dev = torch.nn.functional.conv2d(x, w, stride=2)
-    meta = torch.nn.functional.conv2d(torch.empty_like(x, device="meta"),
-                                      torch.empty_like(w, device="meta"), stride=2)
+    meta = torch.nn.functional.conv2d(
+        torch.empty_like(x, device="meta"), torch.empty_like(w, device="meta"), stride=2
+    )
     assert meta.shape == dev.shape and meta.dtype == dev.dtype
     idx = torch.tensor([1, 0, 1], device="openreg")
     assert torch.empty_like(x, device="meta")[idx].shape == x[idx].shape
@@ -285,8 +337,15 @@ def test_conjugate_and_negative_views_resolve_as_on_the_cpu():
     results = []
     for device in ("cpu", "openreg"):
         z = c.to(device)
-        results.append([z.conj().resolve_conj(), z.conj() * 2, z.conj().imag.clone(),
-                        z.conj().to(torch.complex128), torch.empty_like(z).copy_(z.conj())])
+        results.append(
+            [
+                z.conj().resolve_conj(),
+                z.conj() * 2,
+                z.conj().imag.clone(),
+                z.conj().to(torch.complex128),
+                torch.empty_like(z).copy_(z.conj()),
+            ]
+        )
     for cpu, dev in zip(*results):
         assert dev.device.type == "openreg" and not dev.is_conj()
         torch.testing.assert_close(dev.cpu().resolve_neg(), cpu.resolve_neg())

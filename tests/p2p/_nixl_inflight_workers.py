@@ -1,6 +1,7 @@
 """Children of test_nixl_inflight.py: NIXL transfers whose caller lets go of them in flight. Each
 runs both endpoints in one process (UCX over TCP loopback reaches itself as another host), so a
 crash is the child's exit code, not pytest's."""
+
 import functools
 import gc
 import hashlib
@@ -54,8 +55,14 @@ def _report(conn, peer, connection, desc, nbytes, ranges, markers, **counts) -> 
     settled = _settled(peer, ranges)
     again = torch.zeros(nbytes, dtype=torch.uint8)
     connection.read(again, desc)  # the connection still works
-    conn.send({**counts, "settled": settled, "markers_intact": intact,
-               "read_again": bool((again == 7).all())})
+    conn.send(
+        {
+            **counts,
+            "settled": settled,
+            "markers_intact": intact,
+            "read_again": bool((again == 7).all()),
+        }
+    )
 
 
 def dropped_after_a_timeout(conn, rounds: int, nbytes: int) -> None:
@@ -107,8 +114,17 @@ def interrupted_read(conn, rounds: int, nbytes: int) -> None:
             del local
             gc.collect()
             markers += _markers(nbytes)
-    _report(conn, peer, connection, desc, nbytes, ranges, markers, interrupted=interrupted,
-            latency=max(latencies, default=0.0))
+    _report(
+        conn,
+        peer,
+        connection,
+        desc,
+        nbytes,
+        ranges,
+        markers,
+        interrupted=interrupted,
+        latency=max(latencies, default=0.0),
+    )
     peer.close()
     owner.close()
 

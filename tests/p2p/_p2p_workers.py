@@ -1,5 +1,6 @@
 """Child-process bodies of the p2p tests (spawn imports them): an owner that registers tensors and
 answers control messages (never transfers: those are one-sided), and peers that read and write."""
+
 import gc
 import os
 import time
@@ -98,8 +99,9 @@ def peer(conn, metadata, whole, mine, index):
     connection.write(torch.full((nbytes,), index, dtype=torch.uint8, device="openreg"), mine)
     conn.send("written")
     assert recv(conn) == "read"
-    out = torch.empty(p2p._descriptor.Descriptor.from_bytes(whole).nbytes, dtype=torch.uint8,
-                      device="openreg")
+    out = torch.empty(
+        p2p._descriptor.Descriptor.from_bytes(whole).nbytes, dtype=torch.uint8, device="openreg"
+    )
     connection.read(out, whole)
     conn.send(out.cpu().tolist())
     assert recv(conn) == "exit"
@@ -111,8 +113,11 @@ def read_and_wait(conn, metadata, descriptor):
     import devipc_openreg  # noqa: F401
 
     connection = p2p.Endpoint().connect(metadata)
-    local = torch.empty(p2p._descriptor.Descriptor.from_bytes(descriptor).nbytes,
-                        dtype=torch.uint8, device="openreg")
+    local = torch.empty(
+        p2p._descriptor.Descriptor.from_bytes(descriptor).nbytes,
+        dtype=torch.uint8,
+        device="openreg",
+    )
     connection.read(local, descriptor)
     conn.send(local.sum().item())
     recv(conn)  # never comes: the test kills this process
@@ -186,8 +191,9 @@ def replacing_owner(peer_conn, slots, period, elements):
     rng = random.Random(7)
 
     def made(slot):
-        tensor, tensor_id = p2p.create_tensor((elements,), torch.float32,
-                                              "cpu" if slot % 2 else "openreg")
+        tensor, tensor_id = p2p.create_tensor(
+            (elements,), torch.float32, "cpu" if slot % 2 else "openreg"
+        )
         tensor.fill_(float(tensor_id))
         return tensor, (endpoint.advertise(tensor), float(tensor_id))
 

@@ -1,4 +1,5 @@
 """The owner process the same-host p2p tests read from and write to, and a peer connected to it."""
+
 import os
 
 import _p2p_workers

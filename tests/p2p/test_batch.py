@@ -2,6 +2,7 @@
 same bytes as the per-pair path, in both directions, with openreg and CPU local tensors; the batch
 is really taken, queued on the caller's current stream, and a device without the hook still
 works."""
+
 import os
 import sys
 
@@ -37,7 +38,7 @@ def batches(monkeypatch):
 
 def _ranges(generator, count):
     """`count` disjoint byte ranges (offset, nbytes) of a NBYTES tensor, at random places."""
-    cuts = torch.randperm(NBYTES - 1, generator=generator)[:2 * count].add(1).sort().values
+    cuts = torch.randperm(NBYTES - 1, generator=generator)[: 2 * count].add(1).sort().values
     pairs = cuts.view(-1, 2).tolist()
     order = torch.randperm(count, generator=generator).tolist()  # not in address order
     return [(pairs[i][0], pairs[i][1] - pairs[i][0]) for i in order]
@@ -53,14 +54,16 @@ def _transfer_both_ways(call, peer, device, generator):
     peer.readv(locals_, remotes)
     read = [t.cpu() for t in locals_]
     for (offset, n), got in zip(ranges, read):
-        assert torch.equal(got, values[offset:offset + n])
-    news = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).to(device)
-            for _, n in ranges]
+        assert torch.equal(got, values[offset : offset + n])
+    news = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).to(device)
+        for _, n in ranges
+    ]
     peer.writev(news, remotes)
     after = call("get", tensor_id)
     expected = values.clone()
     for (offset, n), new in zip(ranges, news):
-        expected[offset:offset + n] = new.cpu()
+        expected[offset : offset + n] = new.cpu()
     assert torch.equal(after, expected)
     call("drop", tensor_id)
     return read, after
@@ -82,8 +85,9 @@ def test_the_batch_moves_what_the_per_pair_path_moves(owner, peer, batches, monk
 @pytest.mark.usefixtures("ipc_mode")
 def test_a_device_without_copy_batch_copies_pair_by_pair(owner, peer, monkeypatch):
     monkeypatch.delattr(OpenRegIpcHooks, "copy_batch")
-    assert (devipc_hooks := _ipc.hooks_for(torch.device("openreg", 0))).copy_batch is None, \
-        devipc_hooks  # IpcHooks' default: no batch
+    assert (devipc_hooks := _ipc.hooks_for(torch.device("openreg", 0))).copy_batch is None, (
+        devipc_hooks
+    )  # IpcHooks' default: no batch
     call, _ = owner
     _transfer_both_ways(call, peer, "openreg", torch.Generator().manual_seed(4))
 
@@ -174,7 +178,8 @@ def test_a_vector_posted_again_takes_the_same_batch_with_new_local_tensors(owner
 
 @pytest.mark.usefixtures("ipc_mode")
 def test_a_long_vector_posted_again_goes_in_slices_and_an_odd_pair_sends_all_the_first_way(
-        owner, peer, batches, monkeypatch):
+    owner, peer, batches, monkeypatch
+):
     """A vector posted again reaches the device in slices (its first copies run while the rest
     are read); a strided local tensor anywhere sends every pair the first way, no slice first."""
     monkeypatch.setattr(_ipc, "_SLICE", 4)
@@ -198,7 +203,8 @@ def test_a_long_vector_posted_again_goes_in_slices_and_an_odd_pair_sends_all_the
 
 @pytest.mark.usefixtures("ipc_mode")
 def test_a_device_error_in_a_later_slice_is_raised_and_leaves_the_connection_working(
-        owner, peer, monkeypatch):
+    owner, peer, monkeypatch
+):
     monkeypatch.setattr(_ipc, "_SLICE", 4)
     call, _ = owner
     tensor_id, _ = call("create", torch.arange(64, dtype=torch.float32), "openreg")

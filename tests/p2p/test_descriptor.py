@@ -1,6 +1,7 @@
 """Endpoint metadata and remote descriptors are devipc wire bytes: they round-trip, and anything
 truncated, forged, of another version or kind is an InvalidHandleError, never a crash; a mutated
 descriptor given to a connection fails with a devipc error or reaches only what it may."""
+
 import dataclasses
 import random
 import struct
@@ -21,14 +22,23 @@ def loop():
     they held is let go after the test (what earlier tests of this process hold is theirs)."""
     before = devipc.stats()
     with p2p.Endpoint() as endpoint:
-        held = [endpoint, endpoint.connect(endpoint.metadata()),
-                p2p.create_tensor((64,), torch.float32, "openreg")[0],
-                p2p.create_tensor((64,), torch.float32, "cpu")[0]]
+        held = [
+            endpoint,
+            endpoint.connect(endpoint.metadata()),
+            p2p.create_tensor((64,), torch.float32, "openreg")[0],
+            p2p.create_tensor((64,), torch.float32, "cpu")[0],
+        ]
         yield held
         held.clear()  # pytest keeps the fixture's value until its teardown ends
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["mapped"] <= before["mapped"]
-               and devipc.stats()["exports"] <= before["exports"], "nothing held", collect=True)
+    wait_until(
+        lambda: (
+            devipc.stats()["mapped"] <= before["mapped"]
+            and devipc.stats()["exports"] <= before["exports"]
+        ),
+        "nothing held",
+        collect=True,
+    )
 
 
 def test_descriptors_and_metadata_round_trip(loop):

@@ -2,6 +2,7 @@
 whole tensors and byte ranges, dtypes, strided local tensors, vectors, async transfers, several
 peers; a freed, deregistered or collected remote tensor raises and its mapping is closed; a
 SIGKILLed owner gives a clear error and leaves nothing behind."""
+
 import array
 import os
 import sys
@@ -63,8 +64,10 @@ def _settle():
 def _owner_idle(owner: Owner) -> None:
     """Wait until the owner holds no export, send or registration (its counter file and cached
     device memory stay)."""
-    wait_until(lambda: (lambda s: (s["exports"], s["sent"], s["live"]))(owner.call("stats"))
-               == (0, 0, 0), "the owner holds no exports, sends or registrations")
+    wait_until(
+        lambda: (lambda s: (s["exports"], s["sent"], s["live"]))(owner.call("stats")) == (0, 0, 0),
+        "the owner holds no exports, sends or registrations",
+    )
 
 
 def _shm_maps() -> int:
@@ -142,8 +145,16 @@ def test_a_transfer_dropped_in_flight_keeps_the_peers_memory_until_its_copy_ran(
 @pytest.mark.parametrize("device", ["openreg", "cpu"])
 def test_dtypes_cross_bit_for_bit(owner, peer, device):
     generator = torch.Generator().manual_seed(0)
-    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8,
-                  torch.bool, torch.complex64, torch.uint8):
+    for dtype in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int8,
+        torch.bool,
+        torch.complex64,
+        torch.uint8,
+    ):
         values = (torch.randn(3, 5, generator=generator) * 100).to(dtype)
         tensor_id, whole = owner.call("create", values, device)
         local = torch.empty(3, 5, dtype=dtype, device=device)
@@ -333,12 +344,21 @@ def test_several_peers_at_once(children):
     tensor.zero_()
     with p2p.Endpoint() as endpoint:
         whole = endpoint.advertise(tensor)
-        pipes = [children.start_piped(_p2p_workers.peer, endpoint.metadata(), whole,
-                                      endpoint.advertise(tensor_id, 64 * i, 64), i + 1)[1]
-                 for i in range(peers)]
+        pipes = [
+            children.start_piped(
+                _p2p_workers.peer,
+                endpoint.metadata(),
+                whole,
+                endpoint.advertise(tensor_id, 64 * i, 64),
+                i + 1,
+            )[1]
+            for i in range(peers)
+        ]
         ourselves = endpoint.connect(endpoint.metadata())
-        ourselves.write(torch.full((64,), peers + 1, dtype=torch.uint8, device="openreg"),
-                        endpoint.advertise(tensor_id, 64 * peers, 64))
+        ourselves.write(
+            torch.full((64,), peers + 1, dtype=torch.uint8, device="openreg"),
+            endpoint.advertise(tensor_id, 64 * peers, 64),
+        )
         assert [recv(pipe) for pipe in pipes] == ["written"] * peers
         expected = [i + 1 for i in range(peers + 1) for _ in range(64)]
         assert tensor.cpu().tolist() == expected
@@ -352,8 +372,11 @@ def test_several_peers_at_once(children):
             pipe.send("exit")
         children.join_ok()
     del tensor
-    wait_until(lambda: devipc.stats()["exports"] == 0,
-               "the peers' slots ended after they exited", collect=True)
+    wait_until(
+        lambda: devipc.stats()["exports"] == 0,
+        "the peers' slots ended after they exited",
+        collect=True,
+    )
 
 
 def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
@@ -363,15 +386,19 @@ def test_a_peer_killed_while_it_maps_the_memory_leaves_nothing_held(children):
     tensor.fill_(1)
     memory = torch.accelerator.memory_allocated()
     with p2p.Endpoint() as endpoint:
-        proc, pipe = children.start_piped(_p2p_workers.read_and_wait, endpoint.metadata(),
-                                          endpoint.advertise(tensor))
+        proc, pipe = children.start_piped(
+            _p2p_workers.read_and_wait, endpoint.metadata(), endpoint.advertise(tensor)
+        )
         assert recv(pipe) == 4096
         proc.kill()
         proc.join(TIMEOUT)
         p2p.free_tensor(tensor)
         del tensor
-        wait_until(lambda: devipc.stats()["exports"] == 0,
-                   "the dead peer's slot was reclaimed and the export ended", collect=True)
+        wait_until(
+            lambda: devipc.stats()["exports"] == 0,
+            "the dead peer's slot was reclaimed and the export ended",
+            collect=True,
+        )
     assert torch.accelerator.memory_allocated() < memory
 
 
@@ -410,8 +437,7 @@ def test_a_resized_registration_ends_and_its_old_memory_is_never_reused(owner, p
     _owner_idle(owner)
 
 
-def test_the_modules_owner_waits_for_its_next_command_however_long_the_tests_between_take(
-        children):
+def test_the_modules_owner_waits_for_its_next_command_however_long_the_tests_between_take(children):
     """One owner serves the whole module: a slow test between two commands must not find it
     gone (its bound is cut to 0.2 s here)."""
     ours, theirs = children.ctx.Pipe()

@@ -1,5 +1,6 @@
 """devipc.p2p through NIXL (`Endpoint(transport="nixl")`): two processes, UCX over TCP loopback.
 Skipped, with the reason, where NIXL is not installed; the error without it is tested anyway."""
+
 import types
 
 import _p2p_workers
@@ -39,7 +40,7 @@ def owner(children, loopback):
 
 
 def flip(data: bytes, at: int) -> bytes:
-    return data[:at] + bytes([data[at] ^ 0x41]) + data[at + 1:]
+    return data[:at] + bytes([data[at] ^ 0x41]) + data[at + 1 :]
 
 
 def ask(conn, *command):
@@ -61,8 +62,10 @@ def test_read_and_write_whole_tensors_and_byte_ranges(owner, device):
     connection.read(small, part)
     assert torch.equal(small, values[16:24])
     connection.write(torch.full((8,), -1.0), part)
-    connection.write(torch.full((4,), 7, dtype=torch.int64, device="openreg"),
-                     ask(conn, "advertise", tensor_id, 0, 32))
+    connection.write(
+        torch.full((4,), 7, dtype=torch.int64, device="openreg"),
+        ask(conn, "advertise", tensor_id, 0, 32),
+    )
     expected = values.clone()
     expected[16:24] = -1.0
     expected[:8] = torch.full((4,), 7, dtype=torch.int64).view(torch.float32)
@@ -80,7 +83,7 @@ def test_readv_writev_and_async_transfers(owner):
     locals_.append(torch.zeros(100, dtype=torch.uint8))
     connection.readv(locals_, ranges)
     for i in range(16):
-        assert torch.equal(locals_[i].cpu(), values[i * 256:i * 256 + 128])
+        assert torch.equal(locals_[i].cpu(), values[i * 256 : i * 256 + 128])
     assert torch.equal(locals_[16], torch.arange(100, dtype=torch.uint8))
     connection.writev([t * 0 + 9 for t in locals_], ranges)
     got = ask(conn, "get", tensor_id).view(16, 256)
@@ -129,8 +132,10 @@ def test_a_large_transfer_ends_when_the_watcher_does_not_run(owner, monkeypatch,
     if watcher == "stopped at exit":
         idle._stop_at_exit()
     else:
+
         def fail(*_):
             raise RuntimeError("can't start new thread")
+
         monkeypatch.setattr(_background, "_thread", types.SimpleNamespace(start_new_thread=fail))
     monkeypatch.setattr(_nixl, "_watcher", idle)
     conn, connection = owner
@@ -160,8 +165,9 @@ def test_a_repeated_synchronous_copy_reposts_nixl_requests_prepared_once(owner, 
     local, local_id = p2p.create_tensor((1024,), torch.float32, "openreg")
     requests = []
     request = _nixl.NixlTransport._request
-    monkeypatch.setattr(_nixl.NixlTransport, "_request",
-                        lambda *args: requests.append(args[1]) or request(*args))
+    monkeypatch.setattr(
+        _nixl.NixlTransport, "_request", lambda *args: requests.append(args[1]) or request(*args)
+    )
     for step in range(20):
         local.fill_(-1.0)
         connection.read(local, whole)
@@ -229,8 +235,10 @@ def test_a_storage_resized_after_its_advertisement_is_never_reached_again(owner,
     with pytest.raises(RemoteTensorFreedError):
         connection.write(torch.full((1024,), -1.0), whole)
     assert torch.equal(ask(conn, "get", neighbour_id), torch.arange(1024.0))
-    wait_until(lambda: ask(conn, "registered", tensor_id) is False,  # peers stopped first
-               "NIXL's agent let go of the resized registration's memory")
+    wait_until(
+        lambda: ask(conn, "registered", tensor_id) is False,  # peers stopped first
+        "NIXL's agent let go of the resized registration's memory",
+    )
     refused = ask(conn, "advertise", tensor_id, 0, None)
     assert isinstance(refused, p2p.NotRegisteredError)
 
@@ -248,8 +256,10 @@ def test_sub_ranges_and_prepared_transfers(owner):
     with pytest.raises(TransferSizeError, match="not inside"):
         connection.read(four, part, offset=13 * 4)
     sources, targets = [torch.zeros(4), torch.zeros(2)], [torch.zeros(4), torch.zeros(2)]
-    with connection.prepare("write", sources, [part, part], offsets=[0, 40]) as write, \
-            connection.prepare("read", targets, [part, part], offsets=[0, 40]) as read:
+    with (
+        connection.prepare("write", sources, [part, part], offsets=[0, 40]) as write,
+        connection.prepare("read", targets, [part, part], offsets=[0, 40]) as read,
+    ):
         for step in range(1, 4):
             for source in sources:
                 source.fill_(step)
@@ -361,7 +371,8 @@ def test_without_nixl_the_error_says_how_to_install_it():
         "try:\n"
         "    p2p.Endpoint(transport='nixl')\n"
         "except ImportError as error:\n"
-        "    print(error)\n").stdout
+        "    print(error)\n"
+    ).stdout
     assert "pip install 'devipc[nixl]'" in out
 
 
@@ -374,8 +385,7 @@ def test_closed_endpoints_leave_no_descriptors_or_registrations(loopback):
         p2p.Endpoint(transport="nixl").close()
         before = open_fds()
         for _ in range(3):
-            with p2p.Endpoint(transport="nixl") as owner, \
-                    p2p.Endpoint(transport="nixl") as peer:
+            with p2p.Endpoint(transport="nixl") as owner, p2p.Endpoint(transport="nixl") as peer:
                 tensor.fill_(2.0)
                 local = torch.zeros(1024, device="openreg")
                 peer.connect(owner.metadata()).read(local, owner.advertise(tensor))

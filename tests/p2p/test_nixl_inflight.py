@@ -1,6 +1,7 @@
 """NIXL transfers let go of in flight (issue 27, defect 4): whatever the caller drops, a transfer's
 memory lives until NIXL is done with its request, and then goes. Each case runs in a spawned child
 (a crash is its exit code), with transfers large enough to be in flight when dropped."""
+
 import _nixl_inflight_workers as workers
 import pytest
 from _support import nixl_missing, slowdown_now, use_ucx_loopback
@@ -15,7 +16,8 @@ def loopback(monkeypatch):
 
 
 def test_a_transfer_dropped_after_its_wait_timed_out_keeps_its_memory_until_done(
-        children, loopback):
+    children, loopback
+):
     got = children.answer(workers.dropped_after_a_timeout, 4, 64 << 20)
     assert got["timed_out"] >= 1  # at least one was dropped in flight
     assert got["markers_intact"], "a dropped transfer wrote into memory reused since"

@@ -2,6 +2,7 @@
 what it pinned, so a copy another thread has in flight keeps its mapping (and its bytes) until
 it ends; threads on one connection while the owner replaces registrations read only the bytes
 of the registration they name, and leave nothing pinned."""
+
 import multiprocessing.connection
 
 import _p2p_workers
@@ -24,8 +25,10 @@ def _result(proc, conn, timeout=TIMEOUT):
     if conn.poll():
         return conn.recv()
     proc.join(TIMEOUT)
-    pytest.fail(f"no report from the peer: exit code {proc.exitcode} (None: still running "
-                f"after {timeout} s)")
+    pytest.fail(
+        f"no report from the peer: exit code {proc.exitcode} (None: still running "
+        f"after {timeout} s)"
+    )
 
 
 def test_a_failed_prepare_leaves_the_pins_as_they_were(owner, peer):
@@ -40,7 +43,7 @@ def test_a_failed_prepare_leaves_the_pins_as_they_were(owner, peer):
     call("free", freed_id)
     for pairs in ([freed], [live, freed], [freed]):
         with pytest.raises(p2p.RemoteTensorFreedError):
-            peer.prepare("read", [one, other][:len(pairs)], pairs)
+            peer.prepare("read", [one, other][: len(pairs)], pairs)
         assert [entry._pins for entry in entries] == [0, 0]
     peer.read(one, live)
     assert one.tolist() == [1.0] * 64
@@ -53,15 +56,19 @@ def test_a_copy_in_flight_keeps_its_pin_when_another_threads_prepare_fails(owner
     (before, the failed prepare unpinned it and the held copy read unmapped memory: SIGSEGV)."""
     call, metadata = owner
     tensor_id, whole = call("create", torch.full((1 << 20,), 7, dtype=torch.uint8), "cpu")
-    proc, conn = children.start_piped(_p2p_workers.prepare_while_a_copy_is_pinned, metadata,
-                                      whole)
+    proc, conn = children.start_piped(_p2p_workers.prepare_while_a_copy_is_pinned, metadata, whole)
     assert _result(proc, conn) == "pinned"
     assert call("free", tensor_id) == "ok"
     conn.send("freed")
     outcome = _result(proc, conn)
-    assert outcome == {"prepare": "RemoteTensorFreedError", "pins_after_prepare": 1,
-                       "read": "ok", "held_bytes": [7], "pins_at_end": 0,
-                       "mapped_after_close": 0}
+    assert outcome == {
+        "prepare": "RemoteTensorFreedError",
+        "pins_after_prepare": 1,
+        "read": "ok",
+        "held_bytes": [7],
+        "pins_at_end": 0,
+        "mapped_after_close": 0,
+    }
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 openreg IPC modes: the bytes land where they should, a range past what the owner advertised is
 refused, a prepared transfer posts many times, a freed remote raises on the next post, a closed
 one (or its connection) refuses to post, and a post is ordered after the caller's queued work."""
+
 import os
 import sys
 import threading
@@ -74,15 +75,17 @@ def test_a_prepared_transfer_posts_many_times(owner, peer, pairs, device):
     sources = [torch.zeros(4, device=device) for _ in range(pairs)]
     targets = [torch.zeros(4, device=device) for _ in range(pairs)]
     offsets = [32 * i + 16 for i in range(pairs)]
-    with peer.prepare("write", sources, [whole] * pairs, offsets) as write, \
-            peer.prepare("read", targets, [whole] * pairs, offsets) as read:
+    with (
+        peer.prepare("write", sources, [whole] * pairs, offsets) as write,
+        peer.prepare("read", targets, [whole] * pairs, offsets) as read,
+    ):
         for step in range(1, 6):
             for source in sources:
                 source.fill_(step)  # queued on the stream the post is ordered after
             write.post().wait(TIMEOUT)
             got = call("get", tensor_id)
             for offset in offsets:
-                assert got[offset // 4:offset // 4 + 4].tolist() == [step] * 4
+                assert got[offset // 4 : offset // 4 + 4].tolist() == [step] * 4
             read.post().wait(TIMEOUT)
             assert all(t.cpu().tolist() == [step] * 4 for t in targets)
     call("drop", tensor_id)

@@ -1,5 +1,6 @@
 """The registry: one registration per storage, found through views and slices, ended by
 free_tensor, deregister or the garbage collector; ids never reused; nothing left behind."""
+
 import gc
 import os
 
@@ -19,16 +20,25 @@ DEVICES = ["openreg", "cpu"]
 
 def _settle():
     torch.accelerator.synchronize()
-    wait_until(lambda: devipc.stats()["exports"] == 0
-               and devipc.stats()["pending_releases"] == 0, "every export ended", collect=True)
+    wait_until(
+        lambda: devipc.stats()["exports"] == 0 and devipc.stats()["pending_releases"] == 0,
+        "every export ended",
+        collect=True,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_views_and_slices_find_the_registration_of_their_storage(device):
     tensor, tensor_id = p2p.create_tensor((4, 8), torch.float32, device)
     assert tensor.shape == (4, 8) and tensor.device.type == device
-    for view in (tensor, tensor[1], tensor[:, 2:5], tensor.t(), tensor.view(-1)[3:],
-                 tensor.view(torch.int32)):
+    for view in (
+        tensor,
+        tensor[1],
+        tensor[:, 2:5],
+        tensor.t(),
+        tensor.view(-1)[3:],
+        tensor.view(torch.int32),
+    ):
         assert p2p.get_tensor_id_by_tensor(view) == tensor_id
     reg = p2p.registration(tensor[2])
     assert reg is p2p.registration(tensor_id)
@@ -74,7 +84,7 @@ def test_manual_register_and_deregister_of_existing_tensors():
     with pytest.raises(p2p.NotRegisteredError, match="any more"):
         p2p.registration(ids[0])
     with pytest.raises(p2p.NotRegisteredError, match="never registered"):
-        p2p.deregister(10 ** 9)
+        p2p.deregister(10**9)
     with pytest.raises(TypeError):
         p2p.deregister("1")
     again = p2p.register(device_tensor)
@@ -152,8 +162,11 @@ def test_listeners_hear_every_registration_and_its_end():
         new, new_id = p2p.create_tensor((4,), torch.float32, "cpu")
         p2p.free_tensor(old)
         del new  # the garbage collector's end is heard too
-        assert listener.events[1:] == [("register", new_id), ("deregister", old_id),
-                                       ("deregister", new_id)]
+        assert listener.events[1:] == [
+            ("register", new_id),
+            ("deregister", old_id),
+            ("deregister", new_id),
+        ]
     finally:
         p2p.remove_listener(listener)
     refusing = Recorder(fail_on_register=True)
@@ -210,7 +223,8 @@ def test_the_page_carries_this_process_lifeline():
 
 
 def test_past_the_registry_pages_slots_register_says_so_and_an_ended_one_frees_its_slot(
-        monkeypatch):
+    monkeypatch,
+):
     """The page has PAGE_SLOTS (65,536) words: the registration past them is refused naming
     the limit and what to do. (As if all but one were taken: the registry's count is patched.)"""
     from devipc.p2p._registry import PAGE_SLOTS
@@ -218,8 +232,11 @@ def test_past_the_registry_pages_slots_register_says_so_and_an_ended_one_frees_i
     monkeypatch.setattr(registry, "_free_slots", [])
     monkeypatch.setattr(registry, "_used_slots", PAGE_SLOTS - 1)
     last, _ = p2p.create_tensor((4,), torch.float32, "cpu")
-    with pytest.raises(devipc.DevIpcError, match=r"at most 65,536 live registrations in a "
-                       r"process.*free_tensor or deregister"):
+    with pytest.raises(
+        devipc.DevIpcError,
+        match=r"at most 65,536 live registrations in a "
+        r"process.*free_tensor or deregister",
+    ):
         p2p.create_tensor((4,), torch.float32, "cpu")
     p2p.free_tensor(last)  # its slot is free again
     again, _ = p2p.create_tensor((4,), torch.float32, "cpu")

@@ -2,6 +2,7 @@
 every registration through it, carries its name, metadata and descriptor part in its own wire
 bytes, validates each call, and hands the transfers to the transport's link. A fake transport
 over host addresses, named "fake", stands in for a third party's here."""
+
 import ctypes
 import struct
 

@@ -7,6 +7,7 @@ license), then installed into a new venv beside that same torch release:
 devipc alone first (importing it must register no device), then devipc-openreg beside it (`import
 torch` loads openreg, and a tensor crosses processes without LD_LIBRARY_PATH). `make check-install`.
 """
+
 import os
 import re
 import subprocess
@@ -74,8 +75,9 @@ def run(*cmd, **kwargs):
 def check_wheel(path, must_have, must_not_end):
     names = zipfile.ZipFile(path).namelist()
     for needed in must_have:
-        assert any(name.endswith(needed) or needed in name for name in names), \
+        assert any(name.endswith(needed) or needed in name for name in names), (
             f"{os.path.basename(path)} lacks {needed}: {names}"
+        )
     stray = [name for name in names if name.endswith(must_not_end)]
     assert not stray, f"{os.path.basename(path)} holds sources: {stray}"
     metadata = zipfile.ZipFile(path).read(next(n for n in names if n.endswith("METADATA"))).decode()
@@ -88,8 +90,9 @@ def check_stripped(wheel, tmp):
         for name in archive.namelist():
             if name.endswith(".so"):
                 target = archive.extract(name, tmp)
-                sections = subprocess.run(["readelf", "-S", "-W", target], check=True,
-                                          capture_output=True, text=True).stdout
+                sections = subprocess.run(
+                    ["readelf", "-S", "-W", target], check=True, capture_output=True, text=True
+                ).stdout
                 assert ".debug_info" not in sections, f"{name} carries debug info"
                 assert ".symtab" not in sections, f"{name} is not stripped"
                 print(f"  {name}: {os.path.getsize(target) / 1e6:.2f} MB, stripped")
@@ -103,27 +106,49 @@ def main():
         start = time.monotonic()
         run(*pip, "wheel", "-q", "--no-deps", "-w", wheels, ROOT)
         core_built = time.monotonic()
-        run(*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels,
-            os.path.join(ROOT, "openreg"), env=dict(os.environ, OPENREG_BUILD_BASE=build_base))
+        run(
+            *pip,
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            wheels,
+            os.path.join(ROOT, "openreg"),
+            env=dict(os.environ, OPENREG_BUILD_BASE=build_base),
+        )
         openreg_built = time.monotonic()
-        print(f"wheels built: devipc {core_built - start:.0f} s, devipc-openreg (against torch "
-              f"{torch.__version__}) {openreg_built - core_built:.0f} s")
-        core, = (os.path.join(wheels, w) for w in os.listdir(wheels) if w.startswith("devipc-"))
-        openreg, = (os.path.join(wheels, w) for w in os.listdir(wheels)
-                    if w.startswith("devipc_openreg-"))
+        print(
+            f"wheels built: devipc {core_built - start:.0f} s, devipc-openreg (against torch "
+            f"{torch.__version__}) {openreg_built - core_built:.0f} s"
+        )
+        (core,) = (os.path.join(wheels, w) for w in os.listdir(wheels) if w.startswith("devipc-"))
+        (openreg,) = (
+            os.path.join(wheels, w) for w in os.listdir(wheels) if w.startswith("devipc_openreg-")
+        )
         names = check_wheel(core, ["devipc/__init__.py", "licenses/LICENSE"], (".so", ".cpp", ".h"))
         assert not any("openreg" in name for name in names), "the core wheel holds the device"
-        declared = [zipfile.ZipFile(core).read(n).decode() for n in names
-                    if n.endswith("entry_points.txt")]
+        declared = [
+            zipfile.ZipFile(core).read(n).decode() for n in names if n.endswith("entry_points.txt")
+        ]
         sections = re.findall(r"^\[(.+)\]$", "".join(declared), re.M)
         # the `devipc` command, and the plug-in that vLLM alone loads (it registers a
         # weight-transfer backend, no device): never `torch.backends`, which import torch runs
-        assert set(sections) <= {"console_scripts", "vllm.general_plugins"}, \
-            f"the core wheel has an entry point other than the `devipc` command and vLLM's " \
+        assert set(sections) <= {"console_scripts", "vllm.general_plugins"}, (
+            f"the core wheel has an entry point other than the `devipc` command and vLLM's "
             f"plug-in: {sections}"
-        check_wheel(openreg, ["devipc_openreg/libopenreg.so", "devipc_openreg/_C",
-                              "devipc_openreg/torch-version.txt",
-                              "_devipc_openreg_autoload.py", "entry_points.txt"], (".cpp", ".h"))
+        )
+        check_wheel(
+            openreg,
+            [
+                "devipc_openreg/libopenreg.so",
+                "devipc_openreg/_C",
+                "devipc_openreg/torch-version.txt",
+                "_devipc_openreg_autoload.py",
+                "entry_points.txt",
+            ],
+            (".cpp", ".h"),
+        )
         check_stripped(openreg, tmp)
 
         run(sys.executable, "-m", "venv", venv)
@@ -136,8 +161,12 @@ def main():
         os.environ["PIP_CONSTRAINT"] = pin
         run(python, "-m", "pip", "install", "-q", f"torch=={TORCH_RELEASE}")
         run(python, "-m", "pip", "install", "-q", core)
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")
-               and not k.startswith(("OPENREG_", "DEVIPC_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")
+            and not k.startswith(("OPENREG_", "DEVIPC_"))
+        }
         run(python, "-c", CORE_ONLY, env=env, cwd=tmp)
         run(python, "-m", "pip", "install", "-q", openreg)
         script = os.path.join(tmp, "with_openreg.py")

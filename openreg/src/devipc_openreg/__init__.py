@@ -7,6 +7,7 @@ hooks (`_ipc_hooks`); the package reaches the first two only through `_runtime`.
 package loads the device on purpose; `import torch` loads it by itself only on a machine without
 another accelerator (`_devipc_openreg_autoload`).
 """
+
 import torch
 
 from . import _device, _runtime
@@ -25,12 +26,14 @@ def _register() -> None:
             f"cannot load openreg: torch's one PrivateUse1 slot is already taken by the "
             f"{taken!r} backend. openreg is devipc's reference device for machines without an "
             f"accelerator; use the {taken!r} device with devipc instead (its IPC hooks come with "
-            f"its own package)")
+            f"its own package)"
+        )
     _runtime.load_glue()
     torch.utils.rename_privateuse1_backend(BACKEND)
     torch._register_device_module(BACKEND, _device)
     torch.utils.generate_methods_for_privateuse1_backend(
-        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
+    )
 
 
 _register()

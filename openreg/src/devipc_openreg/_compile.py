@@ -10,6 +10,7 @@ Both registrations wait for first need, since importing dynamo takes seconds: th
 is registered as soon as `torch._dynamo.device_interface` has been imported, the inductor backend
 when inductor first asks `torch.openreg` for its `Scheduling` (`init_backend_registration`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,8 +56,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Registers the DeviceInterface right after dynamo's device_interface module has run, before
     anything can look a device up there; then leaves sys.meta_path."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != _DEVICE_INTERFACE:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -107,7 +109,8 @@ def _interface(base: type) -> type:
 
             @staticmethod
             def get_device_properties(
-                    device: torch.device | str | int | None = None) -> _Properties:
+                device: torch.device | str | int | None = None,
+            ) -> _Properties:
                 return _Properties(_NAME, os.cpu_count() or 1)  # the host's CPUs run kernels
 
         current_device = staticmethod(_device.current_device)
@@ -162,7 +165,8 @@ def _refused(wrapper: str) -> type:
         def create(*args: object, **kwargs: object) -> NoReturn:
             raise NotImplementedError(
                 f"torch.compile on openreg generates inductor's Python wrapper only; {wrapper} is "
-                f"not supported for openreg")
+                f"not supported for openreg"
+            )
 
     return Refused
 
@@ -190,8 +194,9 @@ def _inductor_backend() -> tuple[type, type, type, type]:
     class OpenRegCalls:
         """What the Python wrapper does differently for openreg."""
 
-        def make_allocation(self, name: str, device: torch.device, *args: Any,
-                            **kwargs: Any) -> str:
+        def make_allocation(
+            self, name: str, device: torch.device, *args: Any, **kwargs: Any
+        ) -> str:
             # Inductor sets the current device around kernels of GPUs only: name the index, or
             # buffers of openreg:1 would land on the current device.
             line = super().make_allocation(name, device, *args, **kwargs)  # type: ignore[misc]
@@ -199,13 +204,20 @@ def _inductor_backend() -> tuple[type, type, type, type]:
                 line = line.replace(f"device='{_NAME}'", f"device='{device}'")
             return line
 
-        def _generate_kernel_call_helper(self, kernel_name: str, call_args: list[str], *,
-                                         device: torch.device | None = None,
-                                         triton: bool = True, **kwargs: Any) -> None:
+        def _generate_kernel_call_helper(
+            self,
+            kernel_name: str,
+            call_args: list[str],
+            *,
+            device: torch.device | None = None,
+            triton: bool = True,
+            **kwargs: Any,
+        ) -> None:
             device = device or V.graph.get_current_device_or_throw()
             if device.type != _NAME or triton:
                 return super()._generate_kernel_call_helper(  # type: ignore[misc]
-                    kernel_name, call_args, device=device, triton=triton, **kwargs)
+                    kernel_name, call_args, device=device, triton=triton, **kwargs
+                )
             index = "" if device.index is None else device.index
             synchronize = f"torch.openreg.current_stream({index}).synchronize()"
             self.writeline(synchronize)  # type: ignore[attr-defined]
@@ -216,18 +228,23 @@ def _inductor_backend() -> tuple[type, type, type, type]:
 
     class Wrapper(OpenRegCalls, wrapper.PythonWrapperCodegen):
         @staticmethod
-        def create(is_subgraph: bool, subgraph_name: str | None,
-                   parent_wrapper: wrapper.PythonWrapperCodegen | None,
-                   partition_signatures: ir.GraphPartitionSignature | None = None
-                   ) -> wrapper.PythonWrapperCodegen:
+        def create(
+            is_subgraph: bool,
+            subgraph_name: str | None,
+            parent_wrapper: wrapper.PythonWrapperCodegen | None,
+            partition_signatures: ir.GraphPartitionSignature | None = None,
+        ) -> wrapper.PythonWrapperCodegen:
             if is_subgraph:
                 return SubgraphWrapper(subgraph_name, parent_wrapper, partition_signatures)  # type: ignore[arg-type]
             return Wrapper()
 
     common.register_device_op_overrides(_NAME, DeviceOps())
-    return (CppScheduling, Wrapper,
-            _refused("the C++ wrapper (torch._inductor.config.cpp_wrapper, AOTInductor)"),
-            _refused("the FX wrapper (torch._inductor.config.fx_wrapper)"))
+    return (
+        CppScheduling,
+        Wrapper,
+        _refused("the C++ wrapper (torch._inductor.config.cpp_wrapper, AOTInductor)"),
+        _refused("the FX wrapper (torch._inductor.config.fx_wrapper)"),
+    )
 
 
 def _as_cpp(V: _V) -> None:

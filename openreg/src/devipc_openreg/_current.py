@@ -1,5 +1,6 @@
 """Which openreg device and stream are current: what `torch.openreg`'s functions and its streams
 and events resolve a `device` argument against."""
+
 import torch
 
 from . import _runtime

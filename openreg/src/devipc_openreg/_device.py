@@ -5,6 +5,7 @@ Everything goes through `_runtime` (the glue's ops and the runtime), never throu
 current one. Streams and events are torch's own `torch.Stream` / `torch.Event` with an openreg
 device.
 """
+
 import torch
 
 from . import _runtime
@@ -64,6 +65,8 @@ _STAT_KEYS = {  # orMemStats field: its key in torch.cuda.memory_stats
     "num_frees": "allocation.all.freed",
     "num_segments": "segment.all.current",
 }
+
+
 def is_available() -> bool:
     return device_count() > 0
 
@@ -193,8 +196,9 @@ def get_rng_state(device: torch.device | str | int | None = "openreg") -> torch.
     return _runtime.get_rng_state(_index(device))
 
 
-def set_rng_state(new_state: torch.Tensor,
-                  device: torch.device | str | int | None = "openreg") -> None:
+def set_rng_state(
+    new_state: torch.Tensor, device: torch.device | str | int | None = "openreg"
+) -> None:
     _runtime.set_rng_state(_index(device), new_state.to("cpu", torch.uint8).contiguous())
 
 
@@ -228,8 +232,10 @@ class DeviceProperties:
         self.total_memory = mem_get_info(index)[1]
 
     def __repr__(self) -> str:
-        return (f"DeviceProperties(name={self.name!r}, index={self.index}, uuid={self.uuid!r}, "
-                f"total_memory={self.total_memory >> 20}MB)")
+        return (
+            f"DeviceProperties(name={self.name!r}, index={self.index}, uuid={self.uuid!r}, "
+            f"total_memory={self.total_memory >> 20}MB)"
+        )
 
 
 def get_device_name(device: torch.device | str | int | None = None) -> str:
@@ -249,8 +255,9 @@ def mem_get_info(device: torch.device | str | int | None = None) -> tuple[int, i
     return _runtime.mem_get_info(_index(device))
 
 
-def memory_summary(device: torch.device | str | int | None = None,
-                   abbreviated: bool = False) -> str:
+def memory_summary(
+    device: torch.device | str | int | None = None, abbreviated: bool = False
+) -> str:
     """A readable table of memory_stats (`abbreviated` is accepted for torch.cuda's signature)."""
     index = _index(device)
     stats = memory_stats(index)
@@ -267,4 +274,3 @@ def ipc_collect() -> int:
     import devipc  # the core, not this package: it names no device
 
     return devipc.ipc_collect()
-

@@ -12,6 +12,7 @@ completes, and refuses what it cannot serve with an error that names openreg. It
 `ProcessGroup` subclass because torch's C++ `Backend` cannot be subclassed from Python; torch then
 uses the group as is for every device.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,8 +41,9 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, devices=_DEVICES)
 
 
-def _create(store: dist.Store, rank: int, size: int,
-            timeout: datetime.timedelta) -> OpenRegProcessGroup:
+def _create(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+) -> OpenRegProcessGroup:
     return OpenRegProcessGroup(store, rank, size, timeout)
 
 
@@ -81,12 +83,16 @@ class _Prepared:
         if not isinstance(arg, torch.Tensor):
             return
         if arg.device.type not in _DEVICES:
-            raise ValueError(f"the {BACKEND!r} process group serves openreg and cpu tensors; "
-                             f"{self.what} got a tensor on {arg.device}")
+            raise ValueError(
+                f"the {BACKEND!r} process group serves openreg and cpu tensors; "
+                f"{self.what} got a tensor on {arg.device}"
+            )
         if arg.layout != torch.strided or arg.is_conj() or arg.is_neg():
-            raise ValueError(f"the {BACKEND!r} process group needs dense tensors without conj/neg "
-                             f"bits; {self.what} got a {arg.layout} one (conj {arg.is_conj()}, "
-                             f"neg {arg.is_neg()})")
+            raise ValueError(
+                f"the {BACKEND!r} process group needs dense tensors without conj/neg "
+                f"bits; {self.what} got a {arg.layout} one (conj {arg.is_conj()}, "
+                f"neg {arg.is_neg()})"
+            )
         if arg.device.type == "openreg":
             devices.add(arg.device.index)
 
@@ -120,8 +126,9 @@ class _Work(dist.Work):
         try:
             return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as e:
-            raise RuntimeError(f"{self._prepared.what} on the {BACKEND!r} (openreg) process "
-                               f"group: {e}") from e
+            raise RuntimeError(
+                f"{self._prepared.what} on the {BACKEND!r} (openreg) process group: {e}"
+            ) from e
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -140,8 +147,9 @@ class _Work(dist.Work):
 class OpenRegProcessGroup(dist.ProcessGroup):
     """A process group whose collectives and point-to-point ops take openreg (or cpu) tensors."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int,
-                 timeout: datetime.timedelta) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+    ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         store = dist.PrefixStore(f"{BACKEND}/gloo/", store)
         self._gloo: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -159,15 +167,18 @@ class OpenRegProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"{what} on the {BACKEND!r} (openreg) process group: {e}") from e
         return _Work(inner, prepared)
 
-    def _reduce_op(self, what: str, tensors: list[torch.Tensor], opts: _Options,
-                   options_type: type[_Options]) -> _Options:
+    def _reduce_op(
+        self, what: str, tensors: list[torch.Tensor], opts: _Options, options_type: type[_Options]
+    ) -> _Options:
         """`opts` as gloo can serve it: gloo has no AVG, so each share is divided by the group
         size here and the shares are summed."""
         if opts.reduceOp != _AVG:  # gloo refuses what it cannot do (PREMUL_SUM) by itself
             return opts
         if not all(t.is_floating_point() or t.is_complex() for t in tensors):
-            raise TypeError(f"{what} with AVG on the {BACKEND!r} process group needs floating "
-                            f"point or complex tensors")
+            raise TypeError(
+                f"{what} with AVG on the {BACKEND!r} process group needs floating "
+                f"point or complex tensors"
+            )
         for t in tensors:
             t.div_(self.size())
         summed = options_type()
@@ -184,11 +195,13 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         opts = self._reduce_op("all_reduce", tensors, opts, dist.AllreduceOptions)
         return self._run("all_reduce", "allreduce", tensors, opts)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor],
-                            opts: dist.AllreduceCoalescedOptions | None = None) -> dist.Work:
+    def allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None
+    ) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        opts = self._reduce_op("all_reduce_coalesced", tensors, opts,
-                               dist.AllreduceCoalescedOptions)
+        opts = self._reduce_op(
+            "all_reduce_coalesced", tensors, opts, dist.AllreduceCoalescedOptions
+        )
         return self._run("all_reduce_coalesced", "allreduce_coalesced", tensors, opts)
 
     def broadcast(  # type: ignore[override]
@@ -205,8 +218,10 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         opts: dist.ReduceOptions,
     ) -> dist.Work:
         if opts.reduceOp == _AVG:
-            raise ValueError(f"reduce on the {BACKEND!r} process group does not support AVG "
-                             f"(only all_reduce does)")
+            raise ValueError(
+                f"reduce on the {BACKEND!r} process group does not support AVG "
+                f"(only all_reduce does)"
+            )
         return self._run("reduce", "reduce", tensors, opts)
 
     def allgather(  # type: ignore[override]
@@ -218,8 +233,9 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else c10d.AllgatherOptions()
         return self._run("all_gather", "allgather", output_lists, inputs, opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: AllgatherOptions | None = None) -> dist.Work:
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
+    ) -> dist.Work:
         opts = opts if opts is not None else c10d.AllgatherOptions()
         return self._run("all_gather_single", "_allgather_base", output, input, opts)
 
@@ -234,8 +250,12 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run("reduce_scatter", "reduce_scatter", outputs, input_lists, opts)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: dist.ReduceScatterOptions | None = None) -> dist.Work:
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run("reduce_scatter_single", "_reduce_scatter_base", output, input, opts)
 
@@ -275,8 +295,9 @@ class OpenRegProcessGroup(dist.ProcessGroup):
         opts: dist.AllToAllOptions | None = None,
     ) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        return self._run("all_to_all_single", "alltoall_base", output, input, output_splits,
-                         input_splits, opts)
+        return self._run(
+            "all_to_all_single", "alltoall_base", output, input, output_splits, input_splits, opts
+        )
 
     def barrier(  # type: ignore[override]
         self,
@@ -284,17 +305,20 @@ class OpenRegProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         return self._run("barrier", "barrier", dist.BarrierOptions())
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            inputs: list[torch.Tensor],
-                            opts: AllgatherOptions | None = None) -> dist.Work:
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> dist.Work:
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        return self._run("all_gather_coalesced", "allgather_coalesced", output_lists, inputs,
-                         opts)
+        return self._run("all_gather_coalesced", "allgather_coalesced", output_lists, inputs, opts)
 
     def _unsupported(self, *args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(
             f"the {BACKEND!r} (openreg) process group does not coalesce collectives; issue "
-            f"them one by one")
+            f"them one by one"
+        )
 
     _start_coalescing = _end_coalescing = _unsupported
     all_gather_single_coalesced = reduce_scatter_single_coalesced = _unsupported

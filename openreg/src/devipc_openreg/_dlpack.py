@@ -8,6 +8,7 @@ this, so openreg wraps that one method: a PrivateUse1 tensor answers (kDLExtDev,
 other tensor goes to torch's own. Only frameworks that know kDLExtDev as this device can take such
 a capsule: torch does; NumPy and CuPy refuse it (move the tensor to the CPU for them).
 """
+
 import torch
 from torch.utils.dlpack import DLDeviceType
 
@@ -16,8 +17,11 @@ _torchs_own = torch.Tensor.__dlpack_device__
 
 def _dlpack_device(self: torch.Tensor) -> tuple:
     device = self.device
-    if device.type == torch._C._get_privateuse1_backend_name() and device.type != "privateuse1" \
-            and not torch.overrides.has_torch_function_unary(self):
+    if (
+        device.type == torch._C._get_privateuse1_backend_name()
+        and device.type != "privateuse1"
+        and not torch.overrides.has_torch_function_unary(self)
+    ):
         return (DLDeviceType.kDLExtDev, device.index or 0)
     return _torchs_own(self)
 

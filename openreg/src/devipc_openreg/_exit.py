@@ -10,6 +10,7 @@ one tiny backward without a stashed object runs on each device's thread. A devic
 graph tasks in order and drops each before taking the next, so once the tiny one is done, nothing
 that thread still holds needs Python.
 """
+
 import atexit
 
 import torch
@@ -27,8 +28,15 @@ def drain_autograd_threads() -> int:
     for index in range(_runtime.device_count()):
         leaf = torch.zeros((), device=f"openreg:{index}", requires_grad=True)
         output = leaf * 2  # its backward node runs on the device's autograd thread
-        engine.run_backward((output,), (torch.ones((), device=output.device),), False, False,
-                            (), allow_unreachable=True, accumulate_grad=True)
+        engine.run_backward(
+            (output,),
+            (torch.ones((), device=output.device),),
+            False,
+            False,
+            (),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
         drained += leaf.grad is not None and leaf.grad.item() == 2.0
     return drained
 

@@ -4,6 +4,7 @@ Memory handles name a runtime segment (a memfd); opening maps the very same page
 both ways. By default the producer synchronizes (event size 0); OPENREG_IPC_EVENTS=1 switches to
 real interprocess events, read at each share so a process can change modes.
 """
+
 import os
 
 import torch
@@ -20,8 +21,10 @@ def _events_enabled() -> bool:
     """OPENREG_IPC_EVENTS: "1" interprocess events, "0" or unset a synchronization per send."""
     value = os.environ.get("OPENREG_IPC_EVENTS", "0")
     if value not in ("", "0", "1"):
-        raise ValueError(f"OPENREG_IPC_EVENTS={value!r} is not understood: set it to 1 "
-                         f"(interprocess events) or 0 (the producer synchronizes), or unset it")
+        raise ValueError(
+            f"OPENREG_IPC_EVENTS={value!r} is not understood: set it to 1 "
+            f"(interprocess events) or 0 (the producer synchronizes), or unset it"
+        )
     return value == "1"
 
 
@@ -41,8 +44,7 @@ class OpenRegIpcHooks(IpcHooks):
             return b""
         event = _runtime.event_create(interprocess=True, timing=False)
         try:
-            _runtime.event_record(event, _runtime_stream(
-                torch.openreg.current_stream(device)))  # type: ignore[attr-defined]
+            _runtime.event_record(event, _runtime_stream(torch.openreg.current_stream(device)))  # type: ignore[attr-defined]
             return _runtime.ipc_get_event_handle(event)
         finally:
             # The handle names the event; destroyed, it keeps its slot until this record has run,
@@ -57,8 +59,9 @@ class OpenRegIpcHooks(IpcHooks):
                 raise
             # a device hidden here (or a forged one): a handle this process cannot open
             raise InvalidHandleError(str(error)) from None
-        return OpenedMemory(base, size, torch.device("openreg", device),
-                            lambda: _runtime.ipc_close_mem_handle(base))
+        return OpenedMemory(
+            base, size, torch.device("openreg", device), lambda: _runtime.ipc_close_mem_handle(base)
+        )
 
     def wait_ipc_event(self, event_handle: bytes, stream: torch.Stream) -> None:
         if not event_handle:

@@ -7,6 +7,7 @@ of IPC_HANDLE_SIZE. A failing runtime call raises: a bad handle InvalidHandleErr
 exporter PeerGoneError, anything else OpenRegError, each with the runtime's message. Handles may
 also come as bytearray or memoryview; anything else given as a handle is an InvalidHandleError.
 """
+
 import ctypes
 import importlib.util
 import os
@@ -36,9 +37,19 @@ class OpenRegError(RuntimeError):
 
 class MemStats(ctypes.Structure):
     """orMemStats, field by field."""
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "allocated", "peak_allocated", "reserved", "peak_reserved",
-        "num_allocs", "num_frees", "num_segments")]
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "allocated",
+            "peak_allocated",
+            "reserved",
+            "peak_reserved",
+            "num_allocs",
+            "num_frees",
+            "num_segments",
+        )
+    ]
 
 
 class _Handle(ctypes.Structure):
@@ -61,23 +72,25 @@ def declare(signatures: dict[str, list[type]]) -> None:
 
 
 _P, _vp, _int, _size = ctypes.POINTER, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-declare({
-    "orDeviceGetUuid": [_int, ctypes.c_char_p, _size],
-    "orGetRuntimeState": [_P(_int)],
-    "orMemGetInfo": [_int, _P(_size), _P(_size)],
-    "orMemGetStats": [_int, _P(MemStats)],
-    "orStreamFromId": [_int, ctypes.c_int64, _P(_vp)],
-    "orEventCreateWithFlags": [_P(_vp), ctypes.c_uint],
-    "orEventDestroy": [_vp],
-    "orEventRecord": [_vp, _vp],
-    "orStreamWaitEvent": [_vp, _vp, ctypes.c_uint],
-    "orIpcGetMemHandle": [_P(_Handle), _P(_size), _vp],
-    "orIpcOpenMemHandle": [_P(_vp), _P(_size), _P(_int), _Handle],
-    "orIpcCloseMemHandle": [_vp],
-    "orIpcGetEventHandle": [_P(_Handle), _vp],
-    "orIpcOpenEventHandle": [_P(_vp), _Handle],
-    "orMemcpyBatchAsync": [_vp, _vp, _vp, _size, _vp],
-})
+declare(
+    {
+        "orDeviceGetUuid": [_int, ctypes.c_char_p, _size],
+        "orGetRuntimeState": [_P(_int)],
+        "orMemGetInfo": [_int, _P(_size), _P(_size)],
+        "orMemGetStats": [_int, _P(MemStats)],
+        "orStreamFromId": [_int, ctypes.c_int64, _P(_vp)],
+        "orEventCreateWithFlags": [_P(_vp), ctypes.c_uint],
+        "orEventDestroy": [_vp],
+        "orEventRecord": [_vp, _vp],
+        "orStreamWaitEvent": [_vp, _vp, ctypes.c_uint],
+        "orIpcGetMemHandle": [_P(_Handle), _P(_size), _vp],
+        "orIpcOpenMemHandle": [_P(_vp), _P(_size), _P(_int), _Handle],
+        "orIpcCloseMemHandle": [_vp],
+        "orIpcGetEventHandle": [_P(_Handle), _vp],
+        "orIpcOpenEventHandle": [_P(_vp), _Handle],
+        "orMemcpyBatchAsync": [_vp, _vp, _vp, _size, _vp],
+    }
+)
 lib.orGetErrorString.argtypes = [_int]
 lib.orGetErrorString.restype = ctypes.c_char_p
 lib.orGetLastErrorMessage.argtypes = []
@@ -88,8 +101,10 @@ def check(err: int, what: str) -> None:
     """Raises for a failed runtime call, naming `what` and the runtime's own message."""
     if err == SUCCESS:
         return
-    message = (f"{what}: {lib.orGetErrorString(err).decode()}: "
-               f"{lib.orGetLastErrorMessage().decode(errors='replace')}")
+    message = (
+        f"{what}: {lib.orGetErrorString(err).decode()}: "
+        f"{lib.orGetLastErrorMessage().decode(errors='replace')}"
+    )
     if err == INVALID_HANDLE:
         raise InvalidHandleError(message)
     if err == PEER_GONE:
@@ -104,8 +119,9 @@ def _handle(data: object) -> _Handle:
         try:
             data = data.tobytes()  # any format or layout, as its bytes in order
         except ValueError:  # released
-            raise InvalidHandleError("an openreg IPC handle cannot be a released memoryview") \
-                from None
+            raise InvalidHandleError(
+                "an openreg IPC handle cannot be a released memoryview"
+            ) from None
     if not isinstance(data, (bytes, bytearray)) or len(data) != IPC_HANDLE_SIZE:
         got = f"{len(data)} bytes" if isinstance(data, (bytes, bytearray)) else type(data).__name__
         raise InvalidHandleError(f"an openreg IPC handle is {IPC_HANDLE_SIZE} bytes, got {got}")
@@ -116,8 +132,10 @@ def _handle(data: object) -> _Handle:
 
 # ---- the glue: loaded once, then its ops -------------------------------------------------------
 GLUE = __package__ + "._C"
-_REBUILD = ("rebuild it against this torch: `make setup` in the devipc checkout, or `pip install "
-            "--no-build-isolation --force-reinstall --no-deps devipc-openreg`")
+_REBUILD = (
+    "rebuild it against this torch: `make setup` in the devipc checkout, or `pip install "
+    "--no-build-isolation --force-reinstall --no-deps devipc-openreg`"
+)
 
 
 def release(version: str) -> str:
@@ -130,8 +148,11 @@ def check_glue_torch(built_with: str, running: str) -> None:
     loading it would end in an undefined symbol, or worse. The ImportError names the glue, which
     is how torch's autoload (_devipc_openreg_autoload) tells it from other failures."""
     if release(built_with) != release(running):
-        raise ImportError(f"devipc_openreg was built against torch {built_with} but this is torch "
-                          f"{running}; {_REBUILD}", name=GLUE)
+        raise ImportError(
+            f"devipc_openreg was built against torch {built_with} but this is torch "
+            f"{running}; {_REBUILD}",
+            name=GLUE,
+        )
 
 
 def load_glue() -> None:
@@ -143,8 +164,11 @@ def load_glue() -> None:
         with open(os.path.join(os.path.dirname(spec.origin), "torch-version.txt")) as f:
             built_with = f.read().strip()
     except OSError:
-        raise ImportError(f"devipc_openreg._C does not say which torch it was built against (an "
-                          f"older build); {_REBUILD}", name=GLUE) from None
+        raise ImportError(
+            f"devipc_openreg._C does not say which torch it was built against (an "
+            f"older build); {_REBUILD}",
+            name=GLUE,
+        ) from None
     check_glue_torch(built_with, torch.__version__)
     torch.ops.load_library(spec.origin)
 
@@ -221,8 +245,9 @@ def mem_stats(device: int) -> dict[str, int]:
 def mem_get_info(device: int) -> tuple[int, int]:
     """(free, total) bytes of the host memory that `device` allocates from."""
     free, total = _size(), _size()
-    check(lib.orMemGetInfo(device, ctypes.byref(free), ctypes.byref(total)),
-          f"mem_get_info({device})")
+    check(
+        lib.orMemGetInfo(device, ctypes.byref(free), ctypes.byref(total)), f"mem_get_info({device})"
+    )
     return free.value, total.value
 
 
@@ -236,8 +261,10 @@ def runtime_state() -> int:
 def stream_from_id(device: int, stream_id: int) -> int:
     """The runtime stream behind a torch stream id (0: the default stream)."""
     s = _vp()
-    check(lib.orStreamFromId(device, stream_id, ctypes.byref(s)),
-          f"stream_from_id({device}, {stream_id})")
+    check(
+        lib.orStreamFromId(device, stream_id, ctypes.byref(s)),
+        f"stream_from_id({device}, {stream_id})",
+    )
     return s.value  # type: ignore[return-value]
 
 
@@ -271,8 +298,10 @@ def device_uuid(device: int) -> str:
 def ipc_get_mem_handle(ptr: int) -> tuple[bytes, int]:
     """(handle bytes naming ptr's whole segment, ptr's byte offset in it)."""
     h, offset = _Handle(), _size()
-    check(lib.orIpcGetMemHandle(ctypes.byref(h), ctypes.byref(offset), ptr),
-          f"ipc_get_mem_handle({ptr:#x})")
+    check(
+        lib.orIpcGetMemHandle(ctypes.byref(h), ctypes.byref(offset), ptr),
+        f"ipc_get_mem_handle({ptr:#x})",
+    )
     return bytes(h.reserved), offset.value
 
 
@@ -280,8 +309,10 @@ def ipc_open_mem_handle(handle: bytes | bytearray | memoryview) -> tuple[int, in
     """(base, size, local device) of the mapped segment; close it with ipc_close_mem_handle."""
     h = _handle(handle)
     base, size, device = _vp(), _size(), _int()
-    check(lib.orIpcOpenMemHandle(ctypes.byref(base), ctypes.byref(size), ctypes.byref(device), h),
-          "ipc_open_mem_handle")
+    check(
+        lib.orIpcOpenMemHandle(ctypes.byref(base), ctypes.byref(size), ctypes.byref(device), h),
+        "ipc_open_mem_handle",
+    )
     return base.value, size.value, device.value  # type: ignore[return-value]
 
 
@@ -291,8 +322,10 @@ def memcpy_batch_async(table: torch.Tensor, stream: int) -> None:
     columns = table.t().contiguous()  # three arrays, one per column: one small copy
     count = columns.shape[1]
     base, row = columns.data_ptr(), 8 * count
-    check(lib.orMemcpyBatchAsync(base, base + row, base + 2 * row, count, stream),
-          f"memcpy_batch_async({count} copies)")
+    check(
+        lib.orMemcpyBatchAsync(base, base + row, base + 2 * row, count, stream),
+        f"memcpy_batch_async({count} copies)",
+    )
 
 
 def make_resizable(storage: torch.UntypedStorage) -> None:
@@ -321,11 +354,13 @@ def ipc_open_event_handle(handle: bytes | bytearray | memoryview) -> int:
 
 
 # ---- streams and events of torch.openreg (_streams) --------------------------------------------
-declare({
-    "orEventQuery": [_vp],
-    "orEventSynchronize": [_vp],
-    "orEventElapsedTime": [_P(ctypes.c_float), _vp, _vp],
-})
+declare(
+    {
+        "orEventQuery": [_vp],
+        "orEventSynchronize": [_vp],
+        "orEventElapsedTime": [_P(ctypes.c_float), _vp, _vp],
+    }
+)
 NOT_READY = 5  # orErrorNotReady (checked against openreg.h with the constants above)
 
 

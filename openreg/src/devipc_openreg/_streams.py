@@ -6,6 +6,7 @@ interprocess event or carry an IPC handle. As with CUDA, an interprocess event's
 event: every process that opened it may record it, and waits are for its latest record. Events
 pickle (for `torch.multiprocessing`) as their IPC handle, like `torch.cuda.Event`.
 """
+
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn, Self
@@ -40,8 +41,9 @@ class Stream(torch.Stream):
     `Stream(stream_id=..., device_index=..., device_type=...)` names an existing stream instead.
     """
 
-    def __new__(cls, device: torch.device | str | int | None = None, priority: int = 0,
-                **kwargs: Any) -> Self:
+    def __new__(
+        cls, device: torch.device | str | int | None = None, priority: int = 0, **kwargs: Any
+    ) -> Self:
         if kwargs:
             return super().__new__(cls, **kwargs)
         index = index_of(device)
@@ -82,18 +84,25 @@ class Event:
 
     _event: int  # None only while half-made or once destroyed
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False) -> None:
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
         if interprocess and enable_timing:
-            raise ValueError("an interprocess openreg event cannot measure time: "
-                             "create it with enable_timing=False (as in CUDA)")
+            raise ValueError(
+                "an interprocess openreg event cannot measure time: "
+                "create it with enable_timing=False (as in CUDA)"
+            )
         # set first, so __del__ of a half-made event does nothing
         self._event = None  # type: ignore[assignment]
-        self.enable_timing, self.blocking, self.interprocess = \
-            bool(enable_timing), bool(blocking), bool(interprocess)
+        self.enable_timing, self.blocking, self.interprocess = (
+            bool(enable_timing),
+            bool(blocking),
+            bool(interprocess),
+        )
         self.device: torch.device | None = None  # the device of the first stream it is recorded on
-        self._event = _runtime.event_create(interprocess=self.interprocess,
-                                            timing=self.enable_timing)
+        self._event = _runtime.event_create(
+            interprocess=self.interprocess, timing=self.enable_timing
+        )
 
     @classmethod
     def from_ipc_handle(cls, device: torch.device | str | int | None, handle: bytes) -> "Event":
@@ -117,8 +126,10 @@ class Event:
         stream = _openreg_stream(stream)
         target = torch.device("openreg", stream.device_index)
         if self.device is not None and self.device != target:
-            raise ValueError(f"this event belongs to {self.device}; it cannot be recorded on a "
-                             f"stream of {target}")
+            raise ValueError(
+                f"this event belongs to {self.device}; it cannot be recorded on a "
+                f"stream of {target}"
+            )
         _runtime.event_record(self._event, _native(stream))
         self.device = target
 
@@ -146,8 +157,10 @@ class Event:
         return _runtime.ipc_get_event_handle(self._event)
 
     def __reduce__(self) -> NoReturn:
-        raise TypeError("an openreg Event holds a runtime pointer; only multiprocessing's pickler "
-                        "(torch.multiprocessing included) sends it, as its IPC handle")
+        raise TypeError(
+            "an openreg Event holds a runtime pointer; only multiprocessing's pickler "
+            "(torch.multiprocessing included) sends it, as its IPC handle"
+        )
 
     def __del__(self) -> None:
         event, self._event = getattr(self, "_event", None), None  # type: ignore[assignment]

@@ -10,6 +10,7 @@ PrivateUse1 backend meets this; openreg, the reference device, closes it: after 
 Parameter again (the first place's converted one). Ties made later (`model.tie_weights()`) and
 models built under `with torch.device("openreg")` need nothing of this.
 """
+
 import threading
 from collections.abc import Callable
 
@@ -29,8 +30,9 @@ def _places_of_shared_parameters(module: torch.nn.Module) -> list[list[tuple]]:
     return [group for group in places.values() if len(group) > 1]
 
 
-def _apply_keeping_ties(self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
-                        recurse: bool = True) -> torch.nn.Module:
+def _apply_keeping_ties(
+    self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+) -> torch.nn.Module:
     if getattr(_inside, "depth", 0) or not recurse:
         return _torchs_own(self, fn, recurse)
     shared = _places_of_shared_parameters(self)

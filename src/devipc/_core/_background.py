@@ -7,6 +7,7 @@ runs, and `threading.Thread.start` would wait for it forever (storages freed at 
 collector). Threads are started without waiting for them to run, for the same reason. What the
 collector would have freed goes with the process; consumers keep their mappings valid.
 """
+
 import _thread
 import atexit
 import logging
@@ -22,8 +23,13 @@ SHARE = 0.05  # of the time, at most, that rounds take
 
 
 class Background:
-    def __init__(self, name: str, round_: Callable[[], bool], interval: float = INTERVAL,
-                 share: float | None = SHARE):
+    def __init__(
+        self,
+        name: str,
+        round_: Callable[[], bool],
+        interval: float = INTERVAL,
+        share: float | None = SHARE,
+    ):
         """`round_` does one round of work and says whether more is pending; rounds are
         `interval` seconds apart at least, and spaced out to take at most `share` of the time
         (None: never spaced out, for rounds that wait on others' work rather than do their
@@ -73,8 +79,11 @@ class Background:
                 more = True
             # A round looks at every send and received storage: with thousands held it costs
             # milliseconds, so rounds space out to keep within SHARE of the time.
-            pause = self._interval if self._share is None else max(
-                self._interval, (time.monotonic() - started) / self._share)
+            pause = (
+                self._interval
+                if self._share is None
+                else max(self._interval, (time.monotonic() - started) / self._share)
+            )
             with self._lock:
                 if not more:
                     self._running = False  # before the look at `_kicked`: see `wake`

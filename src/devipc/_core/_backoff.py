@@ -1,5 +1,6 @@
 """Bounded waits: one way to poll for something that another thread or process will do, sleeping
 between polls (a little at first, up to a ceiling) and giving up at a deadline."""
+
 import time
 
 SLICE = 0.01  # seconds: a wait that another thread's close() must end is made in slices of this
@@ -12,8 +13,9 @@ class Backoff:
 
     __slots__ = ("_deadline", "_spins", "_next", "_longest")
 
-    def __init__(self, timeout: float | None, first: float = 0.00002, longest: float = 0.001,
-                 spins: int = 0):
+    def __init__(
+        self, timeout: float | None, first: float = 0.00002, longest: float = 0.001, spins: int = 0
+    ):
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._spins, self._next, self._longest = spins, first, longest
 

@@ -6,6 +6,7 @@ the device's memory) go to the hooks' `copy_batch` as one table of (destination,
 (`copy_table`, the one maker of such tables); the others, and every pair on a device without the
 hook, are copied one by one.
 """
+
 import array
 from collections.abc import Callable, Iterable
 
@@ -40,8 +41,9 @@ def batch_copier(device: torch.device) -> Callable[[int, torch.Tensor], None] | 
     return None if device.type == "cpu" else hooks_for(device).copy_batch
 
 
-def copy_batched(device: torch.device, destinations: Column, sources: Column,
-                 sizes: Column) -> bool:
+def copy_batched(
+    device: torch.device, destinations: Column, sources: Column, sizes: Column
+) -> bool:
     """Queue the byte copies of these columns (`copy_table`) on `device`'s current stream as one
     operation; False (nothing done) when its hooks have no `copy_batch` (the CPU has none)."""
     copy_batch = batch_copier(device)
@@ -59,10 +61,15 @@ def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     rest: list[tuple[torch.Tensor, torch.Tensor]] = []
     device = None
     for destination, source in pairs:
-        if destination.dtype is source.dtype and destination.shape == source.shape \
-                and destination.device == source.device and destination.device.type != "cpu" \
-                and destination.is_contiguous() and source.is_contiguous() \
-                and (device is None or destination.device == device):
+        if (
+            destination.dtype is source.dtype
+            and destination.shape == source.shape
+            and destination.device == source.device
+            and destination.device.type != "cpu"
+            and destination.is_contiguous()
+            and source.is_contiguous()
+            and (device is None or destination.device == device)
+        ):
             device = destination.device
             if destination.numel():
                 destinations.append(destination.data_ptr())
@@ -71,8 +78,11 @@ def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 plain.append((destination, source))
         else:
             rest.append((destination, source))
-    if device is None or len(sizes) < _BATCH_MIN \
-            or not copy_batched(device, destinations, sources, sizes):
+    if (
+        device is None
+        or len(sizes) < _BATCH_MIN
+        or not copy_batched(device, destinations, sources, sizes)
+    ):
         rest.extend(plain)
     with torch.no_grad():
         for destination, source in rest:

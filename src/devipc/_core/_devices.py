@@ -3,6 +3,7 @@ access, through a C++ string stream, a few thousand instructions, and a send and
 several times); how many devices of a type this process sees, and whether it has a given one; and
 a device's streams: its current one, and waiting for all its work. The one place devipc asks torch
 about a device's streams. Imports no torch at import time (see `_hooks`)."""
+
 from __future__ import annotations
 
 import functools

@@ -43,14 +43,21 @@ class ConsumerDiedError(PeerGoneError):
 
     published: int | None = None
 
-    def __init__(self, consumers: list[tuple[int, int]], generation: int,
-                 consumer: str = "arena consumer", producer: str = "arena"):
+    def __init__(
+        self,
+        consumers: list[tuple[int, int]],
+        generation: int,
+        consumer: str = "arena consumer",
+        producer: str = "arena",
+    ):
         """`consumer` and `producer`: what the message calls them (a weight publisher's
         subscriber)."""
         self.consumers, self.generation = consumers, generation
         names = ", ".join(f"{index} (pid {pid})" for index, pid in consumers)
-        super().__init__(f"{consumer} {names} died before acknowledging generation "
-                         f"{generation}; the {producer} no longer waits for it")
+        super().__init__(
+            f"{consumer} {names} died before acknowledging generation "
+            f"{generation}; the {producer} no longer waits for it"
+        )
 
 
 class ChecksumError(DevIpcError):

@@ -15,6 +15,7 @@ arena, p2p on either transport): memory a peer may reach never returns to the al
 another tensor, while the peer may reach it. A hold also learns when its storage stops pointing
 at the allocation (`on_moved`), so that what advertised it can stop advertising it.
 """
+
 import collections
 import ctypes
 import itertools
@@ -84,8 +85,11 @@ class Exports:
         self.deadline: float | None = None  # seconds an unopened send may wait
         os.register_at_fork(after_in_child=self._forget_after_fork)
 
-    def send(self, storage: torch.UntypedStorage, wire: tuple[bytes, int],
-             ) -> tuple[ProducerFile, int]:
+    def send(
+        self,
+        storage: torch.UntypedStorage,
+        wire: tuple[bytes, int],
+    ) -> tuple[ProducerFile, int]:
         """A slot for one more send of `storage`'s memory, which the hooks named `wire`."""
         key = storage_key(storage)
         self._reap_if_died(key)
@@ -100,16 +104,22 @@ class Exports:
             self.collect()
         return file, index
 
-    def send_again(self, storage: torch.UntypedStorage,
-                   ) -> tuple[ProducerFile, int, tuple[bytes, int]] | None:
+    def send_again(
+        self,
+        storage: torch.UntypedStorage,
+    ) -> tuple[ProducerFile, int, tuple[bytes, int]] | None:
         """The common case at its cost floor: a slot for memory sent before, and its `wire`; None
         when it was not, or when the storage that was sent died (`reap_freed` has not run: the
         memory at this address may be another allocation), for `send` to see to."""
         key = storage_key(storage)
         with self._lock:
             export = self._by_key.get(key)
-            if export is None or export.wire is None or export.mark is None \
-                    or not lives(export.mark):
+            if (
+                export is None
+                or export.wire is None
+                or export.mark is None
+                or not lives(export.mark)
+            ):
                 return None
             file, index = self._take(export)
             crowded = self._held >= self._collect_at
@@ -167,8 +177,9 @@ class Exports:
             self._dropped.append(export)
             self._wake()
 
-        alias, export.mark = aliasing_storage(storage.data_ptr(), storage.nbytes(),
-                                              storage.device, dropped)
+        alias, export.mark = aliasing_storage(
+            storage.data_ptr(), storage.nbytes(), storage.device, dropped
+        )
         self._wake()  # the collector's rounds see the alias die (`_memory.reap_freed`)
         # The alias now owns the allocation, `storage` aliases it.
         storage._swap_data_ptr_(alias)  # type: ignore[attr-defined]
@@ -192,8 +203,11 @@ class Exports:
             if export is not None:
                 self._list(export, file, index, now)
             else:  # a p2p peer that took its slot as the registration ended: it lets go
-                _log.debug("devipc: a slot taken for export %d, which is gone, is ignored "
-                           "(slot %d)", export_id, index)
+                _log.debug(
+                    "devipc: a slot taken for export %d, which is gone, is ignored (slot %d)",
+                    export_id,
+                    index,
+                )
 
     def _apply_dropped(self, *also: Export) -> list[Export]:
         """Producer storages that stopped pointing at their exports (call with the lock); the
@@ -209,8 +223,11 @@ class Exports:
         if not any(export.finished() for export in candidates):
             return []
         self._list_new_slots(time.monotonic())  # a slot a peer just took keeps its export
-        return [export for export in candidates
-                if export.finished() and self._by_id.pop(export.id, None) is export]
+        return [
+            export
+            for export in candidates
+            if export.finished() and self._by_id.pop(export.id, None) is export
+        ]
 
     def _let_go(self, finished: list[Export]) -> None:
         """Outside the lock: tell the holds whose storage moved, free what nothing keeps."""
@@ -253,19 +270,31 @@ class Exports:
         self._let_go(finished)
         if warn_unopened:
             # visible by default: the usual cause is a producer whose consumer never came
-            warnings.warn(f"devipc: {unopened} sends were never opened by a consumer (the oldest "
-                          f"{now - oldest:.0f} s ago); their memory stays allocated until a "
-                          f"consumer opens and drops them. Take them back with "
-                          f"devipc.revoke(storage), or have devipc do it after a while with "
-                          f"devipc.set_unopened_deadline(seconds)", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"devipc: {unopened} sends were never opened by a consumer (the oldest "
+                f"{now - oldest:.0f} s ago); their memory stays allocated until a "
+                f"consumer opens and drops them. Take them back with "
+                f"devipc.revoke(storage), or have devipc do it after a while with "
+                f"devipc.set_unopened_deadline(seconds)",
+                UserWarning,
+                stacklevel=3,
+            )
         if warn_held:
-            warnings.warn(f"devipc: {opened} sends are held by consumers that opened them; their "
-                          f"memory stays allocated until the consumers drop the tensors they "
-                          f"received", ResourceWarning, stacklevel=3)
+            warnings.warn(
+                f"devipc: {opened} sends are held by consumers that opened them; their "
+                f"memory stays allocated until the consumers drop the tensors they "
+                f"received",
+                ResourceWarning,
+                stacklevel=3,
+            )
         return ended
 
-    def _prune(self, export: Export, now: float, thorough: bool = True,
-               ) -> tuple[int, int, float]:
+    def _prune(
+        self,
+        export: Export,
+        now: float,
+        thorough: bool = True,
+    ) -> tuple[int, int, float]:
         """(Under the lock) drop the slots of `export` that ended: how many, and of those left
         how many were never opened and when the oldest of them was sent (`now` if none). Not
         `thorough`: only slots released or revoked, a load each (a dead holder, a deadline
@@ -302,8 +331,11 @@ class Exports:
         if not any(export.finished() for export in newest):
             return []
         self._list_new_slots(now)  # a slot a peer just took keeps its export
-        return [export for export in newest
-                if export.finished() and self._by_id.pop(export.id, None) is export]
+        return [
+            export
+            for export in newest
+            if export.finished() and self._by_id.pop(export.id, None) is export
+        ]
 
     def _crossed(self, what: str, count: int) -> bool:
         """Whether `count` just went past the warning threshold (once until it falls back)."""
@@ -312,8 +344,7 @@ class Exports:
         self._warned[what] = over
         return crossed
 
-    def _live_state(self, file: ProducerFile, index: int, sent_at: float,
-                    now: float) -> int | None:
+    def _live_state(self, file: ProducerFile, index: int, sent_at: float, now: float) -> int | None:
         """The slot's state while a consumer may still use it; None once it ended (released,
         revoked, its holder died, or unopened past the deadline)."""
         counter = file.counter
@@ -331,8 +362,10 @@ class Exports:
         with self._lock:
             export = self._by_key.get(key)
             slots = [] if export is None else list(export.slots)
-            revoked = sum(file.counter.state(index) == SENT and file.counter.revoke(index)
-                          for file, index, _ in slots)
+            revoked = sum(
+                file.counter.state(index) == SENT and file.counter.revoke(index)
+                for file, index, _ in slots
+            )
         if revoked:
             self.collect()
         return revoked
@@ -341,8 +374,9 @@ class Exports:
         """Take back one unopened send, named by its counter file and slot; whether it was.
         Only the producer that owns the file can: elsewhere (or for an opened send) False."""
         file = self._counters.file(counter_handle)
-        revoked = file is not None and file.counter.state(index) == SENT \
-            and file.counter.revoke(index)
+        revoked = (
+            file is not None and file.counter.state(index) == SENT and file.counter.revoke(index)
+        )
         if revoked:
             self.collect()
         return revoked
@@ -367,9 +401,13 @@ class Exports:
         consumer opened, as of the last collection round."""
         with self._lock:
             unopened, oldest = self._unopened
-            return {"exports": len(self._by_id), "sent": self._held, "unopened": unopened,
-                    "oldest_unopened_s": round(time.monotonic() - oldest, 3) if unopened else 0.0,
-                    "counter_files": self._counters.open_files()}
+            return {
+                "exports": len(self._by_id),
+                "sent": self._held,
+                "unopened": unopened,
+                "oldest_unopened_s": round(time.monotonic() - oldest, 3) if unopened else 0.0,
+                "counter_files": self._counters.open_files(),
+            }
 
     def _forget_after_fork(self) -> None:
         """A forked child sent nothing: its parent's exports and files are not its own."""

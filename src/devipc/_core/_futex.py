@@ -6,6 +6,7 @@ The 32-bit futex word is the low half of one of devipc's aligned int64 words (li
 a counter that only grows changes it at every step. Where futexes are missing (not Linux, an
 unknown architecture) a wait is a millisecond's sleep: callers poll.
 """
+
 import ctypes
 import errno
 import os
@@ -49,8 +50,15 @@ def wait(address: int, seen: int, timeout: float | None) -> None:
         seconds = max(0.0, timeout)
         spec = ctypes.byref(_Timespec(int(seconds), int((seconds % 1) * 1e9)))
     assert _libc is not None
-    result = _libc.syscall(ctypes.c_long(_NUMBER), ctypes.c_void_p(address), _WAIT,
-                           ctypes.c_int(_low(seen)), spec, None, 0)
+    result = _libc.syscall(
+        ctypes.c_long(_NUMBER),
+        ctypes.c_void_p(address),
+        _WAIT,
+        ctypes.c_int(_low(seen)),
+        spec,
+        None,
+        0,
+    )
     if result == -1:
         code = ctypes.get_errno()
         if code not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
@@ -61,5 +69,12 @@ def wake(address: int) -> None:
     """Wake every process sleeping on the int64 at `address` (after changing it)."""
     if available():
         assert _libc is not None
-        _libc.syscall(ctypes.c_long(_NUMBER), ctypes.c_void_p(address), _WAKE,
-                      ctypes.c_int(0x7FFFFFFF), None, None, 0)
+        _libc.syscall(
+            ctypes.c_long(_NUMBER),
+            ctypes.c_void_p(address),
+            _WAKE,
+            ctypes.c_int(0x7FFFFFFF),
+            None,
+            None,
+            0,
+        )

@@ -7,6 +7,7 @@ The bottom layer of the core: it imports no other layer (the reductions subscrib
 with `on_register`), and not even torch, so that a device that torch autoloads while `devipc` is
 still importing can already register through `devipc`'s public names.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,8 +49,10 @@ class IpcMemHandle(NamedTuple):
         try:
             handle, offset = result
         except (TypeError, ValueError):
-            raise TypeError(f"get_ipc_mem_handle must return (handle, offset) or a record with "
-                            f"handle and offset, got {type(result).__name__}") from None
+            raise TypeError(
+                f"get_ipc_mem_handle must return (handle, offset) or a record with "
+                f"handle and offset, got {type(result).__name__}"
+            ) from None
         return cls(handle, offset)
 
 
@@ -152,15 +155,17 @@ def register_ipc_hooks(device_type: str, hooks: IpcHooks, *, replace: bool = Fal
     if not isinstance(hooks, IpcHooks):
         raise TypeError(f"hooks must be an IpcHooks instance, got {type(hooks).__name__}")
     if torch_shares(device_type):
-        raise ValueError(f"torch shares {device_type!r} tensors itself; devipc does not take "
-                         f"them over")
+        raise ValueError(
+            f"torch shares {device_type!r} tensors itself; devipc does not take them over"
+        )
     with _lock:
         previous = _registry.get(device_type)
         if previous is not None and previous is not hooks and not replace:
             raise ValueError(
                 f"{device_type!r} has IPC hooks registered already "
                 f"({type(previous).__module__}.{type(previous).__qualname__}): pass "
-                f"replace=True to replace them, or unregister_ipc_hooks({device_type!r}) first")
+                f"replace=True to replace them, or unregister_ipc_hooks({device_type!r}) first"
+            )
         _registry[device_type] = hooks
         listeners = list(_listeners)
     try:
@@ -229,7 +234,8 @@ def unsupported_device(device: torch.device) -> UnsupportedDeviceError:
         return UnsupportedDeviceError(
             "devipc does not send CPU tensors itself: torch shares them (put them on a "
             "torch.multiprocessing queue, or call share_memory_() before a fork). A "
-            "devipc.WeightPublisher publishes CPU weights, and devipc sends device tensors")
+            "devipc.WeightPublisher publishes CPU weights, and devipc sends device tensors"
+        )
     known = ", ".join(sorted(_registry)) or "none"
     return UnsupportedDeviceError(
         f"cannot share a tensor on {device} between processes: no IPC hooks able to share are "

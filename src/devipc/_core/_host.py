@@ -11,6 +11,7 @@ A device whose hooks say its memory is host memory (`IpcHooks.memory_kind` "DRAM
 can be read as CPU tensors where it is mapped (`as_host`): a CPU engine reads a device trainer's
 weights without a copy. Other devices are refused with the copy to make instead.
 """
+
 import ctypes
 import os
 
@@ -21,8 +22,15 @@ from ._errors import InvalidHandleError, UnsupportedDeviceError
 from ._hooks import get_ipc_hooks
 from ._memfd import open_peer_fd, reach_tag
 
-__all__ = ["HostSend", "as_host", "host_addressable", "map_shared_file", "not_host_memory",
-           "share_host", "shared_host_storage"]
+__all__ = [
+    "HostSend",
+    "as_host",
+    "host_addressable",
+    "map_shared_file",
+    "not_host_memory",
+    "share_host",
+    "shared_host_storage",
+]
 
 
 def shared_host_storage(nbytes: int) -> torch.UntypedStorage:
@@ -36,10 +44,12 @@ def share_host(storage: torch.UntypedStorage) -> int:
     try:
         fd, _ = storage._share_fd_cpu_()
     except RuntimeError as error:
-        raise ValueError(f"this CPU storage cannot be shared: torch shared it by file name "
-                         f"(torch.multiprocessing.set_sharing_strategy('file_system')?) or "
-                         f"cannot share it ({error}); use the default 'file_descriptor' "
-                         f"strategy") from None
+        raise ValueError(
+            f"this CPU storage cannot be shared: torch shared it by file name "
+            f"(torch.multiprocessing.set_sharing_strategy('file_system')?) or "
+            f"cannot share it ({error}); use the default 'file_descriptor' "
+            f"strategy"
+        ) from None
     return fd
 
 
@@ -62,16 +72,24 @@ class HostSend:
             raise ValueError(f"a host send is of CPU memory, not {storage.device}")
         fd = share_host(storage)
         status = os.fstat(fd)
-        return cls(os.getpid(), fd, (status.st_dev, status.st_ino), storage.nbytes(),
-                   reach_tag())
+        return cls(os.getpid(), fd, (status.st_dev, status.st_ino), storage.nbytes(), reach_tag())
 
     def __bytes__(self) -> bytes:
-        return (_wire.Writer(_wire.HOST).bytes(self._reach).int(self.pid).int(self.fd)
-                .int(self.inode[0]).int(self.inode[1]).int(self.nbytes).done())
+        return (
+            _wire.Writer(_wire.HOST)
+            .bytes(self._reach)
+            .int(self.pid)
+            .int(self.fd)
+            .int(self.inode[0])
+            .int(self.inode[1])
+            .int(self.nbytes)
+            .done()
+        )
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview,
-                   name: str = "host memory handle") -> "HostSend":
+    def from_bytes(
+        cls, data: bytes | bytearray | memoryview, name: str = "host memory handle"
+    ) -> "HostSend":
         reader = _wire.Reader(data, (_wire.HOST,), name)
         reach = reader.bytes("host and namespace tag", 8)
         pid = reader.int("pid", 1, (1 << 31) - 1)
@@ -98,8 +116,10 @@ class HostSend:
         try:
             status = os.fstat(fd)
             if (status.st_dev, status.st_ino) != self.inode or status.st_size < self.nbytes:
-                raise InvalidHandleError(f"fd {self.fd} of process {self.pid} is not the memory "
-                                         f"this {what} names (it is stale or forged)")
+                raise InvalidHandleError(
+                    f"fd {self.fd} of process {self.pid} is not the memory "
+                    f"this {what} names (it is stale or forged)"
+                )
             return map_shared_file(fd, self.nbytes)
         finally:
             os.close(fd)
@@ -144,4 +164,5 @@ def not_host_memory(device: torch.device, what: str) -> UnsupportedDeviceError:
     return UnsupportedDeviceError(
         f"{device.type} memory is not host memory (its IPC hooks' memory_kind is not 'DRAM'), "
         f"so a {what} cannot be read on the CPU without a copy: open it on {device.type} "
-        f"and copy what the CPU needs (copy_into a CPU model copies once per generation)")
+        f"and copy what the CPU needs (copy_into a CPU model copies once per generation)"
+    )

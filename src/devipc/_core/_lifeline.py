@@ -11,6 +11,7 @@ The futex word is the first 4 bytes of glibc's pthread_mutex_t. `hold` checks th
 mutex is locked; where it does not hold (another C library, a big-endian machine) `hold`
 returns 0, and peers poll the pidfd as before.
 """
+
 import ctypes
 import platform
 import sys
@@ -22,8 +23,9 @@ RESERVED = 48  # bytes; glibc's pthread_mutex_t: 40 (x86-64, riscv64, ppc64le, s
 TID_MASK = 0x3FFFFFFF  # FUTEX_TID_MASK: the holder's thread id; the bits above it are flags
 _SHARED = _ROBUST = 1  # PTHREAD_PROCESS_SHARED, PTHREAD_MUTEX_ROBUST
 _MARK = int.from_bytes(b"lifeline", "little")
-_SUPPORTED = sys.platform == "linux" and sys.byteorder == "little" \
-    and platform.libc_ver()[0] == "glibc"
+_SUPPORTED = (
+    sys.platform == "linux" and sys.byteorder == "little" and platform.libc_ver()[0] == "glibc"
+)
 
 
 def hold(address: int, timeout: float = 10.0) -> int:
@@ -36,8 +38,13 @@ def hold(address: int, timeout: float = 10.0) -> int:
         return 0
     try:
         libc = ctypes.CDLL(None)
-        steps = (libc.pthread_mutexattr_init, libc.pthread_mutexattr_setpshared,
-                 libc.pthread_mutexattr_setrobust, libc.pthread_mutex_init, libc.pthread_mutex_lock)
+        steps = (
+            libc.pthread_mutexattr_init,
+            libc.pthread_mutexattr_setpshared,
+            libc.pthread_mutexattr_setrobust,
+            libc.pthread_mutex_init,
+            libc.pthread_mutex_lock,
+        )
     except (OSError, AttributeError):  # a libc without robust shared mutexes: no lifeline
         return 0
     init_attr, set_shared, set_robust, init, lock = steps
@@ -45,8 +52,12 @@ def hold(address: int, timeout: float = 10.0) -> int:
     mutex = ctypes.c_void_p(address)
     after = ctypes.c_int64.from_address(address + RESERVED)
     after.value = _MARK  # a mutex larger than RESERVED would overwrite it
-    failed = init_attr(attr) or set_shared(attr, _SHARED) or set_robust(attr, _ROBUST) \
+    failed = (
+        init_attr(attr)
+        or set_shared(attr, _SHARED)
+        or set_robust(attr, _ROBUST)
         or init(mutex, attr)
+    )
     fits = after.value == _MARK
     after.value = 0
     if failed or not fits:

@@ -5,6 +5,7 @@ same memfd in one process exclude each other, and every lock of a process is rel
 exits, SIGKILL included. The ref-counter slots use them as liveness: a consumer holds a write lock
 on its slot for as long as it holds what it was sent.
 """
+
 import errno
 import fcntl
 import struct
@@ -32,4 +33,3 @@ def lock(fd: int, start: int, length: int) -> None:
 
 def unlock(fd: int, start: int, length: int) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, 0, start, length, 0))
-

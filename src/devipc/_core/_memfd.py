@@ -5,6 +5,7 @@ also under SIGKILL. Another process of the same user opens it through /proc/<pid
 random token in the memfd's name proves the fd is still the one the handle was made for.
 docs/ipc-handles.md specifies the protocol; the openreg runtime (ipc.cpp) follows it too.
 """
+
 import builtins
 import ctypes
 import errno
@@ -23,8 +24,14 @@ VERSION = 2  # 2: the token's first 8 bytes are the maker's reach
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -86,8 +93,7 @@ class SharedFile:
         except BaseException:
             os.close(self.fd)
             raise
-        self.handle = struct.pack(_FORMAT, magic, VERSION, os.getpid(), self.fd, size,
-                                  self._token)
+        self.handle = struct.pack(_FORMAT, magic, VERSION, os.getpid(), self.fd, size, self._token)
 
     def close(self) -> None:
         """Idempotent. Peers that mapped the file keep their mapping."""
@@ -113,22 +119,26 @@ def open_shared_file(handle: bytes, magic: bytes, what: str | None = None) -> Ma
     """
     what = what or f"devipc {magic.decode()} handle"
     if not isinstance(handle, bytes) or len(handle) != HANDLE_SIZE:
-        raise InvalidHandleError(f"a {what} has {HANDLE_SIZE} bytes, "
-                                 f"got {len(handle) if isinstance(handle, bytes) else handle!r}")
+        raise InvalidHandleError(
+            f"a {what} has {HANDLE_SIZE} bytes, "
+            f"got {len(handle) if isinstance(handle, bytes) else handle!r}"
+        )
     got_magic, version, pid, fd, size, token = struct.unpack(_FORMAT, handle)
     if got_magic != magic or version != VERSION or pid <= 0 or fd < 0 or size <= 0:
-        raise InvalidHandleError(f"not a {what} (magic {got_magic!r}, "
-                                 f"version {version})")
+        raise InvalidHandleError(f"not a {what} (magic {got_magic!r}, version {version})")
     peer_fd = open_peer_fd(token[:8], pid, fd, what)
     path = f"/proc/{pid}/fd/{fd}"
     try:
         # What was opened, not the path again: the producer may reuse fd numbers. The exact name:
         # a regular file that merely carries the token in its name is not our memfd.
         name = os.readlink(f"/proc/self/fd/{peer_fd}")
-        if name != f"/memfd:{_memfd_name(magic, token)} (deleted)" \
-                or os.fstat(peer_fd).st_size != size:
-            raise InvalidHandleError(f"{path} is not the file this {what} names "
-                                     f"(it is stale or forged)")
+        if (
+            name != f"/memfd:{_memfd_name(magic, token)} (deleted)"
+            or os.fstat(peer_fd).st_size != size
+        ):
+            raise InvalidHandleError(
+                f"{path} is not the file this {what} names (it is stale or forged)"
+            )
         return MappedFile(peer_fd, size, keep_fd=True)
     except BaseException:
         os.close(peer_fd)
@@ -155,15 +165,20 @@ def open_peer_fd(reach: bytes, pid: int, fd: int, what: str) -> int:
                 f"permission denied opening {path} for a {what}: the consumer must run as "
                 f"the same user as process {pid}, in the same PID namespace, and process {pid} "
                 f"must be dumpable (one that dropped privileges or called "
-                f"prctl(PR_SET_DUMPABLE, 0) cannot be opened even by its own user)") from None
+                f"prctl(PR_SET_DUMPABLE, 0) cannot be opened even by its own user)"
+            ) from None
         if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
             raise
         if error.errno == errno.ENOENT:
-            raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened: it is no "
-                                     f"longer open there (the file of this {what} was released, "
-                                     f"or it is stale)") from None
-        raise InvalidHandleError(f"fd {fd} of process {pid} cannot be opened as the file of a "
-                                 f"{what} ({error.strerror}): it is forged or stale") from None
+            raise InvalidHandleError(
+                f"fd {fd} of process {pid} cannot be opened: it is no "
+                f"longer open there (the file of this {what} was released, "
+                f"or it is stale)"
+            ) from None
+        raise InvalidHandleError(
+            f"fd {fd} of process {pid} cannot be opened as the file of a "
+            f"{what} ({error.strerror}): it is forged or stale"
+        ) from None
 
 
 def host_identity() -> bytes:
@@ -185,8 +200,10 @@ def reach_tag() -> bytes:
     if not identity:
         return bytes(8)
     boot, _, namespace = identity.partition(b"/")
-    return hashlib.blake2b(boot, digest_size=4).digest() + \
-        hashlib.blake2b(namespace, digest_size=4).digest()
+    return (
+        hashlib.blake2b(boot, digest_size=4).digest()
+        + hashlib.blake2b(namespace, digest_size=4).digest()
+    )
 
 
 def check_reach(tag: bytes, pid: int, what: str) -> None:
@@ -200,11 +217,15 @@ def check_reach(tag: bytes, pid: int, what: str) -> None:
         fix = "move tensors between hosts with devipc.p2p's Endpoint(transport='nixl')"
     else:
         where = "in another PID namespace (another container, or `unshare --pid`)"
-        fix = ("run both processes in one PID namespace (`docker run --pid=host` or "
-               "`--pid=container:<producer>`; Kubernetes: both containers in one pod with "
-               "`shareProcessNamespace: true`), or use devipc.p2p's Endpoint(transport='nixl')")
-    raise InvalidHandleError(f"this {what} was made by process {pid} {where}: its memory "
-                             f"cannot be opened from here through /proc/{pid}/fd. To share, {fix}")
+        fix = (
+            "run both processes in one PID namespace (`docker run --pid=host` or "
+            "`--pid=container:<producer>`; Kubernetes: both containers in one pod with "
+            "`shareProcessNamespace: true`), or use devipc.p2p's Endpoint(transport='nixl')"
+        )
+    raise InvalidHandleError(
+        f"this {what} was made by process {pid} {where}: its memory "
+        f"cannot be opened from here through /proc/{pid}/fd. To share, {fix}"
+    )
 
 
 class WordTable:
@@ -256,8 +277,10 @@ def _memfd_name(magic: bytes, token: bytes) -> str:
 
 
 def _peer_gone(pid: int, what: str) -> PeerGoneError:
-    return PeerGoneError(f"process {pid} that made this {what} has exited; a process must "
-                         f"stay alive until what it sends is opened")
+    return PeerGoneError(
+        f"process {pid} that made this {what} has exited; a process must "
+        f"stay alive until what it sends is opened"
+    )
 
 
 def pid_exists(pid: int) -> bool:
@@ -282,4 +305,4 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True  # no procfs view: trust kill()
     # The state follows the command name, which may itself hold spaces and parentheses.
-    return line[line.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    return line[line.rfind(b")") + 2 :][:1] not in (b"Z", b"X")

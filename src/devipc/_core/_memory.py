@@ -18,6 +18,7 @@ DLPack's kDLExtDev to PrivateUse1 and kDLOneAPI to XPU. Two kinds, one collectio
 `reap_freed()` runs the Python side of every storage that died, from devipc's own calls and its
 collector thread.
 """
+
 import ctypes
 import itertools
 import logging
@@ -93,12 +94,27 @@ assert _DLTensor.dtype.offset == _DLTensor.ndim.offset + 4
 _templates: dict[tuple[str, int], bytes] = {}  # (device type, index) -> the struct's bytes
 
 # torch dtype -> its DLPack (code, bits) in the struct's kind word (one lane), ndim left out
-DLPACK_DTYPES = {dtype: (code << 32) | (bits << 40) | (1 << 48) for dtype, (code, bits) in {
-    torch.bool: (6, 8), torch.uint8: (1, 8), torch.uint16: (1, 16), torch.uint32: (1, 32),
-    torch.uint64: (1, 64), torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32),
-    torch.int64: (0, 64), torch.float16: (2, 16), torch.bfloat16: (4, 16),
-    torch.float32: (2, 32), torch.float64: (2, 64), torch.complex32: (5, 32),
-    torch.complex64: (5, 64), torch.complex128: (5, 128)}.items()}
+DLPACK_DTYPES = {
+    dtype: (code << 32) | (bits << 40) | (1 << 48)
+    for dtype, (code, bits) in {
+        torch.bool: (6, 8),
+        torch.uint8: (1, 8),
+        torch.uint16: (1, 16),
+        torch.uint32: (1, 32),
+        torch.uint64: (1, 64),
+        torch.int8: (0, 8),
+        torch.int16: (0, 16),
+        torch.int32: (0, 32),
+        torch.int64: (0, 64),
+        torch.float16: (2, 16),
+        torch.bfloat16: (4, 16),
+        torch.float32: (2, 32),
+        torch.float64: (2, 64),
+        torch.complex32: (5, 32),
+        torch.complex64: (5, 64),
+        torch.complex128: (5, 128),
+    }.items()
+}
 # Structs of received tensors that died (torch is done with them), by device. Never freed: a
 # reap in another thread may still read one's first word (`reap_freed`); there are at most as
 # many as the received tensors a process held at once.
@@ -189,12 +205,18 @@ def _dlpack_device_type(device: torch.device) -> int:
         return _KDL_ONEAPI
     raise UnsupportedDeviceError(
         f"devipc cannot wrap memory of {device} into a storage: only PrivateUse1 and XPU "
-        f"devices can be expressed through DLPack")
+        f"devices can be expressed through DLPack"
+    )
 
 
-def tensor_from_memory(ptr: int, nbytes: int, device: torch.device,
-                       on_free: Callable[[], None], dtype: torch.dtype = torch.uint8,
-                       shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def tensor_from_memory(
+    ptr: int,
+    nbytes: int,
+    device: torch.device,
+    on_free: Callable[[], None],
+    dtype: torch.dtype = torch.uint8,
+    shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """A contiguous tensor of `dtype` (a key of DLPACK_DTYPES) and `shape` (at most MAX_DIMS
     dimensions, exactly `nbytes`; default: the bytes) at `ptr` on `device`, owning nothing. Its
     storage is not resizable; `on_free()` runs once it died, from the next `reap_freed()`, in
@@ -213,8 +235,12 @@ def tensor_from_memory(ptr: int, nbytes: int, device: torch.device,
     return tensor
 
 
-def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Callable[[], None],
-                     ) -> tuple[torch.UntypedStorage, ctypes.Array]:
+def aliasing_storage(
+    ptr: int,
+    nbytes: int,
+    device: torch.device,
+    on_free: Callable[[], None],
+) -> tuple[torch.UntypedStorage, ctypes.Array]:
     """A non-resizable storage of `nbytes` at `ptr` whose DataPtr, wherever it moves, runs
     `on_free()` once it died (from the next `reap_freed()`); and the mark that `lives` reads,
     whose struct is freed with it."""
@@ -225,9 +251,14 @@ def aliasing_storage(ptr: int, nbytes: int, device: torch.device, on_free: Calla
     return tensor.untyped_storage(), words
 
 
-def _dlpack_tensor(address: int, words: ctypes.Array, ptr: int, nbytes: int,
-                   dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None,
-                   ) -> torch.Tensor:
+def _dlpack_tensor(
+    address: int,
+    words: ctypes.Array,
+    ptr: int,
+    nbytes: int,
+    dtype: torch.dtype = torch.uint8,
+    shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """`tensor_from_memory`'s tensor, through the struct at `address` (`_new_struct`)."""
     words[0] = ptr
     if shape is None:
@@ -235,7 +266,7 @@ def _dlpack_tensor(address: int, words: ctypes.Array, ptr: int, nbytes: int,
         words[_STRUCT_WORDS] = nbytes
     else:
         words[_KIND_WORD] = len(shape) | DLPACK_DTYPES[dtype]
-        words[_STRUCT_WORDS:_STRUCT_WORDS + len(shape)] = list(shape)
+        words[_STRUCT_WORDS : _STRUCT_WORDS + len(shape)] = list(shape)
     tensor = torch._C._from_dlpack(_new_capsule(address, b"dltensor", None))
     words[0] = _LIVE  # torch read the struct; from now on its first word says the storage lives
     return tensor
@@ -268,8 +299,9 @@ def _template(device_type: str, index: int) -> bytes:
     managed = _DLManagedTensor()
     managed.dl_tensor.device = _DLDevice(kind, index)
     managed.deleter = _MARK_FREED
-    return _templates.setdefault((device_type, index), ctypes.string_at(
-        ctypes.addressof(managed), ctypes.sizeof(managed)))
+    return _templates.setdefault(
+        (device_type, index), ctypes.string_at(ctypes.addressof(managed), ctypes.sizeof(managed))
+    )
 
 
 def lives(mark: ctypes.Array) -> bool:

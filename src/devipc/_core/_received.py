@@ -1,6 +1,7 @@
 """Consumer: the producers' allocations this process opened, the storages it made of them, and
 releases that wait for the device work this process queued on them.
 """
+
 import bisect
 import collections
 import logging
@@ -68,8 +69,10 @@ class OpenedAllocations:
                 closing = [self._forget(handle)]
             else:
                 self._idle[handle] = time.monotonic()
-                closing = [self._forget(self._idle.popitem(last=False)[0])
-                           for _ in range(len(self._idle) - IDLE_MAPPINGS)]
+                closing = [
+                    self._forget(self._idle.popitem(last=False)[0])
+                    for _ in range(len(self._idle) - IDLE_MAPPINGS)
+                ]
         _close(closing)
 
     def close_idle(self, older_than: float = 0.0) -> bool:

@@ -6,6 +6,7 @@ else (cuda, cpu, meta, devices without hooks) to torch's own functions, unchange
 torch re-register its reducers with ForkingPickler. What a reducer returns is plain data (bytes,
 ints, torch types): it survives `pickle` and a socket, no file descriptor is smuggled.
 """
+
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -42,27 +43,49 @@ _lock = threading.Lock()
 _saved: dict[str, Any] = {}  # torch's own functions while installed (or _MISSING)
 
 
-def _receive_storage(device: torch.device | str | int, handle: bytes | None, size_bytes: int,
-                     offset_bytes: int, ref_counter_handle: bytes | None, ref_counter_offset: int,
-                     event_handle: bytes, event_sync_required: bool, *,
-                     view: tuple[torch.dtype, tuple[int, ...]] | None = None,
-                     ) -> tuple[torch.UntypedStorage, torch.Tensor | None]:
+def _receive_storage(
+    device: torch.device | str | int,
+    handle: bytes | None,
+    size_bytes: int,
+    offset_bytes: int,
+    ref_counter_handle: bytes | None,
+    ref_counter_offset: int,
+    event_handle: bytes,
+    event_sync_required: bool,
+    *,
+    view: tuple[torch.dtype, tuple[int, ...]] | None = None,
+) -> tuple[torch.UntypedStorage, torch.Tensor | None]:
     """The shared-cache lookup of rebuild_cuda_tensor, keyed by (the hooks' handle, offset in
     bytes), wrapped or not; plus the device asked for, when the caller overwrote args[6]. With
     `view` (`_whole`), a storage opened here comes with that tensor over it, else with None."""
     handle, origin, target = requested_device(device, handle)
     if not handle and size_bytes == 0 and type(size_bytes) is int and ref_counter_handle is None:
         return empty_storage(target or origin), None  # empty: travels without a send
-    if not isinstance(handle, bytes) or not handle or type(size_bytes) is not int \
-            or size_bytes <= 0:
+    if (
+        not isinstance(handle, bytes)
+        or not handle
+        or type(size_bytes) is not int
+        or size_bytes <= 0
+    ):
         # a forged empty storage would leave its slot unreleased; a bytearray is unhashable
-        raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
-                                 f"size {size_bytes!r}")
+        raise InvalidHandleError(
+            f"malformed shared storage: handle {type(handle).__name__}, size {size_bytes!r}"
+        )
     key = (handle, offset_bytes) if target is None else (handle, offset_bytes, name_of(target))
     storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
-        tensor = open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
-                             ref_counter_offset, event_handle, event_sync_required, target, view)
+        tensor = open_shared(
+            origin,
+            handle,
+            size_bytes,
+            offset_bytes,
+            ref_counter_handle,
+            ref_counter_offset,
+            event_handle,
+            event_sync_required,
+            target,
+            view,
+        )
         storage = tensor.untyped_storage()
         shared_cache[key] = StorageWeakRef(storage)
         return storage, tensor if view is not None else None
@@ -74,25 +97,43 @@ def _receive_storage(device: torch.device | str | int, handle: bytes | None, siz
     return storage, None
 
 
-def rebuild_device_tensor(tensor_cls: type[torch.Tensor], tensor_size: tuple[int, ...],
-                          tensor_stride: tuple[int, ...], tensor_offset: int,
-                          storage_cls: type[torch.UntypedStorage], dtype: torch.dtype,
-                          storage_device: torch.device | str | int, storage_handle: bytes,
-                          storage_size_bytes: int, storage_offset_bytes: int, requires_grad: bool,
-                          ref_counter_handle: bytes | None, ref_counter_offset: int,
-                          event_handle: bytes, event_sync_required: bool) -> torch.Tensor:
+def rebuild_device_tensor(
+    tensor_cls: type[torch.Tensor],
+    tensor_size: tuple[int, ...],
+    tensor_stride: tuple[int, ...],
+    tensor_offset: int,
+    storage_cls: type[torch.UntypedStorage],
+    dtype: torch.dtype,
+    storage_device: torch.device | str | int,
+    storage_handle: bytes,
+    storage_size_bytes: int,
+    storage_offset_bytes: int,
+    requires_grad: bool,
+    ref_counter_handle: bytes | None,
+    ref_counter_offset: int,
+    event_handle: bytes,
+    event_sync_required: bool,
+) -> torch.Tensor:
     """Same 15 positional arguments as torch's rebuild_cuda_tensor. The device at index 6, left
     as the producer wrote it, means the local device that owns the memory (found by identity);
     overwritten (an index, as for CUDA), it means that device, where the hooks can map it."""
     check_grad(dtype, requires_grad)  # before the send is taken: the genuine bytes still open
     storage, tensor = _receive_storage(
-        storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
-        ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
-        view=_whole(dtype, tensor_size, tensor_stride, tensor_offset, storage_size_bytes))
+        storage_device,
+        storage_handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+        view=_whole(dtype, tensor_size, tensor_stride, tensor_offset, storage_size_bytes),
+    )
     if tensor is None:
         _check_view(storage, dtype, tensor_offset, tensor_size, tensor_stride)
         tensor = torch.empty((0,), dtype=dtype, device=storage.device).set_(
-            storage, tensor_offset, tensor_size, tensor_stride)
+            storage, tensor_offset, tensor_size, tensor_stride
+        )
     if tensor_cls == torch.nn.parameter.Parameter:
         # Integer parameters need requires_grad=False at construction.
         return torch.nn.parameter.Parameter(tensor, requires_grad=requires_grad)
@@ -100,14 +141,20 @@ def rebuild_device_tensor(tensor_cls: type[torch.Tensor], tensor_size: tuple[int
     return tensor
 
 
-def _whole(dtype: torch.dtype, size: object, stride: object, offset: object,
-           nbytes: object) -> tuple[torch.dtype, tuple[int, ...]] | None:
+def _whole(
+    dtype: torch.dtype, size: object, stride: object, offset: object, nbytes: object
+) -> tuple[torch.dtype, tuple[int, ...]] | None:
     """(dtype, size) when the view is its whole storage, contiguous, of a dtype DLPack carries:
     the open then makes the tensor itself (`tensor_from_memory`); None for any other view, or
     anything malformed (the general path checks it)."""
-    if offset != 0 or type(size) is not tuple or type(stride) is not tuple \
-            or dtype not in DLPACK_DTYPES or not 0 < len(size) <= MAX_DIMS \
-            or len(stride) != len(size):
+    if (
+        offset != 0
+        or type(size) is not tuple
+        or type(stride) is not tuple
+        or dtype not in DLPACK_DTYPES
+        or not 0 < len(size) <= MAX_DIMS
+        or len(stride) != len(size)
+    ):
         return None
     expected = 1
     for n, step in zip(reversed(size), reversed(stride)):
@@ -117,8 +164,13 @@ def _whole(dtype: torch.dtype, size: object, stride: object, offset: object,
     return (dtype, size) if expected * dtype.itemsize == nbytes else None
 
 
-def _check_view(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
-                size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+def _check_view(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> None:
     """A view must fit its storage: torch would try to grow the storage, which shared memory
     refuses with a RuntimeError that says nothing about a bad handle."""
     if len(size) == 1 and len(stride) == 1:  # the common case, without generators
@@ -132,13 +184,16 @@ def _check_view(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
         last = offset + sum((n - 1) * step for n, step in zip(size, stride))
         lowest = min(stride, default=0)
     if offset < 0 or lowest < 0 or (last + 1) * dtype.itemsize > storage.nbytes():
-        raise InvalidHandleError(f"a {dtype} view of size {tuple(size)}, stride {tuple(stride)} "
-                                 f"at offset {offset} does not fit a storage of "
-                                 f"{storage.nbytes()} bytes")
+        raise InvalidHandleError(
+            f"a {dtype} view of size {tuple(size)}, stride {tuple(stride)} "
+            f"at offset {offset} does not fit a storage of "
+            f"{storage.nbytes()} bytes"
+        )
 
 
-def rebuild_device_storage(storage_cls: type[torch.UntypedStorage],
-                           *shared: Any) -> torch.UntypedStorage:
+def rebuild_device_storage(
+    storage_cls: type[torch.UntypedStorage], *shared: Any
+) -> torch.UntypedStorage:
     """Rebuilds an UntypedStorage sent on its own; `shared` is share_device's 8-tuple."""
     return _receive_storage(*shared)[0]
 
@@ -159,22 +214,39 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tu
             raise unsendable(tensor, "pickling a tensor") from None
     if tensor.requires_grad and not tensor.is_leaf:
         # torch's own words: tests and users match them
-        raise RuntimeError("Cowardly refusing to serialize non-leaf tensor which requires_grad, "
-                           "since autograd does not support crossing process boundaries.  "
-                           "If you just want to transfer the data, call detach() on the tensor "
-                           "before serializing (e.g., putting it on the queue).")
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
+            "since autograd does not support crossing process boundaries.  "
+            "If you just want to transfer the data, call detach() on the tensor "
+            "before serializing (e.g., putting it on the queue)."
+        )
     torch.utils.hooks.warn_if_has_hooks(tensor)
     storage = tensor.untyped_storage()
     shared = share_storage(storage, device, hooks)
     # The sizes as a plain tuple, as the strides are: a torch.Size pickles as a global and a call.
     # args[7] carries the device written into args[6]: an overwritten args[6] shows.
-    args = SentArgs(type(tensor), tuple(tensor.size()), tensor.stride(), tensor.storage_offset(),
-                    type(storage), tensor.dtype, shared.device,
-                    wrap_storage_handle(shared.device, shared.handle or b""), shared.size_bytes,
-                    shared.offset_bytes, tensor.requires_grad, shared.ref_counter_handle,
-                    shared.ref_counter_offset, shared.event_handle, shared.event_sync_required)
-    if args.tensor_cls in _CLASS_NAMES and args.dtype in _DTYPE_NAMES \
-            and args.storage_cls is torch.UntypedStorage:
+    args = SentArgs(
+        type(tensor),
+        tuple(tensor.size()),
+        tensor.stride(),
+        tensor.storage_offset(),
+        type(storage),
+        tensor.dtype,
+        shared.device,
+        wrap_storage_handle(shared.device, shared.handle or b""),
+        shared.size_bytes,
+        shared.offset_bytes,
+        tensor.requires_grad,
+        shared.ref_counter_handle,
+        shared.ref_counter_offset,
+        shared.event_handle,
+        shared.event_sync_required,
+    )
+    if (
+        args.tensor_cls in _CLASS_NAMES
+        and args.dtype in _DTYPE_NAMES
+        and args.storage_cls is torch.UntypedStorage
+    ):
         return rebuild_device_tensor, args
     return rebuild_device_tensor, tuple(args)  # pickled in full
 
@@ -204,12 +276,25 @@ class SentArgs(NamedTuple):
 
     def __reduce__(self) -> tuple[Callable[..., tuple], tuple]:
         # everything from the wrapped handle on, as sent: `_expand` takes it positionally
-        return _expand, (_CLASS_NAMES[self.tensor_cls], _DTYPE_NAMES[self.dtype],
-                         self.tensor_size, self.tensor_stride, self.tensor_offset, *self[7:])
+        return _expand, (
+            _CLASS_NAMES[self.tensor_cls],
+            _DTYPE_NAMES[self.dtype],
+            self.tensor_size,
+            self.tensor_stride,
+            self.tensor_offset,
+            *self[7:],
+        )
 
 
-def _expand(class_name: str, dtype_name: str, size: tuple[int, ...], stride: tuple[int, ...],
-            offset: int, handle: bytes, *rest: Any) -> tuple:
+def _expand(
+    class_name: str,
+    dtype_name: str,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+    handle: bytes,
+    *rest: Any,
+) -> tuple:
     """`SentArgs` unpickled: the 15 arguments of rebuild_device_tensor, args[6] as the sender
     wrote it."""
     try:
@@ -218,8 +303,10 @@ def _expand(class_name: str, dtype_name: str, size: tuple[int, ...], stride: tup
     except (KeyError, TypeError):
         device = None
     if device is None:
-        raise InvalidHandleError(f"malformed sent tensor: class {class_name!r}, dtype "
-                                 f"{dtype_name!r}, device handle {type(handle).__name__}")
+        raise InvalidHandleError(
+            f"malformed sent tensor: class {class_name!r}, dtype "
+            f"{dtype_name!r}, device handle {type(handle).__name__}"
+        )
     return (tensor_cls, size, stride, offset, torch.UntypedStorage, dtype, device, handle, *rest)
 
 
@@ -230,13 +317,17 @@ _expand.__module__ = "devipc._reductions"
 
 _CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.parameter.Parameter}
 _CLASS_NAMES = {cls: name for name, cls in _CLASSES.items()}
-_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values()
-           if isinstance(dtype, torch.dtype)}
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in vars(torch).values()
+    if isinstance(dtype, torch.dtype)
+}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
-def reduce_storage(storage: torch.UntypedStorage,
-                   ) -> tuple[Callable[..., torch.UntypedStorage], tuple[Any, ...]]:
+def reduce_storage(
+    storage: torch.UntypedStorage,
+) -> tuple[Callable[..., torch.UntypedStorage], tuple[Any, ...]]:
     device = storage.device
     if device_supports_ipc(device.type):
         return (rebuild_device_storage, (type(storage), *share_device(storage)))
@@ -254,19 +345,27 @@ def _new_shared_device(cls: type[torch.UntypedStorage], *shared: Any) -> torch.U
     return new_shared_device(*shared)
 
 
-def _release_ipc_counter_device(cls: type[torch.UntypedStorage], ref_counter_handle: bytes | None,
-                                ref_counter_offset: int,
-                                device: torch.device | str | int | None = None) -> None:
+def _release_ipc_counter_device(
+    cls: type[torch.UntypedStorage],
+    ref_counter_handle: bytes | None,
+    ref_counter_offset: int,
+    device: torch.device | str | int | None = None,
+) -> None:
     release_ipc_counter_device(ref_counter_handle, ref_counter_offset, device)
 
 
 # The RFC's names, where the RFC puts them.
-_MODULE_NAMES = {"reduce_tensor": reduce_tensor, "reduce_storage": reduce_storage,
-                 "rebuild_device_tensor": rebuild_device_tensor,
-                 "_device_supports_ipc": device_supports_ipc}
-_STORAGE_METHODS = {"_share_device_": share_device,
-                    "_new_shared_device": classmethod(_new_shared_device),
-                    "_release_ipc_counter_device": classmethod(_release_ipc_counter_device)}
+_MODULE_NAMES = {
+    "reduce_tensor": reduce_tensor,
+    "reduce_storage": reduce_storage,
+    "rebuild_device_tensor": rebuild_device_tensor,
+    "_device_supports_ipc": device_supports_ipc,
+}
+_STORAGE_METHODS = {
+    "_share_device_": share_device,
+    "_new_shared_device": classmethod(_new_shared_device),
+    "_release_ipc_counter_device": classmethod(_release_ipc_counter_device),
+}
 _MISSING = object()
 _ACC_NAME = "_is_privateuse1_ipc_supported"  # in torch._C._acc, where the RFC's PRs put it
 
@@ -284,7 +383,8 @@ def _refuse_torchs_own_ipc() -> None:
             f"torch {torch.__version__} has its own UntypedStorage._share_device_ (PyTorch's "
             f"device IPC, which devipc implements for torch releases without it), and devipc "
             f"will not replace it: share this torch's device tensors with torch.multiprocessing "
-            f"alone (uninstall devipc), or use a torch devipc supports (>=2.13,<2.16)")
+            f"alone (uninstall devipc), or use a torch devipc supports (>=2.13,<2.16)"
+        )
 
 
 def install() -> None:

@@ -13,6 +13,7 @@ drops it when the consumer dies, so a HELD slot whose lock is free belongs to a 
 cursor is taken under a lock on the header, so a consumer can take a slot in the producer's file
 to forward what it received.
 """
+
 import collections
 import threading
 from collections.abc import Callable
@@ -105,9 +106,11 @@ class CounterFile:
         backoff = Backoff(_BUSY_SECONDS, first=0.0001, longest=0.0001)
         while not _locks.try_lock(self.fd, start, length):
             if self.state(index) == HELD or backoff.expired():
-                raise SpentHandleError("this send was already opened by another process: each "
-                                       "send may be opened once. Send the tensor again for "
-                                       "every consumer.")
+                raise SpentHandleError(
+                    "this send was already opened by another process: each "
+                    "send may be opened once. Send the tensor again for "
+                    "every consumer."
+                )
             backoff.pause()
         return start, length
 
@@ -119,13 +122,15 @@ class CounterFile:
         state = words.load(index, 0)
         if state != SENT:
             _locks.unlock(self.fd, start, length)
-            raise SpentHandleError({
-                RELEASED: "this send was already opened and released: each send may be opened "
-                          "once",
-                HELD: "this send was already opened by another process",
-                REVOKED: "the producer revoked this send before it was opened "
-                         "(see devipc.revoke and devipc.set_unopened_deadline)",
-            }.get(state, f"ref-counter slot in unknown state {state}"))
+            raise SpentHandleError(
+                {
+                    RELEASED: "this send was already opened and released: each send may be opened "
+                    "once",
+                    HELD: "this send was already opened by another process",
+                    REVOKED: "the producer revoked this send before it was opened "
+                    "(see devipc.revoke and devipc.set_unopened_deadline)",
+                }.get(state, f"ref-counter slot in unknown state {state}")
+            )
         try:
             opened = opening()
         except BaseException:
@@ -247,8 +252,7 @@ class ProducerCounters:
         seen, and each ended or was not ours to track."""
         with self._lock:
             for handle, file in list(self._files.items()):
-                if file is not self._current and file.seen >= SLOTS_PER_FILE \
-                        and file.listed == 0:
+                if file is not self._current and file.seen >= SLOTS_PER_FILE and file.listed == 0:
                     del self._files[handle]
                     file.shared.close()
 
@@ -330,8 +334,9 @@ class ConsumerCounters:
         slot = (handle, index)
         with self._lock:  # the common case: one lock for the file and the slot
             if slot in self._mine:
-                raise SpentHandleError("this send is already opened in this process: each send "
-                                       "may be opened once")
+                raise SpentHandleError(
+                    "this send is already opened in this process: each send may be opened once"
+                )
             self._mine.add(slot)
             entry = self._held.get(handle)
             if entry is not None:
@@ -375,8 +380,9 @@ class ConsumerCounters:
             file = self._held[handle][0]
         index = file.take(file.export(held_index))
         if index is None:
-            raise InvalidHandleError("cannot forward: the producer's ref-counter file is full; "
-                                     "send a clone() instead")
+            raise InvalidHandleError(
+                "cannot forward: the producer's ref-counter file is full; send a clone() instead"
+            )
         return index
 
     def mapped_files(self) -> int:
@@ -397,8 +403,9 @@ def open_counter_file(handle: bytes) -> CounterFile:
     mapping = open_shared_file(handle, _MAGIC)
     if mapping.size != FILE_BYTES:
         mapping.close()
-        raise InvalidHandleError(f"a ref-counter file has {FILE_BYTES} bytes, this one "
-                                 f"{mapping.size}")
+        raise InvalidHandleError(
+            f"a ref-counter file has {FILE_BYTES} bytes, this one {mapping.size}"
+        )
     return CounterFile(mapping, mapping.fd)
 
 

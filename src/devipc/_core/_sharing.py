@@ -9,6 +9,7 @@ releases the slot — after the device work queued on it — and, with the last 
 allocation, the mapping (`_received`). A received storage sent on takes a new slot in the
 original producer's file, so the memory outlives the forwarder.
 """
+
 import collections
 import contextlib
 import os
@@ -33,11 +34,33 @@ from ._memory import TensorOrStorage, reap_freed, tensor_from_memory, untyped, w
 from ._received import IDLE_SECONDS, DeferredReleases, OpenedAllocations, Receipt, ReceivedStorages
 from ._refcount import ConsumerCounters, check_slot
 
-__all__ = ["Hold", "LIMBO_WARN_BLOCKS", "SharedStorage", "check_grad", "empty_storage", "hold",
-           "ipc_collect", "keep_until_done", "local_device", "new_shared_device", "open_shared",
-           "received_via_ipc", "release_hold", "release_ipc_counter_device", "requested_device",
-           "revoke", "revoke_send", "send_unopened", "set_unopened_deadline", "share_device",
-           "share_storage", "stats", "takes_slots", "unsendable"]
+__all__ = [
+    "Hold",
+    "LIMBO_WARN_BLOCKS",
+    "SharedStorage",
+    "check_grad",
+    "empty_storage",
+    "hold",
+    "ipc_collect",
+    "keep_until_done",
+    "local_device",
+    "new_shared_device",
+    "open_shared",
+    "received_via_ipc",
+    "release_hold",
+    "release_ipc_counter_device",
+    "requested_device",
+    "revoke",
+    "revoke_send",
+    "send_unopened",
+    "set_unopened_deadline",
+    "share_device",
+    "share_storage",
+    "stats",
+    "takes_slots",
+    "unsendable",
+]
+
 
 def _wake_collector() -> None:
     _background.wake()
@@ -106,8 +129,9 @@ def share_device(storage: torch.UntypedStorage) -> SharedStorage:
     return share_storage(storage, storage.device, hooks_for(storage.device))
 
 
-def share_storage(storage: torch.UntypedStorage, device: torch.device,
-                  hooks: IpcHooks) -> SharedStorage:
+def share_storage(
+    storage: torch.UntypedStorage, device: torch.device, hooks: IpcHooks
+) -> SharedStorage:
     """`share_device`, for a caller that knows the storage's device and its hooks
     (`reduce_tensor`, at every send)."""
     nbytes = storage.nbytes()
@@ -120,9 +144,11 @@ def share_storage(storage: torch.UntypedStorage, device: torch.device,
         if receipt is not None:
             return _forward(storage, receipt)
         if _opened.contains(device, storage.data_ptr()):
-            raise ReshareError(f"this {device} storage lies inside memory received from another "
-                               f"process without being a received storage itself; send a "
-                               f"clone()")
+            raise ReshareError(
+                f"this {device} storage lies inside memory received from another "
+                f"process without being a received storage itself; send a "
+                f"clone()"
+            )
         wire = IpcMemHandle.of(hooks.get_ipc_mem_handle(storage.data_ptr()))
         sent = (*_exports.send(storage, wire), wire)
     file, index, (handle, offset) = sent
@@ -137,8 +163,9 @@ def share_storage(storage: torch.UntypedStorage, device: torch.device,
         _exports.revoke_slot(file.handle, index)  # never sent: nobody will open it
         raise
     _background.wake()
-    return SharedStorage(device, handle, nbytes, offset, file.handle, index, event_handle,
-                         event_sync_required)
+    return SharedStorage(
+        device, handle, nbytes, offset, file.handle, index, event_handle, event_sync_required
+    )
 
 
 def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> SharedStorage:
@@ -146,37 +173,76 @@ def _forward(storage: torch.UntypedStorage, receipt: Receipt) -> SharedStorage:
     slot of its own in the producer's file, so the memory outlives this process."""
     synchronize(storage.device)  # our writes first
     index = _counters.forward(receipt.counter_handle, receipt.slot)
-    return SharedStorage(storage.device, receipt.mem_handle, storage.nbytes(), receipt.offset,
-                         receipt.counter_handle, index, b"", False)
+    return SharedStorage(
+        storage.device,
+        receipt.mem_handle,
+        storage.nbytes(),
+        receipt.offset,
+        receipt.counter_handle,
+        index,
+        b"",
+        False,
+    )
 
 
-def new_shared_device(device: torch.device | str | int, handle: bytes | None, size_bytes: int,
-                      offset_bytes: int, ref_counter_handle: bytes | None,
-                      ref_counter_offset: int, event_handle: bytes, event_sync_required: bool, *,
-                      target: torch.device | str | int | None = None) -> torch.UntypedStorage:
+def new_shared_device(
+    device: torch.device | str | int,
+    handle: bytes | None,
+    size_bytes: int,
+    offset_bytes: int,
+    ref_counter_handle: bytes | None,
+    ref_counter_offset: int,
+    event_handle: bytes,
+    event_sync_required: bool,
+    *,
+    target: torch.device | str | int | None = None,
+) -> torch.UntypedStorage:
     """Consumer: a storage over the producer's memory, zero-copy. Its device is the local device
     that owns the memory, whatever index the producer used for it; or `target` (or the device a
     caller wrote over a wrapped handle's, see `requested_device`) when the hooks can map it there.
     """
     handle, origin, requested = requested_device(device, handle)
     target = local_device(target, origin.type) if target is not None else requested
-    return open_shared(origin, handle, size_bytes, offset_bytes, ref_counter_handle,
-                       ref_counter_offset, event_handle, event_sync_required,
-                       target).untyped_storage()
+    return open_shared(
+        origin,
+        handle,
+        size_bytes,
+        offset_bytes,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+        target,
+    ).untyped_storage()
 
 
-def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, offset_bytes: int,
-                ref_counter_handle: bytes | None, ref_counter_offset: int, event_handle: bytes,
-                event_sync_required: bool, target: torch.device | None,
-                view: tuple[torch.dtype, tuple[int, ...]] | None = None) -> torch.Tensor:
+def open_shared(
+    origin: torch.device,
+    handle: bytes | None,
+    size_bytes: int,
+    offset_bytes: int,
+    ref_counter_handle: bytes | None,
+    ref_counter_offset: int,
+    event_handle: bytes,
+    event_sync_required: bool,
+    target: torch.device | None,
+    view: tuple[torch.dtype, tuple[int, ...]] | None = None,
+) -> torch.Tensor:
     """new_shared_device once the devices are known: `origin` the sender's, `target` a local
     device asked for, or None for the one that owns the memory. Returns a tensor over the whole
     storage: of `view`'s (dtype, contiguous shape), made in the same call, else its bytes."""
     hooks = hooks_for(origin)
-    if not isinstance(handle, bytes) or type(size_bytes) is not int \
-            or type(offset_bytes) is not int or size_bytes < 0 or offset_bytes < 0:
-        raise InvalidHandleError(f"malformed shared storage: handle {type(handle).__name__}, "
-                                 f"size {size_bytes!r}, offset {offset_bytes!r}")
+    if (
+        not isinstance(handle, bytes)
+        or type(size_bytes) is not int
+        or type(offset_bytes) is not int
+        or size_bytes < 0
+        or offset_bytes < 0
+    ):
+        raise InvalidHandleError(
+            f"malformed shared storage: handle {type(handle).__name__}, "
+            f"size {size_bytes!r}, offset {offset_bytes!r}"
+        )
     counter_handle, index = check_slot(ref_counter_handle, ref_counter_offset)
 
     def open_memory() -> tuple[OpenedMemory, torch.device, torch.Stream]:
@@ -184,8 +250,10 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
         memory = _opened.acquire(hooks, handle)
         try:
             if offset_bytes + size_bytes > memory.size:
-                raise InvalidHandleError(f"shared storage of {size_bytes} bytes at offset "
-                                         f"{offset_bytes} exceeds its allocation of {memory.size}")
+                raise InvalidHandleError(
+                    f"shared storage of {size_bytes} bytes at offset "
+                    f"{offset_bytes} exceeds its allocation of {memory.size}"
+                )
             placed = memory.device if target is None else _placement(hooks, memory, target)
             stream = current_stream(placed)  # the stream its users will queue on
             if event_sync_required:
@@ -218,8 +286,9 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
             _deferred.add(stream, release)
             _background.wake()
 
-        tensor = tensor_from_memory(memory.ptr + offset_bytes, size_bytes, placed, on_free,
-                                    *(view or ()))
+        tensor = tensor_from_memory(
+            memory.ptr + offset_bytes, size_bytes, placed, on_free, *(view or ())
+        )
     except BaseException:
         _opened.release(handle)
         _counters.release(counter_handle, index)  # the producer must not wait for us forever
@@ -239,13 +308,17 @@ def open_shared(origin: torch.device, handle: bytes | None, size_bytes: int, off
 def _placement(hooks: IpcHooks, memory: OpenedMemory, target: torch.device) -> torch.device:
     if target == memory.device or hooks.can_map_on(memory, target):
         return target
-    raise UnsupportedDeviceError(f"memory of {memory.device} cannot be mapped on {target}: "
-                                 f"the {target.type} hooks do not support it (can_map_on); open "
-                                 f"it on its own device and copy")
+    raise UnsupportedDeviceError(
+        f"memory of {memory.device} cannot be mapped on {target}: "
+        f"the {target.type} hooks do not support it (can_map_on); open "
+        f"it on its own device and copy"
+    )
 
 
-def requested_device(device: torch.device | str | int, handle: bytes | None,
-                     ) -> tuple[bytes | None, torch.device, torch.device | None]:
+def requested_device(
+    device: torch.device | str | int,
+    handle: bytes | None,
+) -> tuple[bytes | None, torch.device, torch.device | None]:
     """(the hooks' handle, the sender's device, the device the caller asked for or None) from
     args[6] and args[7] of reduce_tensor. The sender wraps args[7] with the device it wrote into
     args[6] (`_wire.wrap_storage_handle`): args[6] still equal to it means "the local device that
@@ -262,8 +335,7 @@ def requested_device(device: torch.device | str | int, handle: bytes | None,
     except (RuntimeError, TypeError, ValueError) as error:
         if isinstance(error, DevIpcError):
             raise
-        raise InvalidHandleError(f"malformed shared storage: device {device!r} ({error})") \
-            from None
+        raise InvalidHandleError(f"malformed shared storage: device {device!r} ({error})") from None
 
 
 def local_device(device: torch.device | str | int, device_type: str) -> torch.device:
@@ -276,8 +348,9 @@ def local_device(device: torch.device | str | int, device_type: str) -> torch.de
     else:
         raise TypeError(f"a device is an index, a name or a torch.device, not {device!r}")
     if device.type != device_type:
-        raise UnsupportedDeviceError(f"memory of a {device_type} device cannot be mapped on "
-                                     f"{device}")
+        raise UnsupportedDeviceError(
+            f"memory of a {device_type} device cannot be mapped on {device}"
+        )
     if device.index is None:
         device = torch.device(device_type, torch.get_device_module(device_type).current_device())
     return device
@@ -287,9 +360,11 @@ def empty_storage(device: torch.device) -> torch.UntypedStorage:
     """The storage of an empty tensor a handle names: it travels without memory, but its device
     must exist here."""
     if not present(device):
-        raise InvalidHandleError(f"this empty tensor's handle names {device}, which this process "
-                                 f"does not see ({count_of(device.type)} {device.type} devices "
-                                 f"visible)")
+        raise InvalidHandleError(
+            f"this empty tensor's handle names {device}, which this process "
+            f"does not see ({count_of(device.type)} {device.type} devices "
+            f"visible)"
+        )
     try:
         return torch.UntypedStorage(0, device=device)
     except RuntimeError as error:
@@ -299,8 +374,9 @@ def empty_storage(device: torch.device) -> torch.UntypedStorage:
 def check_grad(dtype: object, requires_grad: object) -> None:
     """A handle's requires_grad flag: a bool, and True only for dtypes autograd supports."""
     if not isinstance(dtype, torch.dtype) or not isinstance(requires_grad, bool):
-        raise InvalidHandleError(f"malformed tensor: dtype {dtype!r}, requires_grad "
-                                 f"{requires_grad!r}")
+        raise InvalidHandleError(
+            f"malformed tensor: dtype {dtype!r}, requires_grad {requires_grad!r}"
+        )
     if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
         raise InvalidHandleError(f"a {dtype} tensor cannot require grad: the handle is forged")
 
@@ -316,8 +392,11 @@ def _wait_for_producer(hooks: IpcHooks, stream: torch.Stream, event_handle: byte
     hooks.wait_ipc_event(event_handle, stream)
 
 
-def release_ipc_counter_device(ref_counter_handle: bytes | None, ref_counter_offset: int,
-                               device: torch.device | str | int | None = None) -> None:
+def release_ipc_counter_device(
+    ref_counter_handle: bytes | None,
+    ref_counter_offset: int,
+    device: torch.device | str | int | None = None,
+) -> None:
     """Consumer: give a send back without opening its memory (the shared-cache hit path)."""
     _counters.release_unopened(ref_counter_handle, ref_counter_offset)
 
@@ -383,17 +462,22 @@ def unsendable(tensor: torch.Tensor, what: str) -> UnsupportedTensorError:
     """The one-line error for a tensor devipc cannot send as it is, saying what to send instead
     (torch's own attempt would end in a dispatcher error naming an internal backend)."""
     if tensor.is_nested:
-        kind, instead = (f"a nested tensor of layout {tensor.layout}",
-                         "use the jagged layout (torch.nested.nested_tensor(..., "
-                         "layout=torch.jagged)), or send its components (tensor.unbind())")
+        kind, instead = (
+            f"a nested tensor of layout {tensor.layout}",
+            "use the jagged layout (torch.nested.nested_tensor(..., "
+            "layout=torch.jagged)), or send its components (tensor.unbind())",
+        )
     elif tensor.is_sparse or tensor.layout in _SPARSE_COMPRESSED:
-        kind, instead = (f"a sparse tensor ({tensor.layout})",
-                         "send its component tensors (indices() and values(), or the "
-                         "compressed indices and values()) and rebuild it on the other side")
+        kind, instead = (
+            f"a sparse tensor ({tensor.layout})",
+            "send its component tensors (indices() and values(), or the "
+            "compressed indices and values()) and rebuild it on the other side",
+        )
     else:
         kind, instead = f"a tensor of layout {tensor.layout}", "send tensor.to_dense()"
-    return UnsupportedTensorError(f"{what}: devipc cannot share {kind} on {tensor.device}: "
-                                  f"{instead}")
+    return UnsupportedTensorError(
+        f"{what}: devipc cannot share {kind} on {tensor.device}: {instead}"
+    )
 
 
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
@@ -402,10 +486,15 @@ _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torc
 def stats() -> dict:
     """What this process holds for IPC right now."""
     reap_freed()  # storages that died count as released, pending their device work
-    return {**_exports.stats(), "mapped": len(_opened), "mapped_idle": _opened.idle(),
-            "mapped_counter_files": _counters.mapped_files(),
-            "pending_releases": len(_deferred), "buckets_shared": counts["buckets_shared"],
-            "bucket_tensors_shared": counts["bucket_tensors_shared"]}
+    return {
+        **_exports.stats(),
+        "mapped": len(_opened),
+        "mapped_idle": _opened.idle(),
+        "mapped_counter_files": _counters.mapped_files(),
+        "pending_releases": len(_deferred),
+        "buckets_shared": counts["buckets_shared"],
+        "bucket_tensors_shared": counts["bucket_tensors_shared"],
+    }
 
 
 def _page_numbers() -> dict:

@@ -6,6 +6,7 @@ The collector thread rewrites it (`publish`) at most once a second while it has 
 round that finds none left; a send or an open never touches it. The page dies with the process
 (a memfd has no name in /dev/shm); a forked child makes its own.
 """
+
 import functools
 import json
 import math
@@ -18,8 +19,15 @@ from collections.abc import Callable
 
 from ._memfd import SharedFile
 
-__all__ = ["LINK_PREFIX", "BadStatsPageError", "StatsPageError", "find_pages", "publish",
-           "read_page", "start"]
+__all__ = [
+    "LINK_PREFIX",
+    "BadStatsPageError",
+    "StatsPageError",
+    "find_pages",
+    "publish",
+    "read_page",
+    "start",
+]
 
 MAGIC = b"STAT"
 LINK_PREFIX = "/memfd:devipc-STAT-"  # how the page reads in /proc/<pid>/fd
@@ -82,8 +90,7 @@ def _write(numbers: dict | None) -> None:
     if _page is None:
         return
     with _lock:
-        page = {"pid": os.getpid(), "started": _started, "updated": time.time(),
-                "stats": numbers}
+        page = {"pid": os.getpid(), "started": _started, "updated": time.time(), "stats": numbers}
         body = json.dumps(page).encode()
         if len(body) > PAGE_BYTES - HEADER:
             page["stats"] = {"error": f"{len(body)} bytes do not fit"}
@@ -105,7 +112,8 @@ def read_page(pid: int) -> dict:
         raise StatsPageError(
             f"no process {pid} here: it exited, or it runs in another PID namespace (another "
             f"container: this /proc shows only this namespace's processes); run `devipc info` "
-            f"in its container, or share the namespace (docker run --pid=host)") from None
+            f"in its container, or share the namespace (docker run --pid=host)"
+        ) from None
     except PermissionError:
         raise StatsPageError(_denied(pid, fds)) from None
     refused = ""
@@ -123,17 +131,22 @@ def read_page(pid: int) -> dict:
             refused = str(error)  # another fd may still be the genuine page
     if refused:
         raise BadStatsPageError(refused)
-    raise StatsPageError(f"process {pid} has no devipc stats page: it has not imported devipc "
-                         f"(or a devipc older than its stats pages)")
+    raise StatsPageError(
+        f"process {pid} has no devipc stats page: it has not imported devipc "
+        f"(or a devipc older than its stats pages)"
+    )
 
 
 def _read_candidate(pid: int, path: str, link: str) -> dict:
     """The page behind `path`, once it is known to be a memfd of a page's size: never opens what
     could block (a FIFO, a file of a FUSE mount), never trusts the bytes."""
+
     def bad(why: str) -> BadStatsPageError:
-        return BadStatsPageError(f"process {pid} holds a file named like a devipc stats page "
-                                 f"that cannot be read as one ({why}): a forged page, or one "
-                                 f"of another devipc version")
+        return BadStatsPageError(
+            f"process {pid} holds a file named like a devipc stats page "
+            f"that cannot be read as one ({why}): a forged page, or one "
+            f"of another devipc version"
+        )
 
     if not _LINK.fullmatch(link):
         raise bad(f"{link!r} is not a page's name")
@@ -162,8 +175,10 @@ def _memfd_identity() -> tuple[int, int]:
     try:
         probe = os.memfd_create("devipc-probe", os.MFD_CLOEXEC)
     except OSError as error:
-        raise StatsPageError(f"no memfd here ({error.strerror}): no devipc process here has a "
-                             f"stats page; `devipc doctor` says what to fix") from None
+        raise StatsPageError(
+            f"no memfd here ({error.strerror}): no devipc process here has a "
+            f"stats page; `devipc doctor` says what to fix"
+        ) from None
     try:
         return os.fstat(probe).st_dev, _mount_id(f"/proc/self/fdinfo/{probe}")
     finally:
@@ -188,7 +203,7 @@ def _parse(fd: int) -> tuple[dict, str]:
             if not 0 < length <= PAGE_BYTES - HEADER:
                 return {}, f"a length of {length} bytes"
             try:
-                page = json.loads(data[HEADER:HEADER + length].decode())
+                page = json.loads(data[HEADER : HEADER + length].decode())
             except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, absurd nesting
                 return {}, f"no JSON: {str(error)[:80]}"
             return page, _shape_error(page)
@@ -198,17 +213,31 @@ def _parse(fd: int) -> tuple[dict, str]:
 
 # What a page's stats hold (`devipc.stats()` and the torch threads): counts, and one age in
 # seconds. A page of a newer devipc may hold more; every one of these must be there.
-_COUNTS = ("exports", "sent", "unopened", "counter_files", "mapped", "mapped_idle",
-           "mapped_counter_files", "pending_releases", "buckets_shared", "bucket_tensors_shared",
-           "torch_threads")
+_COUNTS = (
+    "exports",
+    "sent",
+    "unopened",
+    "counter_files",
+    "mapped",
+    "mapped_idle",
+    "mapped_counter_files",
+    "pending_releases",
+    "buckets_shared",
+    "bucket_tensors_shared",
+    "torch_threads",
+)
 _SECONDS = ("oldest_unopened_s",)
 
 
 def _number(value: object, count: bool = False) -> bool:
     """Whether a JSON value is a number devipc writes: finite (an int that fits a float), not a
     bool; a `count` is also a whole number, not negative."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or count and not isinstance(value, int):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or count
+        and not isinstance(value, int)
+    ):
         return False  # (JSON's true is a Python int)
     try:
         return math.isfinite(value) and (value >= 0 or not count)
@@ -244,11 +273,16 @@ def _shape_error(page: object) -> str:
 
 def _denied(pid: int, path: str) -> str:
     owner = _uid_of(pid)
-    who = f"it runs as uid {owner}, you as uid {os.getuid()}" if owner not in (None, os.getuid()) \
+    who = (
+        f"it runs as uid {owner}, you as uid {os.getuid()}"
+        if owner not in (None, os.getuid())
         else "it is not dumpable (it changed user, or called prctl(PR_SET_DUMPABLE, 0))"
-    return (f"permission denied opening {path}: {who}. Run this as the user of process {pid} or "
-            f"with CAP_SYS_PTRACE (sudo; in a container: --cap-add SYS_PTRACE). Yama's "
-            f"ptrace_scope is not the cause: it limits attaching, not reading /proc/<pid>/fd")
+    )
+    return (
+        f"permission denied opening {path}: {who}. Run this as the user of process {pid} or "
+        f"with CAP_SYS_PTRACE (sudo; in a container: --cap-add SYS_PTRACE). Yama's "
+        f"ptrace_scope is not the cause: it limits attaching, not reading /proc/<pid>/fd"
+    )
 
 
 def _uid_of(pid: int) -> int | None:

@@ -10,6 +10,7 @@ InvalidHandleError: handles come from other processes, sockets and files, and a 
 count must neither crash nor allocate without bound. P2P descriptors use it too: a new kind
 takes a new number, a changed layout a new version.
 """
+
 import builtins
 import functools
 import re
@@ -43,12 +44,20 @@ P2P_NIXL_AGENT = 9  # devipc.p2p over NIXL: the transport part of a P2P_METADATA
 WEIGHTS = 10  # devipc.WeightPublisher.token: an arena attachment and the published table
 HOST = 11  # a CPU storage's shared-memory file (a CPU trainer's weights)
 RELAY_CARD = 12  # how a relaying weight subscriber is reached (`_relay.Card`)
-KIND_NAMES = {STORAGE: "storage handle", TENSOR: "tensor handle", BUCKET: "bucket handle",
-              ARENA: "arena attachment", CHUNK: "arena chunk",
-              P2P_METADATA: "p2p endpoint metadata", P2P_DESCRIPTOR: "p2p remote descriptor",
-              P2P_NIXL: "p2p NIXL descriptor part", P2P_NIXL_AGENT: "p2p NIXL agent metadata",
-              WEIGHTS: "WeightPublisher token", HOST: "host memory handle",
-              RELAY_CARD: "relay card"}
+KIND_NAMES = {
+    STORAGE: "storage handle",
+    TENSOR: "tensor handle",
+    BUCKET: "bucket handle",
+    ARENA: "arena attachment",
+    CHUNK: "arena chunk",
+    P2P_METADATA: "p2p endpoint metadata",
+    P2P_DESCRIPTOR: "p2p remote descriptor",
+    P2P_NIXL: "p2p NIXL descriptor part",
+    P2P_NIXL_AGENT: "p2p NIXL agent metadata",
+    WEIGHTS: "WeightPublisher token",
+    HOST: "host memory handle",
+    RELAY_CARD: "relay card",
+}
 
 MAX_NDIM = 64
 MAX_BYTES = 1 << 16  # a bytes or text field, unless its writer and reader name another limit
@@ -57,9 +66,28 @@ MAX_DEVICE_INDEX = 127
 _DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 # The dtypes that cross the wire; a dtype's code is its index here: append, never reorder.
-_DTYPE_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-                "float16", "bfloat16", "float32", "float64", "complex32", "complex64",
-                "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+_DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
 _DTYPE_BY_CODE = tuple(getattr(torch, name, None) for name in _DTYPE_NAMES)
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_BY_CODE) if dtype is not None}
 
@@ -118,8 +146,12 @@ class Writer:
 class Reader:
     """Reads one message of an expected kind; every failure is an InvalidHandleError."""
 
-    def __init__(self, data: builtins.bytes | bytearray | memoryview,
-                 kinds: tuple[builtins.int, ...], name: str = "devipc handle"):
+    def __init__(
+        self,
+        data: builtins.bytes | bytearray | memoryview,
+        kinds: tuple[builtins.int, ...],
+        name: str = "devipc handle",
+    ):
         """`name`: what errors call the message (the object a user holds: "WeightPublisher
         token")."""
         self.name = name
@@ -127,18 +159,23 @@ class Reader:
             raise InvalidHandleError(f"a {name} is bytes, got {type(data).__name__}")
         self._data = bytes(data)
         if len(self._data) < _HEADER.size:
-            raise InvalidHandleError(f"truncated {name}: {len(self._data)} bytes, the "
-                                     f"header alone has {_HEADER.size}")
+            raise InvalidHandleError(
+                f"truncated {name}: {len(self._data)} bytes, the header alone has {_HEADER.size}"
+            )
         magic, version, kind = _HEADER.unpack_from(self._data)
         if magic != MAGIC:
             raise InvalidHandleError(f"not a {name}: magic {magic!r}, expected {MAGIC!r}")
         if version != VERSION:
-            raise InvalidHandleError(f"{name} of wire version {version}; this devipc "
-                                     f"reads version {VERSION}: use the same devipc on both sides")
+            raise InvalidHandleError(
+                f"{name} of wire version {version}; this devipc "
+                f"reads version {VERSION}: use the same devipc on both sides"
+            )
         if kind not in kinds:
             wanted = " or ".join(KIND_NAMES[k] for k in kinds)
-            raise InvalidHandleError(f"expected a {wanted}, got a "
-                                     f"{KIND_NAMES.get(kind, f'message of unknown kind {kind}')}")
+            raise InvalidHandleError(
+                f"expected a {wanted}, got a "
+                f"{KIND_NAMES.get(kind, f'message of unknown kind {kind}')}"
+            )
         self.kind = kind
         self._at = _HEADER.size
 
@@ -148,17 +185,19 @@ class Reader:
         (length,) = _LENGTH.unpack_from(self._data, self._at)
         start = self._at + _LENGTH.size
         if length > len(self._data) - start:
-            raise InvalidHandleError(f"truncated {self.name}: {what} claims {length} bytes, "
-                                     f"{len(self._data) - start} are left")
+            raise InvalidHandleError(
+                f"truncated {self.name}: {what} claims {length} bytes, "
+                f"{len(self._data) - start} are left"
+            )
         self._at = start + length
-        return self._data[start:self._at]
+        return self._data[start : self._at]
 
-    def int(self, what: str, low: builtins.int = 0,
-            high: builtins.int = INT_MAX) -> builtins.int:
+    def int(self, what: str, low: builtins.int = 0, high: builtins.int = INT_MAX) -> builtins.int:
         payload = self._field(what)
         if len(payload) != _INT.size:
-            raise InvalidHandleError(f"{what}: an integer field has {_INT.size} bytes, not "
-                                     f"{len(payload)}")
+            raise InvalidHandleError(
+                f"{what}: an integer field has {_INT.size} bytes, not {len(payload)}"
+            )
         (value,) = _INT.unpack(payload)
         if not low <= value <= high:
             raise InvalidHandleError(f"{what} is {value}, outside {low}..{high}")
@@ -198,14 +237,17 @@ class Reader:
         except RuntimeError:
             raise InvalidHandleError(f"unknown device type {device_type!r}") from None
 
-    def ints(self, what: str, max_count: builtins.int = MAX_NDIM,
-             exact: bool = False) -> tuple[builtins.int, ...]:
+    def ints(
+        self, what: str, max_count: builtins.int = MAX_NDIM, exact: bool = False
+    ) -> tuple[builtins.int, ...]:
         """Non-negative integers: at most `max_count`, or exactly that many with `exact`."""
         payload = self._field(what)
         count, rest = divmod(len(payload), _INT.size)
         if rest or count > max_count or exact and count != max_count:
-            raise InvalidHandleError(f"{what}: {len(payload)} bytes is not a list of "
-                                     f"{'exactly' if exact else 'at most'} {max_count} integers")
+            raise InvalidHandleError(
+                f"{what}: {len(payload)} bytes is not a list of "
+                f"{'exactly' if exact else 'at most'} {max_count} integers"
+            )
         values = struct.unpack(f"<{count}q", payload)
         if values and min(values) < 0:
             raise InvalidHandleError(f"{what} {values} holds a negative value")
@@ -213,7 +255,7 @@ class Reader:
 
     def rest(self) -> builtins.bytes:
         """The bytes not read yet: a cache's key for what they decode to (`skip_rest`)."""
-        return self._data[self._at:]
+        return self._data[self._at :]
 
     def skip_rest(self) -> None:
         """The rest counts as read: a cache held what it decodes to (`rest`)."""
@@ -221,8 +263,10 @@ class Reader:
 
     def end(self) -> None:
         if self._at != len(self._data):
-            raise InvalidHandleError(f"{len(self._data) - self._at} unexpected bytes after the "
-                                     f"last field of a {self.name}")
+            raise InvalidHandleError(
+                f"{len(self._data) - self._at} unexpected bytes after the "
+                f"last field of a {self.name}"
+            )
 
 
 _D = TypeVar("_D")

@@ -1,9 +1,10 @@
 """The `devipc` command (also `python -m devipc`):
 
-    devipc doctor [--serve | --peer TOKEN]   can tensors be shared from here? what to fix if not
-    devipc info [--pid PID ...] [--json]     what a running process holds (its stats page)
-    devipc bench [ipc|p2p|weight-sync|all]   the benchmarks: a Markdown table, --plot out.png
+devipc doctor [--serve | --peer TOKEN]   can tensors be shared from here? what to fix if not
+devipc info [--pid PID ...] [--json]     what a running process holds (its stats page)
+devipc bench [ipc|p2p|weight-sync|all]   the benchmarks: a Markdown table, --plot out.png
 """
+
 import argparse
 import importlib.metadata
 import json
@@ -18,34 +19,54 @@ BENCHMARKS = ("ipc", "p2p", "weight-sync")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="devipc", description="zero-copy tensor IPC: checks, "
-                                     "live stats and benchmarks")
-    parser.add_argument("--version", action="version",
-                        version=f"devipc {importlib.metadata.version('devipc')}")
+    parser = argparse.ArgumentParser(
+        prog="devipc", description="zero-copy tensor IPC: checks, live stats and benchmarks"
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"devipc {importlib.metadata.version('devipc')}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    doctor = commands.add_parser("doctor", help="check that sharing works here; say what to fix",
-                                 description="Versions, devices with IPC hooks, the environment "
-                                 "traps of tensor IPC, then a live round trip and a p2p read with "
-                                 "a spawned child. Exits 1 when sharing cannot work.")
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that sharing works here; say what to fix",
+        description="Versions, devices with IPC hooks, the environment "
+        "traps of tensor IPC, then a live round trip and a p2p read with "
+        "a spawned child. Exits 1 when sharing cannot work.",
+    )
     side = doctor.add_mutually_exclusive_group()
-    side.add_argument("--serve", action="store_true",
-                      help="wait for a `--peer` check from another container or process")
-    side.add_argument("--peer", metavar="TOKEN",
-                      help="also check access to the process that printed TOKEN (--serve)")
-    doctor.add_argument("--timeout", type=float, help="seconds for the live checks (60) or for "
-                        "waiting as --serve (600)")
+    side.add_argument(
+        "--serve",
+        action="store_true",
+        help="wait for a `--peer` check from another container or process",
+    )
+    side.add_argument(
+        "--peer",
+        metavar="TOKEN",
+        help="also check access to the process that printed TOKEN (--serve)",
+    )
+    doctor.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds for the live checks (60) or for waiting as --serve (600)",
+    )
 
-    info = commands.add_parser("info", help="what running devipc processes hold",
-                               description="Reads each process's devipc stats page through "
-                               "/proc/<pid>/fd: no debugger, no signal. Without --pid: every "
-                               "devipc process this user can see.")
+    info = commands.add_parser(
+        "info",
+        help="what running devipc processes hold",
+        description="Reads each process's devipc stats page through "
+        "/proc/<pid>/fd: no debugger, no signal. Without --pid: every "
+        "devipc process this user can see.",
+    )
     info.add_argument("--pid", type=int, action="append", help="a process (repeatable)")
     info.add_argument("--json", action="store_true", help="the pages as JSON")
 
-    bench = commands.add_parser("bench", help="benchmarks: Markdown table, optional PNG",
-                                description="Quick settings by default (ipc: about 20 s on 2 "
-                                "cores); --full for those of docs/benchmarks.md.")
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: Markdown table, optional PNG",
+        description="Quick settings by default (ipc: about 20 s on 2 "
+        "cores); --full for those of docs/benchmarks.md.",
+    )
     bench.add_argument("which", nargs="?", default="ipc", choices=[*BENCHMARKS, "all"])
     bench.add_argument("--device", help="a device with IPC hooks (default: the first one)")
     bench.add_argument("--max-mib", type=int, help="largest size (weight-sync: the state_dict)")
@@ -106,9 +127,11 @@ def _command_line(pid: int) -> str:
 def describe(pid: int, page: dict) -> str:
     """A process's page, in words."""
     now = time.time()
-    head = (f"pid {pid}: {_command_line(pid)}\n  devipc stats as of {now - page['updated']:.1f} s "
-            f"ago (the collector's last round; devipc loaded there "
-            f"{now - page['started']:.0f} s ago)")
+    head = (
+        f"pid {pid}: {_command_line(pid)}\n  devipc stats as of {now - page['updated']:.1f} s "
+        f"ago (the collector's last round; devipc loaded there "
+        f"{now - page['started']:.0f} s ago)"
+    )
     stats = page.get("stats")
     if not stats:
         return head + "\n  no numbers yet (no devipc round has run since it started or forked)"
@@ -120,20 +143,37 @@ def describe(pid: int, page: dict) -> str:
         oldest = f", the oldest sent {age:.1f} s ago"
     lines = [
         ("exports", stats.get("exports"), "allocations other processes may reach"),
-        ("sends held", stats.get("sent"), "sends not ended (consumers hold them or have not "
-                                          "opened them)"),
+        (
+            "sends held",
+            stats.get("sent"),
+            "sends not ended (consumers hold them or have not opened them)",
+        ),
         ("unopened sends", stats.get("unopened"), f"sent, never opened{oldest}"),
         ("counter files", stats.get("counter_files"), "this process's, for its sends"),
         ("mapped", stats.get("mapped"), "allocations received from other processes"),
-        ("of which idle", stats.get("mapped_idle"), "kept open a while for the next tensor on "
-                                                    "them"),
+        (
+            "of which idle",
+            stats.get("mapped_idle"),
+            "kept open a while for the next tensor on them",
+        ),
         ("mapped counter files", stats.get("mapped_counter_files"), "other producers' files"),
         ("pending releases", stats.get("pending_releases"), "waiting for device work"),
-        ("buckets shared", stats.get("buckets_shared"),
-         f"{stats.get('bucket_tensors_shared')} tensors in them"),
+        (
+            "buckets shared",
+            stats.get("buckets_shared"),
+            f"{stats.get('bucket_tensors_shared')} tensors in them",
+        ),
     ]
-    return "\n".join([head, *(f"  {name:<21}{value!s:>7}   {what}" for name, value, what in lines
-                              if value is not None)])
+    return "\n".join(
+        [
+            head,
+            *(
+                f"  {name:<21}{value!s:>7}   {what}"
+                for name, value, what in lines
+                if value is not None
+            ),
+        ]
+    )
 
 
 def _bench_problem(args: argparse.Namespace) -> str:
@@ -154,25 +194,31 @@ def _bench_problem(args: argparse.Namespace) -> str:
         needed = 3 * args.max_mib << 20  # p2p: the device range and two host buffers as large
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if {"p2p", "weight-sync"} & set(which) and needed > host:
-            return (f"--max-mib {args.max_mib}: needs about {needed / 2**30:.1f} GiB of host "
-                    f"memory, this host has {host / 2**30:.1f} GiB")
+            return (
+                f"--max-mib {args.max_mib}: needs about {needed / 2**30:.1f} GiB of host "
+                f"memory, this host has {host / 2**30:.1f} GiB"
+            )
     if args.device is not None:
         try:
             device = torch.device(args.device)
         except RuntimeError as error:
             return f"--device {args.device}: not a device ({str(error).splitlines()[0][:120]})"
         if device.type not in device_types():
-            return (f"--device {args.device}: {device.type} has no IPC hooks here (devices with "
-                    f"hooks: {', '.join(device_types()) or 'none'})")
+            return (
+                f"--device {args.device}: {device.type} has no IPC hooks here (devices with "
+                f"hooks: {', '.join(device_types()) or 'none'})"
+            )
         if not present(device):
-            return (f"--device {args.device}: {device.type} has {count_of(device.type)} "
-                    f"device(s) here")
+            return (
+                f"--device {args.device}: {device.type} has {count_of(device.type)} device(s) here"
+            )
     if args.plot is not None:
         folder = os.path.dirname(os.path.abspath(args.plot))
-        if os.path.isdir(args.plot) or not os.path.isdir(folder) \
-                or not os.access(folder, os.W_OK):
-            return f"--plot {args.plot}: not a file that can be written (a PNG in a folder " \
-                   f"that exists)"
+        if os.path.isdir(args.plot) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return (
+                f"--plot {args.plot}: not a file that can be written (a PNG in a folder "
+                f"that exists)"
+            )
     return ""
 
 
@@ -188,40 +234,62 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     device = args.device or next(iter(device_types()), None)
     if device is None:
-        print("devipc bench: no device has IPC hooks here: import your device's package first "
-              "(the reference device: DEVIPC_OPENREG=1 or `pip install devipc-openreg`)",
-              file=sys.stderr)
+        print(
+            "devipc bench: no device has IPC hooks here: import your device's package first "
+            "(the reference device: DEVIPC_OPENREG=1 or `pip install devipc-openreg`)",
+            file=sys.stderr,
+        )
         return 2
     quick = "" if args.full else "; quick settings, --full for the documented ones"
     panels = []
     for name in BENCHMARKS if args.which == "all" else (args.which,):
         if name == "ipc":
             top = (args.max_mib or 256) << 20
-            latencies = ipc.measure(device, [s for s in ipc.SIZES if s <= top],
-                                    quick=not args.full, progress=common.Progress("ipc"))
-            print(f"\n### IPC round trip through a torch.multiprocessing Queue, median us "
-                  f"({device}{quick})\n\n{ipc.table(latencies, device)}", flush=True)
+            latencies = ipc.measure(
+                device,
+                [s for s in ipc.SIZES if s <= top],
+                quick=not args.full,
+                progress=common.Progress("ipc"),
+            )
+            print(
+                f"\n### IPC round trip through a torch.multiprocessing Queue, median us "
+                f"({device}{quick})\n\n{ipc.table(latencies, device)}",
+                flush=True,
+            )
             panels.append(ipc.panel(latencies, device))
-            rates = ipc.dataloader(device, 400 if args.full else 50,
-                                   rounds=3 if args.full else 1)
-            print(f"\nDataLoader, 2 spawned workers: batches of {ipc.BATCH_SHAPE} float32 made "
-                  f"on {device} {rates['device']:.0f}/s, small Python objects "
-                  f"{rates['objects']:.0f}/s ({rates['device'] / rates['objects']:.0%})",
-                  flush=True)
+            rates = ipc.dataloader(device, 400 if args.full else 50, rounds=3 if args.full else 1)
+            print(
+                f"\nDataLoader, 2 spawned workers: batches of {ipc.BATCH_SHAPE} float32 made "
+                f"on {device} {rates['device']:.0f}/s, small Python objects "
+                f"{rates['objects']:.0f}/s ({rates['device'] / rates['objects']:.0%})",
+                flush=True,
+            )
         elif name == "p2p":
             top = (args.max_mib or (256 if args.full else 64)) << 20
-            rows, results = p2p.measure(device, top, 0.8 if args.full else 0.2,
-                                        9 if args.full else 3, progress=common.Progress("p2p"))
-            print(f"\n### p2p one-sided bandwidth, same host, GB/s ({device}{quick})\n\n"
-                  f"{p2p.table(rows, results)}", flush=True)
+            rows, results = p2p.measure(
+                device,
+                top,
+                0.8 if args.full else 0.2,
+                9 if args.full else 3,
+                progress=common.Progress("p2p"),
+            )
+            print(
+                f"\n### p2p one-sided bandwidth, same host, GB/s ({device}{quick})\n\n"
+                f"{p2p.table(rows, results)}",
+                flush=True,
+            )
             panels += p2p.panels(rows, results)
         else:
             mib = args.max_mib or (256 if args.full else 64)
-            measured = weight_sync.measure(device, mib, 5 if args.full else 2,
-                                           progress=common.Progress("weight-sync"))
-            print(f"\n### weight sync of a {measured['tensors']}-tensor state_dict, "
-                  f"{measured['nbytes'] / 2**20:.0f} MiB ({device}{quick})\n\n"
-                  f"{weight_sync.table(measured)}", flush=True)
+            measured = weight_sync.measure(
+                device, mib, 5 if args.full else 2, progress=common.Progress("weight-sync")
+            )
+            print(
+                f"\n### weight sync of a {measured['tensors']}-tensor state_dict, "
+                f"{measured['nbytes'] / 2**20:.0f} MiB ({device}{quick})\n\n"
+                f"{weight_sync.table(measured)}",
+                flush=True,
+            )
             panels.append(weight_sync.panel(measured))
     if args.plot:
         common.plot(panels, args.plot)

@@ -1,6 +1,7 @@
 """What the `devipc` command's parts share: the devices that registered IPC hooks, the modules
 that registered them (a spawned child imports those to see the same devices), optional
 packages loaded by name with the install line they need."""
+
 import importlib
 import types
 
@@ -41,5 +42,7 @@ def optional(module: str, extra: str) -> types.ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"this needs {module.split('.')[0]}, which is not installed: "
-                          f"pip install 'devipc[{extra}]'") from None
+        raise ImportError(
+            f"this needs {module.split('.')[0]}, which is not installed: "
+            f"pip install 'devipc[{extra}]'"
+        ) from None

@@ -8,6 +8,7 @@ tensor of every device with hooks (and CPU) through a torch.multiprocessing Queu
 into it, and serves a devipc.p2p read. Across containers, `--serve` here and `--peer TOKEN`
 there check the access between the two.
 """
+
 import base64
 import binascii
 import contextlib
@@ -46,11 +47,13 @@ CAP_SYS_PTRACE = 19
 PR_GET_DUMPABLE = 3
 SHM_WARN_BYTES = 1 << 30
 NOFILE_LOW, NOFILE_WANT = 1024, 65536  # `ulimit -n` below which it warns; what it advises
-FIX_PID_NS = ("run both in one PID namespace: `docker run --pid=host` (or "
-              "--pid=container:<the other>) for the containers; in Kubernetes "
-              "`shareProcessNamespace: true` for containers of one pod, `hostPID: true` across "
-              "pods; or move tensors with devipc.p2p.Endpoint(transport='nixl'), which needs no "
-              "/proc access")
+FIX_PID_NS = (
+    "run both in one PID namespace: `docker run --pid=host` (or "
+    "--pid=container:<the other>) for the containers; in Kubernetes "
+    "`shareProcessNamespace: true` for containers of one pod, `hostPID: true` across "
+    "pods; or move tensors with devipc.p2p.Endpoint(transport='nixl'), which needs no "
+    "/proc access"
+)
 
 
 class Report:
@@ -71,8 +74,10 @@ def doctor(peer: str | None = None, timeout: float = 60.0) -> int:
     """The whole check; 0 when sharing works here (and with `peer`), else 1."""
     theirs = None if peer is None else parse_token(peer)
     if peer is not None and theirs is None:
-        print("devipc doctor: --peer takes the token that `devipc doctor --serve` prints, whole",
-              file=sys.stderr)
+        print(
+            "devipc doctor: --peer takes the token that `devipc doctor --serve` prints, whole",
+            file=sys.stderr,
+        )
         return 2
     report = Report()
     versions()
@@ -83,11 +88,15 @@ def doctor(peer: str | None = None, timeout: float = 60.0) -> int:
     if theirs is not None:
         check_peer(report, theirs)
     if report.failures:
-        print(f"\ndevipc doctor: {report.failures} problem(s): sharing cannot work until they "
-              f"are fixed (see each `fix:` above)")
+        print(
+            f"\ndevipc doctor: {report.failures} problem(s): sharing cannot work until they "
+            f"are fixed (see each `fix:` above)"
+        )
         return 1
-    print("\ndevipc doctor: sharing works here"
-          + (f" ({report.warnings} warning(s) above)" if report.warnings else ""))
+    print(
+        "\ndevipc doctor: sharing works here"
+        + (f" ({report.warnings} warning(s) above)" if report.warnings else "")
+    )
     return 0
 
 
@@ -100,40 +109,57 @@ def _version(*distributions: str) -> str:
 
 
 def versions() -> None:
-    print(f"devipc {_version('devipc')}, torch {torch.__version__}, devipc-openreg "
-          f"{_version('devipc-openreg')}, nixl {_version('nixl', 'nixl-cu12', 'nixl-cu13')}; "
-          f"Python {platform.python_version()}, Linux {platform.release()}", flush=True)
+    print(
+        f"devipc {_version('devipc')}, torch {torch.__version__}, devipc-openreg "
+        f"{_version('devipc-openreg')}, nixl {_version('nixl', 'nixl-cu12', 'nixl-cu13')}; "
+        f"Python {platform.python_version()}, Linux {platform.release()}",
+        flush=True,
+    )
 
 
 def devices(report: Report) -> list[str]:
     """The device types with hooks that can share; each one's devices, sync mode, identity."""
     types = device_types()
     if not types:
-        report("WARN", "no device has IPC hooks here: devipc shares no device tensor (CPU tensors "
-                       "keep torch's own sharing)",
-               "import the device's package before sharing (the reference device: `import "
-               "devipc_openreg`, or DEVIPC_OPENREG=1); the doctor sees what `import torch` loads")
+        report(
+            "WARN",
+            "no device has IPC hooks here: devipc shares no device tensor (CPU tensors "
+            "keep torch's own sharing)",
+            "import the device's package before sharing (the reference device: `import "
+            "devipc_openreg`, or DEVIPC_OPENREG=1); the doctor sees what `import torch` loads",
+        )
     for name in list(types):
         hooks = get_ipc_hooks(name)
         if hooks is None or not device_supports_ipc(name):
-            report("FAIL", f"{name}: hooks are registered but supports_ipc() is False",
-                   f"the {name} package must enable IPC (see its documentation)")
+            report(
+                "FAIL",
+                f"{name}: hooks are registered but supports_ipc() is False",
+                f"the {name} package must enable IPC (see its documentation)",
+            )
             types.remove(name)
             continue
         try:
             described = describe(name, hooks)
         except Exception as error:  # noqa: BLE001 - a device's bad setting: a finding
             # the device's own message names its setting and what works (docs/vendor-guide.md)
-            report("FAIL", f"{name}: its IPC hooks raise {type(error).__name__}, as every send "
-                           f"of {name} tensors would; the {name} package says:", str(error))
+            report(
+                "FAIL",
+                f"{name}: its IPC hooks raise {type(error).__name__}, as every send "
+                f"of {name} tensors would; the {name} package says:",
+                str(error),
+            )
             types.remove(name)
             continue
         report("ok", described[0])
         for line in described[1:]:
             print(f"        {line}")
     if types and not installed():
-        report("FAIL", "torch.multiprocessing is not routed through devipc (devipc.rfc.uninstall() "
-                       "was called?)", "call devipc.rfc.install()")
+        report(
+            "FAIL",
+            "torch.multiprocessing is not routed through devipc (devipc.rfc.uninstall() "
+            "was called?)",
+            "call devipc.rfc.install()",
+        )
     return types
 
 
@@ -141,17 +167,25 @@ def describe(name: str, hooks: Any) -> list[str]:
     """A finding on device type `name` from its hooks (its devices, sync mode), then a line per
     device (identity, memory kind); what a hook raises, for a bad setting of the device's."""
     count = torch.get_device_module(name).device_count()
-    mode = ("interprocess events (the consumer's stream waits)"
-            if hooks.requires_event_sync() else "the producer synchronizes before each send")
+    mode = (
+        "interprocess events (the consumer's stream waits)"
+        if hooks.requires_event_sync()
+        else "the producer synchronizes before each send"
+    )
     lines = [f"{name}: {count} device(s), hooks {type(hooks).__module__}; {mode}"]
     for index in range(count):
         device = torch.device(name, index)
         identity = hooks.device_identity(device)
         kind = hooks.memory_kind(index)
-        shown = identity.decode() if identity.isascii() and identity.decode().isprintable() \
+        shown = (
+            identity.decode()
+            if identity.isascii() and identity.decode().isprintable()
             else identity.hex()
-        lines.append(f"{device}: identity {shown or '(none)'}, "
-                     f"memory kind for NIXL {kind or '(none: over NIXL it is refused)'}")
+        )
+        lines.append(
+            f"{device}: identity {shown or '(none)'}, "
+            f"memory kind for NIXL {kind or '(none: over NIXL it is refused)'}"
+        )
     return lines
 
 
@@ -172,55 +206,80 @@ def environment(report: Report) -> None:
     try:
         file = SharedFile(MAGIC, 4096)
     except OSError as error:
-        report("FAIL", f"memfd_create or mmap failed ({error.strerror})",
-               "devipc needs Linux >= 3.17 and a seccomp profile that allows memfd_create "
-               "(Docker's default does)")
+        report(
+            "FAIL",
+            f"memfd_create or mmap failed ({error.strerror})",
+            "devipc needs Linux >= 3.17 and a seccomp profile that allows memfd_create "
+            "(Docker's default does)",
+        )
         return
     try:
         file.buffer.int64(0).value = 42
         mapped = open_shared_file(file.handle, MAGIC)
         seen = mapped.int64(0).value
         mapped.close()
-        report("ok" if seen == 42 else "FAIL",
-               f"memfd: created, mapped, and opened again through /proc/{os.getpid()}/fd")
+        report(
+            "ok" if seen == 42 else "FAIL",
+            f"memfd: created, mapped, and opened again through /proc/{os.getpid()}/fd",
+        )
     except (DevIpcError, OSError) as error:
-        report("FAIL", f"this process cannot open its own memfd through /proc ({error})",
-               "mount procfs at /proc (a container's own /proc; `unshare --mount-proc`)")
+        report(
+            "FAIL",
+            f"this process cannot open its own memfd through /proc ({error})",
+            "mount procfs at /proc (a container's own /proc; `unshare --mount-proc`)",
+        )
     finally:
         file.close()
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 1:
-        report("WARN", "this process is not dumpable: peers cannot open /proc/<pid>/fd of it "
-                       "(it changed user, or called prctl(PR_SET_DUMPABLE, 0))",
-               "do not run producers setuid; or call prctl(PR_SET_DUMPABLE, 1)")
+        report(
+            "WARN",
+            "this process is not dumpable: peers cannot open /proc/<pid>/fd of it "
+            "(it changed user, or called prctl(PR_SET_DUMPABLE, 0))",
+            "do not run producers setuid; or call prctl(PR_SET_DUMPABLE, 1)",
+        )
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as scope:
             value = scope.read().strip()
-        print(f"info  Yama ptrace_scope {value}: it restricts attaching only; opening "
-              f"/proc/<pid>/fd is a read access it does not restrict", flush=True)
+        print(
+            f"info  Yama ptrace_scope {value}: it restricts attaching only; opening "
+            f"/proc/<pid>/fd is a read access it does not restrict",
+            flush=True,
+        )
     except OSError:
-        print("info  no Yama ptrace_scope here (it would restrict attaching only, not opening "
-              "/proc/<pid>/fd)", flush=True)
+        print(
+            "info  no Yama ptrace_scope here (it would restrict attaching only, not opening "
+            "/proc/<pid>/fd)",
+            flush=True,
+        )
     if _capability(CAP_SYS_PTRACE):
         report("ok", f"CAP_SYS_PTRACE: held; uid {os.getuid()} can open peers of any user")
     else:
-        report("info", f"CAP_SYS_PTRACE: not held (a container's default): peers must run as uid "
-                       f"{os.getuid()}, as this process does",
-               "for peers of other users: `docker run --cap-add SYS_PTRACE`, or run them as "
-               "one user")
+        report(
+            "info",
+            f"CAP_SYS_PTRACE: not held (a container's default): peers must run as uid "
+            f"{os.getuid()}, as this process does",
+            "for peers of other users: `docker run --cap-add SYS_PTRACE`, or run them as one user",
+        )
     namespace = _pid_ns()
     if namespace == INIT_PID_NS:
         report("ok", "PID namespace: the host's")
     else:
-        report("info", f"PID namespace pid:[{namespace}], not the host's (a container): a peer "
-                       f"in another container reaches this process only inside one namespace; "
-                       f"check it with `devipc doctor --serve` here, `devipc doctor --peer "
-                       f"TOKEN` there")
+        report(
+            "info",
+            f"PID namespace pid:[{namespace}], not the host's (a container): a peer "
+            f"in another container reaches this process only inside one namespace; "
+            f"check it with `devipc doctor --serve` here, `devipc doctor --peer "
+            f"TOKEN` there",
+        )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < NOFILE_LOW:
-        report("WARN", f"ulimit -n is {soft}: each counter file and mapping a peer keeps open "
-                       f"takes an fd", _nofile_fix(hard))
+        report(
+            "WARN",
+            f"ulimit -n is {soft}: each counter file and mapping a peer keeps open takes an fd",
+            _nofile_fix(hard),
+        )
     else:
         report("ok", f"ulimit -n {soft} (hard {hard})")
     try:
@@ -228,13 +287,19 @@ def environment(report: Report) -> None:
         size, free = shm.f_blocks * shm.f_frsize, shm.f_bavail * shm.f_frsize
     except OSError:
         size = free = 0
-    what = (f"/dev/shm: {size / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free" if size
-            else "/dev/shm: missing")
+    what = (
+        f"/dev/shm: {size / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        if size
+        else "/dev/shm: missing"
+    )
     if size < SHM_WARN_BYTES:
-        report("WARN", f"{what}: torch's own CPU tensor sharing (DataLoader workers, CPU "
-                       f"tensors in a Queue) needs room there; devipc's memfds do not",
-               "docker run --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with "
-               "medium: Memory mounted at /dev/shm")
+        report(
+            "WARN",
+            f"{what}: torch's own CPU tensor sharing (DataLoader workers, CPU "
+            f"tensors in a Queue) needs room there; devipc's memfds do not",
+            "docker run --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with "
+            "medium: Memory mounted at /dev/shm",
+        )
     else:
         report("ok", what)
     try:
@@ -250,10 +315,12 @@ def _nofile_fix(hard: int) -> str:
     if hard == resource.RLIM_INFINITY or hard >= NOFILE_LOW:
         wanted = NOFILE_WANT if hard == resource.RLIM_INFINITY else min(hard, NOFILE_WANT)
         return f"ulimit -n {wanted} in the shell that starts the processes"
-    return (f"the hard limit is {hard} too, and only a privileged process raises it: `ulimit -n "
-            f"{NOFILE_WANT}` as root before starting them, `docker run --ulimit "
-            f"nofile={NOFILE_WANT}:{NOFILE_WANT}`, or LimitNOFILE={NOFILE_WANT} in a systemd "
-            f"unit")
+    return (
+        f"the hard limit is {hard} too, and only a privileged process raises it: `ulimit -n "
+        f"{NOFILE_WANT}` as root before starting them, `docker run --ulimit "
+        f"nofile={NOFILE_WANT}:{NOFILE_WANT}`, or LimitNOFILE={NOFILE_WANT} in a systemd "
+        f"unit"
+    )
 
 
 def threads(report: Report, pages: dict[int, dict]) -> None:
@@ -270,15 +337,21 @@ def threads(report: Report, pages: dict[int, dict]) -> None:
     total = sum(counts.values())
     if len(counts) > 1 and total > cores:
         share = max(1, cores // len(counts))
-        report("WARN", f"{len(counts)} devipc processes here (pids "
-                       f"{', '.join(map(str, sorted(counts)))}) ask for {total} torch CPU "
-                       f"threads in all, for {cores} cores: they slow each other down (engines "
-                       f"beside a trainer, each with a thread per core)",
-               f"give each its share: torch.set_num_threads({share}) first thing, or "
-               f"OMP_NUM_THREADS={share} in its environment before it starts")
+        report(
+            "WARN",
+            f"{len(counts)} devipc processes here (pids "
+            f"{', '.join(map(str, sorted(counts)))}) ask for {total} torch CPU "
+            f"threads in all, for {cores} cores: they slow each other down (engines "
+            f"beside a trainer, each with a thread per core)",
+            f"give each its share: torch.set_num_threads({share}) first thing, or "
+            f"OMP_NUM_THREADS={share} in its environment before it starts",
+        )
     elif counts:
-        report("ok", f"torch CPU threads: {total} for {cores} cores "
-                     f"({len(counts)} other devipc process(es) here)")
+        report(
+            "ok",
+            f"torch CPU threads: {total} for {cores} cores "
+            f"({len(counts)} other devipc process(es) here)",
+        )
     else:
         report("ok", "torch CPU threads: no other devipc process here")
 
@@ -323,8 +396,12 @@ def live(report: Report, types: list[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_child, args=(inbox, outbox, hook_modules(types)), daemon=True,
-                        name="devipc-doctor-peer")
+    child = ctx.Process(
+        target=_child,
+        args=(inbox, outbox, hook_modules(types)),
+        daemon=True,
+        name="devipc-doctor-peer",
+    )
     child.start()
 
     def answer() -> Any:
@@ -332,8 +409,10 @@ def live(report: Report, types: list[str], timeout: float) -> None:
             with contextlib.suppress(queue.Empty):
                 return outbox.get(timeout=0.2)
             if not child.is_alive() or time.monotonic() > deadline:
-                raise TimeoutError(f"the child (pid {child.pid}) did not answer within "
-                                   f"{timeout:.0f} s (exit code {child.exitcode})")
+                raise TimeoutError(
+                    f"the child (pid {child.pid}) did not answer within "
+                    f"{timeout:.0f} s (exit code {child.exitcode})"
+                )
 
     names = [*(f"{t}:0" for t in types), "cpu"]
     first = names[0]
@@ -347,16 +426,26 @@ def live(report: Report, types: list[str], timeout: float) -> None:
             reply = answer()
             took = (time.perf_counter() - start) * 1e3
             if reply[0] != "ok":
-                report("FAIL", f"round trip {name}: the child could not open it: {reply[1]}",
-                       _fix_for(reply[1]))
+                report(
+                    "FAIL",
+                    f"round trip {name}: the child could not open it: {reply[1]}",
+                    _fix_for(reply[1]),
+                )
             elif reply[1] != 120.0 or not bool((tensor.cpu() == 7).all()):
-                report("FAIL", f"round trip {name}: the child saw sum {reply[1]} (120 sent) and "
-                               f"its write {'did not' if tensor.cpu()[0] != 7 else 'did'} reach "
-                               f"this process: the memory is not shared", "report this as a bug")
+                report(
+                    "FAIL",
+                    f"round trip {name}: the child saw sum {reply[1]} (120 sent) and "
+                    f"its write {'did not' if tensor.cpu()[0] != 7 else 'did'} reach "
+                    f"this process: the memory is not shared",
+                    "report this as a bug",
+                )
             else:
-                report("ok", f"round trip {name}: child pid {child.pid} received a tensor through "
-                             f"a torch.multiprocessing Queue, its write came back ({took:.0f} ms"
-                             f"{', with its start' if name == first else ''})")
+                report(
+                    "ok",
+                    f"round trip {name}: child pid {child.pid} received a tensor through "
+                    f"a torch.multiprocessing Queue, its write came back ({took:.0f} ms"
+                    f"{', with its start' if name == first else ''})",
+                )
         where = f"{types[0]}:0" if types else "cpu"
         inbox.put(("p2p", where))
         reply = answer()
@@ -367,8 +456,10 @@ def live(report: Report, types: list[str], timeout: float) -> None:
                 local = torch.zeros(16, device=where)
                 endpoint.connect(reply[1]).read(local, reply[2])
                 if torch.equal(local.cpu(), torch.arange(16.0)):
-                    report("ok", f"p2p: read the child's tensor on {where} through "
-                                 f"devipc.p2p.Endpoint()")
+                    report(
+                        "ok",
+                        f"p2p: read the child's tensor on {where} through devipc.p2p.Endpoint()",
+                    )
                 else:
                     report("FAIL", "p2p: the read brought other bytes", "report this as a bug")
         inbox.put(None)
@@ -385,8 +476,10 @@ def live(report: Report, types: list[str], timeout: float) -> None:
 
 def _fix_for(message: str) -> str:
     if "permission denied" in message:
-        return ("run consumers as the producer's user, in its PID namespace, and keep the "
-                "producer dumpable; or give consumers CAP_SYS_PTRACE")
+        return (
+            "run consumers as the producer's user, in its PID namespace, and keep the "
+            "producer dumpable; or give consumers CAP_SYS_PTRACE"
+        )
     if "has exited" in message or "no longer open" in message:
         return "a peer in another PID namespace sees other pids: " + FIX_PID_NS
     return ""
@@ -398,8 +491,13 @@ def _identity() -> dict:
             boot_id = boot.read().strip()
     except OSError:
         boot_id = ""
-    return {"pid": os.getpid(), "uid": os.getuid(), "boot": boot_id, "pid_ns": _pid_ns(),
-            "host": socket.gethostname()}
+    return {
+        "pid": os.getpid(),
+        "uid": os.getuid(),
+        "boot": boot_id,
+        "pid_ns": _pid_ns(),
+        "host": socket.gethostname(),
+    }
 
 
 def serve(timeout: float = 600.0) -> int:
@@ -409,20 +507,32 @@ def serve(timeout: float = 600.0) -> int:
     try:
         nonce = secrets.randbits(62)
         file.buffer.int64(0).value = nonce
-        token = TOKEN_PREFIX + base64.urlsafe_b64encode(json.dumps(
-            {**_identity(), "handle": file.handle.hex()}).encode()).decode()
-        print(f"devipc doctor: serving a peer check for {timeout:.0f} s (pid {os.getpid()}). In "
-              f"the other container, pod or process, run:\n\n    devipc doctor --peer {token}\n",
-              flush=True)
+        token = (
+            TOKEN_PREFIX
+            + base64.urlsafe_b64encode(
+                json.dumps({**_identity(), "handle": file.handle.hex()}).encode()
+            ).decode()
+        )
+        print(
+            f"devipc doctor: serving a peer check for {timeout:.0f} s (pid {os.getpid()}). In "
+            f"the other container, pod or process, run:\n\n    devipc doctor --peer {token}\n",
+            flush=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if file.buffer.int64(1).value == nonce + 1:
-                print("ok    a peer opened this process's memfd through /proc and read it: "
-                      "sharing between the two works", flush=True)
+                print(
+                    "ok    a peer opened this process's memfd through /proc and read it: "
+                    "sharing between the two works",
+                    flush=True,
+                )
                 return 0
             time.sleep(0.05)
-        print(f"FAIL  no peer opened the memfd within {timeout:.0f} s; run `devipc doctor "
-              f"--peer TOKEN` there, it says what is wrong", flush=True)
+        print(
+            f"FAIL  no peer opened the memfd within {timeout:.0f} s; run `devipc doctor "
+            f"--peer TOKEN` there, it says what is wrong",
+            flush=True,
+        )
         return 1
     finally:
         file.close()
@@ -433,8 +543,11 @@ def parse_token(token: str) -> dict | None:
     try:
         theirs = json.loads(base64.urlsafe_b64decode(token.removeprefix(TOKEN_PREFIX)))
         theirs["handle"] = bytes.fromhex(theirs["handle"])
-        if token.startswith(TOKEN_PREFIX) and len(theirs["handle"]) == HANDLE_SIZE \
-                and {"uid", "boot", "pid_ns", "host"} <= set(theirs):
+        if (
+            token.startswith(TOKEN_PREFIX)
+            and len(theirs["handle"]) == HANDLE_SIZE
+            and {"uid", "boot", "pid_ns", "host"} <= set(theirs)
+        ):
             return theirs
     except (ValueError, TypeError, KeyError, binascii.Error):
         pass  # not a doctor's token: None says so
@@ -448,19 +561,32 @@ def check_peer(report: Report, theirs: dict) -> None:
     mine, pid = _identity(), handle_pid(handle)
     causes = []
     if theirs["boot"] != mine["boot"]:
-        causes.append((f"the peer (pid {pid} on {theirs['host']}) runs on another machine, VM or "
-                       f"kernel boot: same-host sharing cannot reach it",
-                       "move tensors between hosts with devipc.p2p.Endpoint(transport='nixl')"))
+        causes.append(
+            (
+                f"the peer (pid {pid} on {theirs['host']}) runs on another machine, VM or "
+                f"kernel boot: same-host sharing cannot reach it",
+                "move tensors between hosts with devipc.p2p.Endpoint(transport='nixl')",
+            )
+        )
     elif theirs["pid_ns"] != mine["pid_ns"]:
-        causes.append((f"the peer (pid {pid} there) runs in another PID namespace (pid:"
-                       f"[{theirs['pid_ns']}] there, pid:[{mine['pid_ns']}] here), as two "
-                       f"containers do: /proc/{pid}/fd here is not the peer's, so no handle of "
-                       f"it can be opened", FIX_PID_NS))
+        causes.append(
+            (
+                f"the peer (pid {pid} there) runs in another PID namespace (pid:"
+                f"[{theirs['pid_ns']}] there, pid:[{mine['pid_ns']}] here), as two "
+                f"containers do: /proc/{pid}/fd here is not the peer's, so no handle of "
+                f"it can be opened",
+                FIX_PID_NS,
+            )
+        )
     if theirs["uid"] != mine["uid"] and not _capability(CAP_SYS_PTRACE):
-        causes.append((f"the peer runs as uid {theirs['uid']}, this process as uid {mine['uid']}, "
-                       f"without CAP_SYS_PTRACE: the kernel denies opening /proc/{pid}/fd",
-                       "run both as one user, or give the consumer CAP_SYS_PTRACE "
-                       "(`docker run --cap-add SYS_PTRACE`)"))
+        causes.append(
+            (
+                f"the peer runs as uid {theirs['uid']}, this process as uid {mine['uid']}, "
+                f"without CAP_SYS_PTRACE: the kernel denies opening /proc/{pid}/fd",
+                "run both as one user, or give the consumer CAP_SYS_PTRACE "
+                "(`docker run --cap-add SYS_PTRACE`)",
+            )
+        )
     try:
         mapped = open_shared_file(handle, MAGIC)
     except (DevIpcError, OSError) as error:
@@ -468,12 +594,17 @@ def check_peer(report: Report, theirs: dict) -> None:
     else:
         mapped.int64(1).value = mapped.int64(0).value + 1
         mapped.close()
-        report("ok", f"peer: opened the memfd of pid {pid} ({theirs['host']}) through /proc: "
-                     f"handles of that process open here")
+        report(
+            "ok",
+            f"peer: opened the memfd of pid {pid} ({theirs['host']}) through /proc: "
+            f"handles of that process open here",
+        )
         return
     for what, fix in causes:
         report("FAIL", f"peer: {what} (opening it said: {failure})", fix)
     if not causes:
-        report("FAIL", f"peer: the memfd of pid {pid} cannot be opened: {failure}",
-               _fix_for(failure) or "keep the serving side running while the peer checks")
-
+        report(
+            "FAIL",
+            f"peer: the memfd of pid {pid} cannot be opened: {failure}",
+            _fix_for(failure) or "keep the serving side running while the peer checks",
+        )

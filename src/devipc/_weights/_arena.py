@@ -24,6 +24,7 @@ Two more header words are futexes (`_futex`) that processes sleep on instead of 
 newest generation published (`ArenaReader.wait` sleeps on it) and a count of acknowledgements
 (`Arena.wait_for` sleeps on it, waking every few milliseconds to look for dead consumers).
 """
+
 import functools
 import itertools
 import os
@@ -151,8 +152,7 @@ class _Records(WordTable):
 
     def checksum(self, generation: int) -> int | None:
         """The CRC-32 published with `generation`, or None: published without one."""
-        return published_sum([self.load_header(_SUMS + i) for i in range(SUM_WORDS)],
-                             generation)
+        return published_sum([self.load_header(_SUMS + i) for i in range(SUM_WORDS)], generation)
 
 
 _HEADER_LOCK = (0, 8)  # the `filling` word
@@ -214,6 +214,7 @@ _R = TypeVar("_R")
 
 def counted(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
     """A public method of an object with `_calls`: counted as under way while it runs."""
+
     @functools.wraps(method)
     def counted(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         self._calls.enter()
@@ -221,6 +222,7 @@ def counted(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[
             return method(self, *args, **kwargs)
         finally:
             self._calls.leave()
+
     return counted
 
 
@@ -242,8 +244,15 @@ class Arena:
     `put()` chunk after chunk. Thread-safe: puts, publishes and attaches from several threads
     take their turns; `close()` from another thread ends their waits with ValueError."""
 
-    def __init__(self, nbytes: int, device: torch.device | str | int, buffers: int = 2, *,
-                 storage: torch.UntypedStorage | None = None, words: Words = ARENA_WORDS):
+    def __init__(
+        self,
+        nbytes: int,
+        device: torch.device | str | int,
+        buffers: int = 2,
+        *,
+        storage: torch.UntypedStorage | None = None,
+        words: Words = ARENA_WORDS,
+    ):
         """With `storage`, the arena is that memory as it is (one buffer of exactly its bytes):
         what its consumers see is what its owner writes, e.g. packed weights. `words` are what
         errors call it and its parts (a WeightPublisher's arena speaks of its publisher)."""
@@ -257,12 +266,16 @@ class Arena:
         host = device.type == "cpu"  # torch's own shared memory (`_host`), no hooks
         if not host:
             hooks_for(device)  # UnsupportedDeviceError before anything is allocated
-        self.device = torch.device("cpu") if host else _sharing.local_device(device,
-                                                                               device.type)
+        self.device = torch.device("cpu") if host else _sharing.local_device(device, device.type)
         if storage is None:
             self.nbytes = -(-_positive(nbytes, "nbytes") // ALIGNMENT) * ALIGNMENT
-            self._storage = shared_host_storage(self.nbytes * buffers) if host else torch.empty(
-                self.nbytes * buffers, dtype=torch.uint8, device=self.device).untyped_storage()
+            self._storage = (
+                shared_host_storage(self.nbytes * buffers)
+                if host
+                else torch.empty(
+                    self.nbytes * buffers, dtype=torch.uint8, device=self.device
+                ).untyped_storage()
+            )
         else:
             if buffers != 1 or storage.device != self.device or storage.nbytes() != nbytes:
                 raise ValueError("an arena over a storage has one buffer: the storage's bytes")
@@ -274,8 +287,13 @@ class Arena:
         self._records.set_filling(-1)
         self._records.set_published(-1)
         self._used = 0  # records handed out so far (the first ones): those the scans look at
-        self._scanned = Records(self._records.state, self._records.ack, self._records.pid,
-                                self._died, lambda: self._used)
+        self._scanned = Records(
+            self._records.state,
+            self._records.ack,
+            self._records.pid,
+            self._died,
+            lambda: self._used,
+        )
         for generation in (-2, -1):
             self._records.set_checksum(generation, NO_SUM)
         self._token = secrets.token_bytes(16)
@@ -302,14 +320,18 @@ class Arena:
         send = self._host_send or self._device_send()
         self._sends[index] = send
         self._records.set_state(index, PENDING)
-        return Attachment(self._token, send, self._control.handle, index, self.nbytes,
-                          self.buffers, serial).to_bytes()
+        return Attachment(
+            self._token, send, self._control.handle, index, self.nbytes, self.buffers, serial
+        ).to_bytes()
 
     def _device_send(self) -> _handles.Handle:
         shared = _sharing.share_device(self._storage)
-        return _handles.Handle(bucket=True, shared=shared,
-                               identity=_handles.identity_of(shared.device),
-                               table=Table([], [], [], [], []))
+        return _handles.Handle(
+            bucket=True,
+            shared=shared,
+            identity=_handles.identity_of(shared.device),
+            table=Table([], [], [], [], []),
+        )
 
     def _take_record(self) -> int:
         """A record nobody uses: free, or of a consumer that closed or died, or of an
@@ -341,12 +363,18 @@ class Arena:
             self._used += 1
             return self._used - 1
         words = self._words
-        raise ValueError(f"at most {MAX_READERS} {words.readers} attached at a time to one "
-                         f"{words.producer}: close one first (every {words.token} handed out "
-                         f"and never opened holds its place until it expires)")
+        raise ValueError(
+            f"at most {MAX_READERS} {words.readers} attached at a time to one "
+            f"{words.producer}: close one first (every {words.token} handed out "
+            f"and never opened holds its place until it expires)"
+        )
 
-    def put(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-            timeout: float = 60.0, checksum: bool = False) -> bytes:
+    def put(
+        self,
+        named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        timeout: float = 60.0,
+        checksum: bool = False,
+    ) -> bytes:
         """Copy a chunk of named tensors into the next buffer, packed as `share_tensors` packs
         them, once every attached consumer acknowledged the generation that used that buffer
         before (one that never opened its attachment is not waited for), with its CRC-32 if
@@ -358,26 +386,32 @@ class Arena:
             raise ValueError(f"the arena is on {self.device}, the chunk on {items[0][1].device}")
         table, end = Table.packed(items)
         if end > self.nbytes:
-            raise ValueError(f"the chunk needs {end} bytes, an arena buffer holds {self.nbytes}: "
-                             f"split it into smaller chunks")
+            raise ValueError(
+                f"the chunk needs {end} bytes, an arena buffer holds {self.nbytes}: "
+                f"split it into smaller chunks"
+            )
         generation = self.publish(
-            lambda storage, base: _handles.fill(storage, base, table, items), timeout, checksum)
+            lambda storage, base: _handles.fill(storage, base, table, items), timeout, checksum
+        )
         writer = _wire.Writer(_wire.CHUNK).bytes(self._token).int(generation)
         writer.int(generation % self.buffers)
         table.write(writer)
         return writer.done()
 
     @counted
-    def publish(self, fill: Callable[[torch.UntypedStorage, int], object] | None = None,
-                timeout: float = 60.0, checksum: bool = False) -> int:
+    def publish(
+        self,
+        fill: Callable[[torch.UntypedStorage, int], object] | None = None,
+        timeout: float = 60.0,
+        checksum: bool = False,
+    ) -> int:
         """The next generation: announced, then (once every attached consumer acknowledged the
         generation that used its buffer before) `fill(storage, byte offset of its buffer)`,
         the device's work waited for, and the generation published: consumers sleeping in
         `ArenaReader.wait` wake. Returns it. With `checksum` (an arena of at most two buffers),
         the CRC-32 of its buffer goes with it, for `ArenaReader.verify`. Errors as `put`."""
         if checksum and self.buffers > 2:
-            raise ValueError(f"checksums go with arenas of at most 2 buffers, not "
-                             f"{self.buffers}")
+            raise ValueError(f"checksums go with arenas of at most 2 buffers, not {self.buffers}")
         with self._turns:
             generation = self.generation + 1
             self.announce(generation)
@@ -386,8 +420,9 @@ class Arena:
             if fill is not None:
                 fill(self._storage, base)
             synchronize(self.device)  # before anyone reads
-            self._records.set_checksum(generation, crc32(self._storage, base, self.nbytes)
-                                       if checksum else NO_SUM)
+            self._records.set_checksum(
+                generation, crc32(self._storage, base, self.nbytes) if checksum else NO_SUM
+            )
             self.generation = generation
             self._records.set_published(generation)
             return generation
@@ -422,8 +457,7 @@ class Arena:
                 return
             left = _DEATH_CHECK if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                raise acks_timeout(self._scanned, waiting, timeout, generation,
-                                   self._words.readers)
+                raise acks_timeout(self._scanned, waiting, timeout, generation, self._words.readers)
             _futex.wait(self._records.address(_ACKS), seen, min(left, _DEATH_CHECK))
 
     @counted
@@ -445,8 +479,9 @@ class Arena:
     def _died(self, index: int) -> bool:
         """An attached record whose lock is free: its consumer is gone. Marked GONE."""
         start, length = self._records.lock_range(index)
-        if self._records.state(index) != ATTACHED or not _locks.try_lock(self._control.fd, start,
-                                                                          length):
+        if self._records.state(index) != ATTACHED or not _locks.try_lock(
+            self._control.fd, start, length
+        ):
             return False
         try:
             if self._records.state(index) != ATTACHED:
@@ -459,9 +494,15 @@ class Arena:
     @counted
     def consumers(self) -> dict[int, dict]:
         """Each consumer record in use: state, last acknowledged generation, pid."""
-        return {i: {"state": label(s), "acknowledged": self._records.ack(i),
-                    "pid": self._records.pid(i)}
-                for i in range(self._used) if (s := self._records.state(i)) != FREE}
+        return {
+            i: {
+                "state": label(s),
+                "acknowledged": self._records.ack(i),
+                "pid": self._records.pid(i),
+            }
+            for i in range(self._used)
+            if (s := self._records.state(i)) != FREE
+        }
 
     def close(self) -> None:
         """Take back unopened sends and drop the producer's references: the memory is freed once
@@ -492,8 +533,10 @@ class Arena:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"<devipc.Arena {self.buffers} x {self.nbytes} bytes on {self.device}, "
-                f"generation {self.generation}>")
+        return (
+            f"<devipc.Arena {self.buffers} x {self.nbytes} bytes on {self.device}, "
+            f"generation {self.generation}>"
+        )
 
 
 class Chunk:
@@ -522,13 +565,22 @@ class Attachment(NamedTuple):
     serial: int
 
     def to_bytes(self) -> bytes:
-        return (_wire.Writer(_wire.ARENA).bytes(self.token).bytes(bytes(self.send))
-                .bytes(self.control).int(self.record).int(self.nbytes).int(self.buffers)
-                .int(self.serial).done())
+        return (
+            _wire.Writer(_wire.ARENA)
+            .bytes(self.token)
+            .bytes(bytes(self.send))
+            .bytes(self.control)
+            .int(self.record)
+            .int(self.nbytes)
+            .int(self.buffers)
+            .int(self.serial)
+            .done()
+        )
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview,
-                   name: str = "arena attachment") -> "Attachment":
+    def from_bytes(
+        cls, data: bytes | bytearray | memoryview, name: str = "arena attachment"
+    ) -> "Attachment":
         """`name`: what errors call it (the token of a weight publisher it is part of)."""
         reader = _wire.Reader(data, (_wire.ARENA,), name)
         token = reader.bytes("identity", 64)
@@ -540,8 +592,10 @@ class Attachment(NamedTuple):
         serial = reader.int("serial")
         reader.end()
         if send.kind != "bucket" or send.nbytes != nbytes * buffers:
-            raise InvalidHandleError(f"this {name} is damaged: its memory has {send.nbytes} "
-                                     f"bytes, not {buffers} x {nbytes}")
+            raise InvalidHandleError(
+                f"this {name} is damaged: its memory has {send.nbytes} "
+                f"bytes, not {buffers} x {nbytes}"
+            )
         return cls(token, send, control, record, nbytes, buffers, serial)
 
 
@@ -549,9 +603,13 @@ class ArenaReader:
     """Consumer: an arena opened once; `read` each chunk's bytes, then `ack` it. `close()` from
     another thread ends a `wait` under way there with ValueError."""
 
-    def __init__(self, data: bytes | bytearray | memoryview | Attachment,
-                 device: torch.device | str | int | None = None, *,
-                 words: Words = ARENA_WORDS):
+    def __init__(
+        self,
+        data: bytes | bytearray | memoryview | Attachment,
+        device: torch.device | str | int | None = None,
+        *,
+        words: Words = ARENA_WORDS,
+    ):
         """`data`: `Arena.attach()`'s bytes, or their `Attachment`. `words` are what errors
         call it and its parts."""
         attachment = data if isinstance(data, Attachment) else Attachment.from_bytes(data)
@@ -563,17 +621,24 @@ class ArenaReader:
         self._producer = handle_pid(attachment.control)  # a valid handle: it opened
         try:
             if self._mapping.size != _CONTROL_BYTES:
-                raise InvalidHandleError(f"this {words.token} is damaged: its control file has "
-                                         f"{self._mapping.size} bytes, not {_CONTROL_BYTES}")
+                raise InvalidHandleError(
+                    f"this {words.token} is damaged: its control file has "
+                    f"{self._mapping.size} bytes, not {_CONTROL_BYTES}"
+                )
             self._records = _Records(self._mapping)
-            if not _locks.try_lock(self._mapping.fd, *self._records.lock_range(self._index)) \
-                    or self._records.state(self._index) != PENDING \
-                    or self._records.serial(self._index) != attachment.serial:
-                raise InvalidHandleError(f"this {words.token} was already opened "
-                                         f"({words.one_each}), revoked, or the "
-                                         f"{words.producer} is closed")
-            self._storage: torch.UntypedStorage | None = _open_send(attachment.send, device,
-                                                                    words.token)
+            if (
+                not _locks.try_lock(self._mapping.fd, *self._records.lock_range(self._index))
+                or self._records.state(self._index) != PENDING
+                or self._records.serial(self._index) != attachment.serial
+            ):
+                raise InvalidHandleError(
+                    f"this {words.token} was already opened "
+                    f"({words.one_each}), revoked, or the "
+                    f"{words.producer} is closed"
+                )
+            self._storage: torch.UntypedStorage | None = _open_send(
+                attachment.send, device, words.token
+            )
         except BaseException:
             self._mapping.close()  # the lock goes with it
             raise
@@ -605,30 +670,34 @@ class ArenaReader:
                 self._read = published
                 return published
             if records.closed():
-                raise PeerGoneError(f"the {self._words.producer} was closed: nothing more "
-                                    f"will be published")
+                raise PeerGoneError(
+                    f"the {self._words.producer} was closed: nothing more will be published"
+                )
             if not pid_alive(self._producer):
-                raise PeerGoneError(f"the {self._words.producer}'s process (pid "
-                                    f"{self._producer}) exited")
+                raise PeerGoneError(
+                    f"the {self._words.producer}'s process (pid {self._producer}) exited"
+                )
             left = _DEATH_CHECK * 5 if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no new generation within {timeout} s (the newest is "
-                                   f"{published})")
+                raise TimeoutError(
+                    f"no new generation within {timeout} s (the newest is {published})"
+                )
             _futex.wait(records.address(_PUBLISHED), published, min(left, _DEATH_CHECK * 5))
 
     def ready(self) -> bool:
         """Whether `wait()` would return (or raise) at once: a newer generation is published,
         the arena was closed or its producer exited. Never blocks."""
         records = self._records
-        return records.published() > self._read or records.closed() \
-            or not pid_alive(self._producer)
+        return records.published() > self._read or records.closed() or not pid_alive(self._producer)
 
     @counted
     def views(self, generation: int, table: Table) -> dict[str, torch.Tensor]:
         """`table`'s tensors in the buffer of `generation`, read and not yet acknowledged."""
         if not self.acknowledged < generation <= self._read:
-            raise ValueError(f"generation {generation} is not held: read or waited for up to "
-                             f"{self._read}, acknowledged up to {self.acknowledged}")
+            raise ValueError(
+                f"generation {generation} is not held: read or waited for up to "
+                f"{self._read}, acknowledged up to {self.acknowledged}"
+            )
         return table.views(self._held(), shift=(generation % self.buffers) * self.nbytes)
 
     @counted
@@ -643,13 +712,16 @@ class ArenaReader:
         table = Table.read(reader, self.nbytes)
         reader.end()
         if generation <= self.acknowledged:
-            raise InvalidHandleError(f"chunk {generation} is older than the acknowledged "
-                                     f"generation {self.acknowledged} (acknowledged here, or put "
-                                     f"before this reader opened the arena): its buffer may be "
-                                     f"reused")
+            raise InvalidHandleError(
+                f"chunk {generation} is older than the acknowledged "
+                f"generation {self.acknowledged} (acknowledged here, or put "
+                f"before this reader opened the arena): its buffer may be "
+                f"reused"
+            )
         if buffer != generation % self.buffers:
-            raise InvalidHandleError(f"chunk {generation} claims buffer {buffer}, not "
-                                     f"{generation % self.buffers}")
+            raise InvalidHandleError(
+                f"chunk {generation} claims buffer {buffer}, not {generation % self.buffers}"
+            )
         self._read = max(self._read, generation)
         base = buffer * self.nbytes
         return Chunk(generation, table.views(self._held(), shift=base))
@@ -663,8 +735,7 @@ class ArenaReader:
         if not isinstance(generation, int) or isinstance(generation, bool):
             raise TypeError(f"acknowledge a generation (int) or a Chunk, not {generation!r}")
         if generation > self._read:
-            raise ValueError(f"generation {generation} was not read yet (last read: "
-                             f"{self._read})")
+            raise ValueError(f"generation {generation} was not read yet (last read: {self._read})")
         if generation <= self.acknowledged:
             return
         synchronize(self.device)
@@ -678,18 +749,24 @@ class ArenaReader:
         compare it with the one published with it: ChecksumError if they differ, ValueError if
         it was published without one. Before `ack`: the buffer may be refilled after."""
         if not self.acknowledged < generation <= self._read:
-            raise ValueError(f"generation {generation} is not held: read or waited for up to "
-                             f"{self._read}, acknowledged up to {self.acknowledged}")
+            raise ValueError(
+                f"generation {generation} is not held: read or waited for up to "
+                f"{self._read}, acknowledged up to {self.acknowledged}"
+            )
         expected = self._records.checksum(generation)
         if expected is None:
-            raise ValueError(f"generation {generation} was published without a checksum: the "
-                             f"{self._words.producer} publishes with checksum=True")
+            raise ValueError(
+                f"generation {generation} was published without a checksum: the "
+                f"{self._words.producer} publishes with checksum=True"
+            )
         synchronize(self.device)
         found = crc32(self._held(), (generation % self.buffers) * self.nbytes, self.nbytes)
         if found != expected:
-            raise ChecksumError(f"generation {generation} holds other bytes here than the "
-                                f"{self._words.producer} published (CRC-32 {found:08x}, "
-                                f"published {expected:08x})")
+            raise ChecksumError(
+                f"generation {generation} holds other bytes here than the "
+                f"{self._words.producer} published (CRC-32 {found:08x}, "
+                f"published {expected:08x})"
+            )
 
     def _held(self) -> torch.UntypedStorage:
         assert self._storage is not None  # until the last call under way left
@@ -718,26 +795,32 @@ class ArenaReader:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"<devipc.ArenaReader {self.buffers} x {self.nbytes} bytes on {self.device}, "
-                f"acknowledged {self.acknowledged}>")
+        return (
+            f"<devipc.ArenaReader {self.buffers} x {self.nbytes} bytes on {self.device}, "
+            f"acknowledged {self.acknowledged}>"
+        )
 
 
-def open_arena(data: bytes | bytearray | memoryview,
-               device: torch.device | str | int | None = None) -> ArenaReader:
+def open_arena(
+    data: bytes | bytearray | memoryview, device: torch.device | str | int | None = None
+) -> ArenaReader:
     """Consumer: open an arena from `Arena.attach()`'s bytes, once. `device` as in `open`."""
     return ArenaReader(data, device)
 
 
-def _open_send(send: _handles.Handle | HostSend, device: torch.device | str | int | None,
-               what: str) -> torch.UntypedStorage:
+def _open_send(
+    send: _handles.Handle | HostSend, device: torch.device | str | int | None, what: str
+) -> torch.UntypedStorage:
     """The arena's memory in this process: on `device` (None: the producer's own), the CPU
     included where the memory is host memory. Checked before the send's one open is spent."""
     cpu = device is not None and torch.device(device).type == "cpu"
     if isinstance(send, HostSend):
         if device is not None and not cpu:
-            raise ValueError(f"this {what} is of CPU memory: open it on the CPU (device=None or "
-                             f"'cpu'), then copy what {torch.device(device)} needs (copy_into "
-                             f"a model on it copies)")
+            raise ValueError(
+                f"this {what} is of CPU memory: open it on the CPU (device=None or "
+                f"'cpu'), then copy what {torch.device(device)} needs (copy_into "
+                f"a model on it copies)"
+            )
         return send.open(what)
     if cpu:
         if not host_addressable(send.device):

@@ -9,6 +9,7 @@ CRC-32) pair per parity, rewritten only once no reader holds the generation two 
 A publisher across hosts also publishes the CRC-32s of the generation's blocks (`blocks`,
 `block_size`): an engine that pulls only part of a generation (a sharded engine's slices)
 pulls whole blocks and checks each one it holds."""
+
 import ctypes
 import zlib
 from collections.abc import Sequence
@@ -17,8 +18,16 @@ import torch
 
 from .._core._host import host_addressable
 
-__all__ = ["NO_SUM", "SUM_WORDS", "block_crc32s", "block_size", "blocks", "crc32", "pair",
-           "published_sum"]
+__all__ = [
+    "NO_SUM",
+    "SUM_WORDS",
+    "block_crc32s",
+    "block_size",
+    "blocks",
+    "crc32",
+    "pair",
+    "published_sum",
+]
 
 NO_SUM = -1  # in a pair's CRC-32 word: published without one
 SUM_WORDS = 4
@@ -63,7 +72,7 @@ def crc32(storage: torch.UntypedStorage, start: int, nbytes: int) -> int:
     whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     crc = 0
     for at in range(start, start + nbytes, _PIECE):
-        piece = whole[at:min(at + _PIECE, start + nbytes)].cpu()
+        piece = whole[at : min(at + _PIECE, start + nbytes)].cpu()
         crc = zlib.crc32((ctypes.c_char * piece.numel()).from_address(piece.data_ptr()), crc)
     return crc
 
@@ -79,17 +88,20 @@ def block_crc32s(storage: torch.UntypedStorage, start: int, nbytes: int) -> list
     sums: list[int] = []
     piece = max(block, _PIECE // block * block)
     for at in range(start, start + nbytes, piece):
-        host = whole[at:min(at + piece, start + nbytes)].cpu()
+        host = whole[at : min(at + piece, start + nbytes)].cpu()
         sums += _block_sums(host.data_ptr(), host.numel(), block)
     return sums
 
 
 def _block_sums(address: int, nbytes: int, block: int) -> list[int]:
-    return [zlib.crc32((ctypes.c_char * min(block, nbytes - at)).from_address(address + at))
-            for at in range(0, nbytes, block)]
+    return [
+        zlib.crc32((ctypes.c_char * min(block, nbytes - at)).from_address(address + at))
+        for at in range(0, nbytes, block)
+    ]
 
 
 def _check_range(storage: torch.UntypedStorage, start: int, nbytes: int) -> None:
     if not 0 <= start <= start + nbytes <= storage.nbytes():
-        raise ValueError(f"bytes {start}..{start + nbytes} are outside a storage of "
-                         f"{storage.nbytes()} bytes")
+        raise ValueError(
+            f"bytes {start}..{start + nbytes} are outside a storage of {storage.nbytes()} bytes"
+        )

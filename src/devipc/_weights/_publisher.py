@@ -15,6 +15,7 @@ one-sided transfers (`_remote_publisher`, `_remote_subscriber`, `transport="nixl
 then); a subscriber takes the one its token names. What the two share lives below both, in
 `_weights`.
 """
+
 import asyncio
 from collections.abc import Iterator, Mapping
 
@@ -42,25 +43,37 @@ class WeightPublisher:
     and `close()` from another thread ends a `publish`, `wait_acks` or `wait_subscribers` under
     way there with ValueError."""
 
-    def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False, transport: str = "ipc", relay: bool = False,
-                 block_checksums: bool = False):
+    def __init__(
+        self,
+        model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        copy: bool = False,
+        transport: str = "ipc",
+        relay: bool = False,
+        block_checksums: bool = False,
+    ):
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport is 'ipc' (one host) or 'nixl' (across hosts), not "
-                             f"{transport!r}")
+            raise ValueError(
+                f"transport is 'ipc' (one host) or 'nixl' (across hosts), not {transport!r}"
+            )
         if relay and transport != "nixl":
-            raise ValueError("relay=True passes generations from engine to engine across "
-                             "hosts: it needs transport='nixl' (on one host every engine maps "
-                             "the trainer's memory, nothing to relay)")
+            raise ValueError(
+                "relay=True passes generations from engine to engine across "
+                "hosts: it needs transport='nixl' (on one host every engine maps "
+                "the trainer's memory, nothing to relay)"
+            )
         if block_checksums and transport != "nixl":
-            raise ValueError("block_checksums=True lets an engine that pulls part of a "
-                             "generation across hosts verify it: it needs transport='nixl' (on "
-                             "one host an engine maps the whole generation and verifies it all)")
+            raise ValueError(
+                "block_checksums=True lets an engine that pulls part of a "
+                "generation across hosts verify it: it needs transport='nixl' (on "
+                "one host an engine maps the whole generation and verifies it all)"
+            )
         if transport == "nixl":
             from ._remote_publisher import NixlPublisher
 
             self._backend: LocalPublisher | NixlPublisher = NixlPublisher(
-                model_or_state_dict, copy=copy, relay=relay, block_checksums=block_checksums)
+                model_or_state_dict, copy=copy, relay=relay, block_checksums=block_checksums
+            )
         else:
             self._backend = LocalPublisher(model_or_state_dict, copy=copy)
         self.transport = transport
@@ -71,16 +84,18 @@ class WeightPublisher:
         return self._backend.copy
 
     device = property(lambda self: self._backend.device, doc="Where the published weights lie.")
-    generation = property(lambda self: self._backend.generation,
-                          doc="The newest generation published (-1: none yet).")
+    generation = property(
+        lambda self: self._backend.generation, doc="The newest generation published (-1: none yet)."
+    )
 
     def token(self) -> bytes:
         """One subscriber's way in (open it once, with `WeightSubscriber`); subscribers may join
         at any time."""
         return self._backend.token()
 
-    def publish(self, *, wait: bool = True, timeout: float | None = None,
-                checksum: bool = False) -> int:
+    def publish(
+        self, *, wait: bool = True, timeout: float | None = None, checksum: bool = False
+    ) -> int:
         """Make the current weights a new generation for every subscriber, once the device work
         that wrote them is done; returns it. With `wait`, returns once every live subscriber
         acknowledged it (`wait_acks`). With copy=False, ValueError, nothing published, if the
@@ -124,7 +139,8 @@ class WeightPublisher:
                 f"{str(late).partition(', ')[2]}: with copy=False they read the trainer's own "
                 f"memory, so the weights may change and the next generation go out only once "
                 f"wait_acks({newest}) returned (or publish with wait=True); nothing was "
-                f"published") from None
+                f"published"
+            ) from None
         except ConsumerDiedError as error:
             error.published = None
             raise
@@ -160,8 +176,10 @@ class WeightPublisher:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"<devipc.WeightPublisher {len(self._backend)} tensors on {self.device}, "
-                f"{'copy' if self.copy else 'in place'}, generation {self.generation}>")
+        return (
+            f"<devipc.WeightPublisher {len(self._backend)} tensors on {self.device}, "
+            f"{'copy' if self.copy else 'in place'}, generation {self.generation}>"
+        )
 
 
 class WeightSubscriber:
@@ -169,9 +187,14 @@ class WeightSubscriber:
     own weights, then `ack()`. Its calls from several threads take turns; `close()` from
     another thread ends a `wait` under way there with ValueError."""
 
-    def __init__(self, token: bytes | bytearray | memoryview,
-                 device: torch.device | str | int | None = None, *, share: bool = True,
-                 prefetch: bool = False):
+    def __init__(
+        self,
+        token: bytes | bytearray | memoryview,
+        device: torch.device | str | int | None = None,
+        *,
+        share: bool = True,
+        prefetch: bool = False,
+    ):
         """`device`: where to read the tensors (None: the publisher's device type, the local
         device that holds the memory). "cpu" for a CPU engine: on one host zero-copy where the
         publisher's memory is host memory (a CPU trainer, a device whose hooks say "DRAM"),
@@ -186,14 +209,16 @@ class WeightSubscriber:
         if transport == "nixl":
             from ._remote_subscriber import NixlSubscriber
 
-            self._backend: LocalSubscriber | NixlSubscriber = NixlSubscriber(token, device,
-                                                                             share, prefetch)
+            self._backend: LocalSubscriber | NixlSubscriber = NixlSubscriber(
+                token, device, share, prefetch
+            )
         else:
             self._backend = LocalSubscriber(token, device)
 
     device = property(lambda self: self._backend.device, doc="Where the tensors are read.")
-    generation = property(lambda self: self._backend.generation,
-                          doc="The generation held (-1: none yet).")
+    generation = property(
+        lambda self: self._backend.generation, doc="The generation held (-1: none yet)."
+    )
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until a generation newer than the one held is published; returns the newest.
@@ -219,8 +244,11 @@ class WeightSubscriber:
         yield from tensors.items()
         self._backend.check_held()
 
-    def copy_into(self, module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
-                  names: Names = None) -> None:
+    def copy_into(
+        self,
+        module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+        names: Names = None,
+    ) -> None:
         """Copy the held generation into the engine's own tensors, as `copy_` would: shapes
         must match, a floating dtype converts to the engine's (fp32 to bf16, say), integer and
         bool dtypes must match. `names` maps a published name to the engine's: a dict of renames
@@ -239,8 +267,9 @@ class WeightSubscriber:
         backoff = polling(timeout)
         while not self._backend.ready():
             if backoff.expired():
-                raise TimeoutError(f"no new generation within {timeout} s (the newest held is "
-                                   f"{self.generation})")
+                raise TimeoutError(
+                    f"no new generation within {timeout} s (the newest held is {self.generation})"
+                )
             await asyncio.sleep(backoff.next_pause())
         return self._backend.wait(timeout)
 
@@ -266,5 +295,7 @@ class WeightSubscriber:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"<devipc.WeightSubscriber {len(self._backend)} tensors on {self.device}, "
-                f"generation {self.generation}>")
+        return (
+            f"<devipc.WeightSubscriber {len(self._backend)} tensors on {self.device}, "
+            f"generation {self.generation}>"
+        )

@@ -14,6 +14,7 @@ subscriber that joins meanwhile gets the next generation. With `copy=True` the w
 engines' reading, only for the acknowledgement of the generation two publishes back, and a
 subscriber that joins gets the newest generation at once.
 """
+
 import threading
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -54,8 +55,9 @@ class LocalToken(NamedTuple):
     @classmethod
     def from_bytes(cls, token: bytes | bytearray | memoryview) -> "LocalToken":
         _, reader = token_reader(token, "ipc")
-        attachment = Attachment.from_bytes(reader.bytes("subscriber's part", _ATTACHMENT_BYTES),
-                                           reader.name)
+        attachment = Attachment.from_bytes(
+            reader.bytes("subscriber's part", _ATTACHMENT_BYTES), reader.name
+        )
         table = Table.read(reader, attachment.nbytes)  # rows inside a buffer
         reader.end()
         return cls(attachment, table)
@@ -68,23 +70,28 @@ class LocalPublisher:
     and `close()` from another thread ends a `publish` or `wait_acks` under way there with
     ValueError."""
 
-    def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False):
+    def __init__(
+        self,
+        model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        copy: bool = False,
+    ):
         self._source = model_or_state_dict
-        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher",
-                                     host=True)
+        items = _handles.named_items(
+            named_weights(model_or_state_dict), "WeightPublisher", host=True
+        )
         self.copy = bool(copy)
         self._in_place: InPlace | None = None
         if self.copy:
             self._table, end = Table.packed(items)
-            self._arena = Arena(max(end, 1), items[0][1].device, buffers=2,
-                                words=PUBLISHER_WORDS)
+            self._arena = Arena(max(end, 1), items[0][1].device, buffers=2, words=PUBLISHER_WORDS)
         else:
             storage, self._table = _handles.in_place(items)
             # CPU weights move into shared memory here (as share_memory_() moves them), so
             # where they lie is taken after
-            self._arena = Arena(storage.nbytes(), storage.device, buffers=1, storage=storage,
-                                words=PUBLISHER_WORDS)
+            self._arena = Arena(
+                storage.nbytes(), storage.device, buffers=1, storage=storage, words=PUBLISHER_WORDS
+            )
             self._in_place = InPlace(model_or_state_dict, items, storage)
         self.device = self._arena.device
         self.generation = -1
@@ -108,8 +115,9 @@ class LocalPublisher:
         if self._in_place is not None:
             self._in_place.check()
         fill = self._fill if self.copy else None
-        generation = self._arena.publish(fill, ACK_TIMEOUT if timeout is None else timeout,
-                                         checksum)
+        generation = self._arena.publish(
+            fill, ACK_TIMEOUT if timeout is None else timeout, checksum
+        )
         self.generation = max(self.generation, generation)
         return generation
 
@@ -140,8 +148,9 @@ class LocalSubscriber:
     several threads take turns; `close()` from another thread ends a `wait` under way there
     with ValueError."""
 
-    def __init__(self, token: bytes | bytearray | memoryview,
-                 device: torch.device | str | int | None = None):
+    def __init__(
+        self, token: bytes | bytearray | memoryview, device: torch.device | str | int | None = None
+    ):
         # everything checked before the token's one open is spent
         attachment, self._table = LocalToken.from_bytes(token)
         self._reader = ArenaReader(attachment, device, words=PUBLISHER_WORDS)

@@ -2,15 +2,31 @@
 subscribers across hosts): the states a record goes through, the most records one keeps, and the
 words of a wait that ran out. Both the arena and the NIXL publisher write these states into shared
 words, so a number read there may be anything: `label` names the ones it knows."""
+
 import enum
 from collections.abc import Callable
 from typing import NamedTuple
 
 from .._core._errors import AckTimeoutError, ConsumerDiedError
 
-__all__ = ["ARENA_WORDS", "ATTACHED", "CLOSED", "FREE", "GONE", "MAX_READERS", "PENDING",
-           "PUBLISHER_WORDS", "ReaderState", "Records", "Words", "acks_timeout", "attach_timeout",
-           "attached", "label", "unacknowledged"]
+__all__ = [
+    "ARENA_WORDS",
+    "ATTACHED",
+    "CLOSED",
+    "FREE",
+    "GONE",
+    "MAX_READERS",
+    "PENDING",
+    "PUBLISHER_WORDS",
+    "ReaderState",
+    "Records",
+    "Words",
+    "acks_timeout",
+    "attach_timeout",
+    "attached",
+    "label",
+    "unacknowledged",
+]
 
 # the most records one publisher keeps: its files are sized for them at construction, sparse
 # (a record's memory is touched once handed out), and its scans look only at the records handed
@@ -27,8 +43,13 @@ class ReaderState(enum.IntEnum):
 
 
 FREE, PENDING, ATTACHED, CLOSED, GONE = ReaderState
-_LABELS: dict[int, str] = {FREE: "free", PENDING: "not opened yet", ATTACHED: "attached",
-                           CLOSED: "closed", GONE: "died"}
+_LABELS: dict[int, str] = {
+    FREE: "free",
+    PENDING: "not opened yet",
+    ATTACHED: "attached",
+    CLOSED: "closed",
+    GONE: "died",
+}
 
 
 class Words(NamedTuple):
@@ -43,10 +64,22 @@ class Words(NamedTuple):
     one_each: str  # how to give each reader its own
 
 
-ARENA_WORDS = Words("arena", "arena reader", "arena consumer", "consumers", "arena attachment",
-                    "attach once per consumer")
-PUBLISHER_WORDS = Words("WeightPublisher", "WeightSubscriber", "subscriber", "subscribers",
-                        "WeightPublisher token", "one token() per subscriber")
+ARENA_WORDS = Words(
+    "arena",
+    "arena reader",
+    "arena consumer",
+    "consumers",
+    "arena attachment",
+    "attach once per consumer",
+)
+PUBLISHER_WORDS = Words(
+    "WeightPublisher",
+    "WeightSubscriber",
+    "subscriber",
+    "subscribers",
+    "WeightPublisher token",
+    "one token() per subscriber",
+)
 
 
 def label(state: int) -> str:
@@ -68,8 +101,11 @@ class Records(NamedTuple):
 def unacknowledged(records: Records, generation: int, words: Words) -> list[int]:
     """The readers a wait for `generation` still waits for: attached, an older one acknowledged.
     ConsumerDiedError names those of them found dead (GONE from then on: named once)."""
-    waiting = [i for i in range(records.used())
-               if records.state(i) == ATTACHED and records.ack(i) < generation]
+    waiting = [
+        i
+        for i in range(records.used())
+        if records.state(i) == ATTACHED and records.ack(i) < generation
+    ]
     dead = [(i, records.pid(i)) for i in waiting if records.died(i)]
     if dead:
         raise ConsumerDiedError(dead, generation, words.consumer, words.producer)
@@ -85,11 +121,15 @@ def attach_timeout(attached: int, count: int, timeout: float, readers: str) -> T
     return TimeoutError(f"{attached} of {count} {readers} attached within {timeout} s")
 
 
-def acks_timeout(records: Records, waiting: list[int], timeout: float | None, generation: int,
-                 readers: str) -> AckTimeoutError:
+def acks_timeout(
+    records: Records, waiting: list[int], timeout: float | None, generation: int, readers: str
+) -> AckTimeoutError:
     """The wait for `generation` ran out with `waiting` (`unacknowledged`) still waited for."""
     return AckTimeoutError(
-        f"after {timeout} s, {readers} " + ", ".join(
-            f"{i} (pid {records.pid(i)}, {label(records.state(i))}, acknowledged "
-            f"{records.ack(i)})" for i in waiting)
-        + f" have not acknowledged generation {generation}")
+        f"after {timeout} s, {readers} "
+        + ", ".join(
+            f"{i} (pid {records.pid(i)}, {label(records.state(i))}, acknowledged {records.ack(i)})"
+            for i in waiting
+        )
+        + f" have not acknowledged generation {generation}"
+    )

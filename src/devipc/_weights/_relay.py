@@ -36,6 +36,7 @@ buffers, for NIXL and for the same-host path) lies in a slot of the publisher's 
 memory, written before it first pulls and read by its downstream and its followers at each
 generation they take from it.
 """
+
 import hashlib
 import os
 import threading
@@ -55,9 +56,23 @@ from .._core._errors import InvalidHandleError, PeerGoneError
 from .._core._hooks import sharing_hooks
 from .._core._memfd import host_identity
 
-__all__ = ["CARD_BYTES", "RELAY_STALL", "Card", "Follower", "Member", "Moved", "Place", "Relay",
-           "chain", "chunk_size", "chunks_of", "host_key", "progress_word", "share_key",
-           "written"]
+__all__ = [
+    "CARD_BYTES",
+    "RELAY_STALL",
+    "Card",
+    "Follower",
+    "Member",
+    "Moved",
+    "Place",
+    "Relay",
+    "chain",
+    "chunk_size",
+    "chunks_of",
+    "host_key",
+    "progress_word",
+    "share_key",
+    "written",
+]
 
 RELAY_STALL = 2.0  # seconds without a new chunk from an upstream, after which it is gone around
 CARD_BYTES = 16 << 10  # a card's slot in the publisher's memory
@@ -73,8 +88,10 @@ def host_key() -> int:
     network namespace, so that namespaces with links of their own (an emulated cluster, a
     container's network) count as hosts."""
     parts = []
-    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                 lambda: os.readlink("/proc/self/ns/net")):
+    for read in (
+        lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        lambda: os.readlink("/proc/self/ns/net"),
+    ):
         try:
             parts.append(read())
         except OSError:
@@ -93,8 +110,9 @@ def share_key(device: torch.device) -> int:
         namespace = os.readlink("/proc/self/ns/net")
     except OSError:
         namespace = ""
-    digest = hashlib.blake2b(host_identity() + f"|{namespace}|{device}".encode(),
-                             digest_size=8).digest()
+    digest = hashlib.blake2b(
+        host_identity() + f"|{namespace}|{device}".encode(), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "little") >> 2 | 1
 
 
@@ -171,9 +189,11 @@ class Card(NamedTuple):
                 writer.bytes(desc, CARD_BYTES)
         data = writer.done()
         if len(data) > CARD_BYTES - 8:
-            raise ValueError(f"this subscriber's relay card takes {len(data)} bytes, more than "
-                             f"the {CARD_BYTES - 8} of its slot (its NIXL endpoint's metadata "
-                             f"is that large): subscribe without relay")
+            raise ValueError(
+                f"this subscriber's relay card takes {len(data)} bytes, more than "
+                f"the {CARD_BYTES - 8} of its slot (its NIXL endpoint's metadata "
+                f"is that large): subscribe without relay"
+            )
         return len(data).to_bytes(8, "little") + data
 
     @classmethod
@@ -181,10 +201,16 @@ class Card(NamedTuple):
         length = int.from_bytes(slot[:8], "little")
         if not 0 < length <= len(slot) - 8:
             raise InvalidHandleError(f"no relay card in this slot (length {length})")
-        reader = _wire.Reader(bytes(slot[8:8 + length]), (_wire.RELAY_CARD,), "relay card")
-        metadata, progress, local, local_progress = [reader.bytes(what, CARD_BYTES) for what in (
-            "endpoint metadata", "progress descriptor", "same-host endpoint metadata",
-            "same-host progress descriptor")]
+        reader = _wire.Reader(bytes(slot[8 : 8 + length]), (_wire.RELAY_CARD,), "relay card")
+        metadata, progress, local, local_progress = [
+            reader.bytes(what, CARD_BYTES)
+            for what in (
+                "endpoint metadata",
+                "progress descriptor",
+                "same-host endpoint metadata",
+                "same-host progress descriptor",
+            )
+        ]
         buffers = _descriptors(reader, "buffer", 1)
         local_buffers = _descriptors(reader, "same-host buffer", 0)
         reader.end()
@@ -287,8 +313,9 @@ class _Upstream:
     It commits under `lock` only while not `stopped`, so nothing lands once the relay took
     over."""
 
-    def __init__(self, relay: "Relay", connection: p2p.Connection, card: Card, generation: int,
-                 buffer: int):
+    def __init__(
+        self, relay: "Relay", connection: p2p.Connection, card: Card, generation: int, buffer: int
+    ):
         self._relay, self._connection, self._card = relay, connection, card
         self._generation, self._buffer = generation, buffer
         self._staging, self._word = relay.staging()  # set aside by the relay if abandoned
@@ -297,8 +324,7 @@ class _Upstream:
         self.news = time.monotonic()  # when the last chunk came (or the pull began)
         self.stopped = self.moved = self.ended = False
         self.endpoint: p2p.Endpoint | None = None  # handed over: closed when the thread ends
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name="devipc-relay-upstream")
+        self.thread = threading.Thread(target=self._run, daemon=True, name="devipc-relay-upstream")
         self.thread.start()
 
     def _run(self) -> None:
@@ -336,18 +362,23 @@ class _Upstream:
                         return
                     for index in range(self.done, self.done + known):
                         slot = (index % DEPTH) * relay.chunk
-                        relay.commit(generation, buffer, index, self._staging[slot:],
-                                     "upstream")
+                        relay.commit(generation, buffer, index, self._staging[slot:], "upstream")
                     if known:
-                        self.done, self.news, landed = self.done + known, time.monotonic(), \
-                            landed - known
+                        self.done, self.news, landed = (
+                            self.done + known,
+                            time.monotonic(),
+                            landed - known,
+                        )
                 if self.done == relay.chunks:
                     return
                 while after < chunks and after - self.done < AHEAD:
                     low, high = relay.span(after)
                     slot = (after % DEPTH) * relay.chunk
-                    in_flight.append(self._connection.read_async(
-                        self._staging[slot:slot + high - low], card.buffers[buffer], low))
+                    in_flight.append(
+                        self._connection.read_async(
+                            self._staging[slot : slot + high - low], card.buffers[buffer], low
+                        )
+                    )
                     after += 1
             if in_flight:  # nothing to do before it lands: then a word read after it
                 _finish(in_flight[0], self._check)
@@ -382,9 +413,18 @@ class Relay:
     behind). Its registrations are added to `ids`, the endpoints it makes to `endpoints` (ended
     with the subscriber's)."""
 
-    def __init__(self, endpoint: p2p.Endpoint, trainer: bytes, device: torch.device,
-                 count: int, nbytes: int, chunk: int, ids: list[int],
-                 endpoints: list[p2p.Endpoint], share: bool):
+    def __init__(
+        self,
+        endpoint: p2p.Endpoint,
+        trainer: bytes,
+        device: torch.device,
+        count: int,
+        nbytes: int,
+        chunk: int,
+        ids: list[int],
+        endpoints: list[p2p.Endpoint],
+        share: bool,
+    ):
         if chunk <= 0:
             raise ValueError(f"a relay's chunk is positive, not {chunk}")
         self._ids, self._endpoints = ids, endpoints
@@ -396,14 +436,19 @@ class Relay:
         self.progress = self._tensor((count,), torch.int64, "cpu").zero_()
         self._staging, self._word = self._new_staging()
         self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # reads may land there
-        self.card = Card(endpoint.metadata(), endpoint.advertise(self.progress),
-                         self._advertised(endpoint, buffers_id))
+        self.card = Card(
+            endpoint.metadata(),
+            endpoint.advertise(self.progress),
+            self._advertised(endpoint, buffers_id),
+        )
         if share:  # engines of this host and device map the buffers (`Follower`)
             local = p2p.Endpoint(transport="ipc")
             endpoints.append(local)
-            self.card = self.card._replace(local=local.metadata(),
-                                           local_progress=local.advertise(self.progress),
-                                           local_buffers=self._advertised(local, buffers_id))
+            self.card = self.card._replace(
+                local=local.metadata(),
+                local_progress=local.advertise(self.progress),
+                local_buffers=self._advertised(local, buffers_id),
+            )
         self._trainer_metadata = trainer
         self._reader: p2p.Endpoint | None = None  # reads from the trainer and upstreams
         self._trainer: p2p.Connection | None = None
@@ -413,18 +458,22 @@ class Relay:
         self.counts = {"trainer": 0, "upstream": 0, "bypassed": 0}
 
     def _advertised(self, endpoint: p2p.Endpoint, buffers_id: int) -> tuple[bytes, ...]:
-        return tuple(endpoint.advertise(buffers_id, b * self.nbytes, self.nbytes)
-                     for b in range(self.count))
+        return tuple(
+            endpoint.advertise(buffers_id, b * self.nbytes, self.nbytes) for b in range(self.count)
+        )
 
-    def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype,
-                device: torch.device | str) -> torch.Tensor:
+    def _tensor(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
         tensor, reg_id = p2p.create_tensor(shape, dtype, device)
         self._ids.append(reg_id)
         return tensor
 
     def _new_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self._tensor((DEPTH * self.chunk,), torch.uint8, self.device),
-                self._tensor((1,), torch.int64, "cpu"))
+        return (
+            self._tensor((DEPTH * self.chunk,), torch.uint8, self.device),
+            self._tensor((1,), torch.int64, "cpu"),
+        )
 
     def _fresh_reader(self) -> None:
         """An endpoint to read through, and its connection to the trainer. The trainer's
@@ -435,8 +484,9 @@ class Relay:
         try:
             self._trainer = self._reader.connect(self._trainer_metadata)
         except InvalidHandleError as error:
-            raise PeerGoneError(f"the trainer's endpoint cannot be reached any more ({error})"
-                                ) from None
+            raise PeerGoneError(
+                f"the trainer's endpoint cannot be reached any more ({error})"
+            ) from None
 
     def staging(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The staging area (chunks, a progress word) for reads now."""
@@ -447,8 +497,13 @@ class Relay:
         self._set_aside.append((self._staging, self._word))
         self._staging, self._word = self._new_staging()
 
-    def pull(self, generation: int, trainer_buffer: bytes, upstream_slot: bytes | None,
-             check: Callable[[], None]) -> bool:
+    def pull(
+        self,
+        generation: int,
+        trainer_buffer: bytes,
+        upstream_slot: bytes | None,
+        check: Callable[[], None],
+    ) -> bool:
         """Pull `generation` into its buffer, from the upstream whose card slot is given (None:
         the trainer) and from the trainer once the upstream failed or stalled. False if the
         upstream moved on to a newer generation (this one is no longer the newest). `check()`
@@ -456,8 +511,9 @@ class Relay:
         buffer = generation % self.count
         self.progress[buffer] = progress_word(generation, 0)  # before the buffer is written
         done = 0
-        upstream = None if upstream_slot is None \
-            else self._upstream.get(upstream_slot, self._connect)
+        upstream = (
+            None if upstream_slot is None else self._upstream.get(upstream_slot, self._connect)
+        )
         if upstream is not None:
             job = _Upstream(self, upstream.connection, upstream.card, generation, buffer)
             try:
@@ -483,16 +539,18 @@ class Relay:
         """A connection to the upstream whose card `slot` holds (`_ByCard` keeps it)."""
         card = Card.from_slot(slot)
         if len(card.buffers) != self.count:
-            raise InvalidHandleError(f"an upstream card of {len(card.buffers)} buffers where "
-                                     f"this relay has {self.count}")
+            raise InvalidHandleError(
+                f"an upstream card of {len(card.buffers)} buffers where this relay has {self.count}"
+            )
         if self._reader is None:
             self._fresh_reader()
         assert self._reader is not None
         # an upstream's registrations live as long as its endpoint
         return _Source(slot, self._reader.connect(card.metadata, liveness=False), card)
 
-    def _from_trainer(self, desc: bytes, generation: int, buffer: int, start: int,
-                      check: Callable[[], None]) -> None:
+    def _from_trainer(
+        self, desc: bytes, generation: int, buffer: int, start: int, check: Callable[[], None]
+    ) -> None:
         """Chunks `start`... from the trainer, DEPTH in flight, each exposed once it landed."""
         if self._trainer is None:
             self._fresh_reader()
@@ -505,8 +563,12 @@ class Relay:
                 while after < self.chunks and len(in_flight) < DEPTH:
                     low, high = self.span(after)
                     slot = (after % DEPTH) * self.chunk
-                    in_flight.append((slot, trainer.read_async(
-                        self._staging[slot:slot + high - low], desc, low)))
+                    in_flight.append(
+                        (
+                            slot,
+                            trainer.read_async(self._staging[slot : slot + high - low], desc, low),
+                        )
+                    )
                     after += 1
                 slot, transfer = in_flight[0]
                 _finish(transfer, check)
@@ -520,14 +582,15 @@ class Relay:
         """The bytes of chunk `index`."""
         return index * self.chunk, min(self.nbytes, (index + 1) * self.chunk)
 
-    def commit(self, generation: int, buffer: int, index: int, staged: torch.Tensor,
-               source: str) -> None:
+    def commit(
+        self, generation: int, buffer: int, index: int, staged: torch.Tensor, source: str
+    ) -> None:
         """Chunk `index`, staged from the start of `staged`, into the buffer, then exposed to
         the downstream."""
         low, high = self.span(index)
         self.counts[source] += high - low
         base = buffer * self.nbytes
-        self.buffers[base + low:base + high].copy_(staged[:high - low])
+        self.buffers[base + low : base + high].copy_(staged[: high - low])
         synchronize(self.device)
         self.progress[buffer] = progress_word(generation, index + 1)
 
@@ -589,14 +652,15 @@ class Follower:
         """The leader whose card `slot` holds, its buffers mapped (`_ByCard` keeps it)."""
         card = Card.from_slot(slot)
         if len(card.local_buffers) != self._count:
-            raise InvalidHandleError(f"a leader's card maps {len(card.local_buffers)} buffers "
-                                     f"where this subscriber holds {self._count}")
+            raise InvalidHandleError(
+                f"a leader's card maps {len(card.local_buffers)} buffers "
+                f"where this subscriber holds {self._count}"
+            )
         connection = self._endpoint.connect(card.local)
         try:
             buffers = [connection.map(desc) for desc in card.local_buffers]
             progress = connection.map(card.local_progress)
-            if any(b.nbytes != self._nbytes for b in buffers) \
-                    or progress.nbytes != 8 * self._count:
+            if any(b.nbytes != self._nbytes for b in buffers) or progress.nbytes != 8 * self._count:
                 raise InvalidHandleError("a leader's buffers are not this publisher's size")
         except BaseException:
             connection.close()

@@ -20,6 +20,7 @@ cannot get: its first is the next one.
 Thread-safe as on one host: publishes take turns, and close() from another thread ends the
 waits under way there with ValueError.
 """
+
 import itertools
 import threading
 import time
@@ -100,28 +101,38 @@ class NixlPublisher:
     generation; `close()` from another thread ends a `publish`, `wait_acks` or
     `wait_subscribers` under way there with ValueError, and the memory goes once they left."""
 
-    def __init__(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 copy: bool = False, relay: bool = False, block_checksums: bool = False):
+    def __init__(
+        self,
+        model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        copy: bool = False,
+        relay: bool = False,
+        block_checksums: bool = False,
+    ):
         self._source = model_or_state_dict
         self.block_checksums = bool(block_checksums)
-        items = _handles.named_items(named_weights(model_or_state_dict), "WeightPublisher",
-                                     host=True)
+        items = _handles.named_items(
+            named_weights(model_or_state_dict), "WeightPublisher", host=True
+        )
         self.copy = bool(copy)
         if self.copy:
             self._table, end = Table.packed(items)
             self._nbytes = -(-max(end, 1) // ALIGNMENT) * ALIGNMENT
             self._buffers = 2
             device = items[0][1].device
-            self._storage: torch.UntypedStorage | None = shared_host_storage(
-                2 * self._nbytes) if device.type == "cpu" else torch.empty(
-                2 * self._nbytes, dtype=torch.uint8, device=device).untyped_storage()
+            self._storage: torch.UntypedStorage | None = (
+                shared_host_storage(2 * self._nbytes)
+                if device.type == "cpu"
+                else torch.empty(
+                    2 * self._nbytes, dtype=torch.uint8, device=device
+                ).untyped_storage()
+            )
         else:
             self._storage, self._table = _handles.in_place(items)
             self._nbytes, self._buffers = self._storage.nbytes(), 1
             if self._storage.device.type == "cpu":
                 share_host(self._storage)  # NIXL's peers map it; moved before InPlace looks
-        self._in_place = None if self.copy else InPlace(model_or_state_dict, items,
-                                                        self._storage)
+        self._in_place = None if self.copy else InPlace(model_or_state_dict, items, self._storage)
         self.device = self._storage.device
         self.generation = -1
         self._calls = Calls("WeightPublisher")
@@ -146,11 +157,14 @@ class NixlPublisher:
             except NotRegisteredError:
                 data = p2p.register(self._storage)
                 self._ids.append(data)
-            self._data = [self._endpoint.advertise(data, b * self._nbytes, self._nbytes)
-                          for b in range(self._buffers)]
+            self._data = [
+                self._endpoint.advertise(data, b * self._nbytes, self._nbytes)
+                for b in range(self._buffers)
+            ]
             self._header = self._control(0, HEADER)
-            self._blocks, blocks = p2p.create_tensor((2, block_words(self._nbytes)),
-                                                     torch.int64, "cpu")
+            self._blocks, blocks = p2p.create_tensor(
+                (2, block_words(self._nbytes)), torch.int64, "cpu"
+            )
             self._ids.append(blocks)
             self._blocks[:, 0] = -1  # no generation's sums yet
             self._blocks_desc = self._endpoint.advertise(blocks)
@@ -183,36 +197,66 @@ class NixlPublisher:
         words = self._known()
         states = [words[word(i, STATE)] for i in range(count(words))]
         # a record of a dead subscriber last: one that was only frozen may still write into it
-        free = [i for i, state in enumerate(states) if state in (FREE, CLOSED)] \
-            or [self._used] * (self._used < MAX_READERS) \
+        free = (
+            [i for i, state in enumerate(states) if state in (FREE, CLOSED)]
+            or [self._used] * (self._used < MAX_READERS)
             or [i for i, state in enumerate(states) if state == GONE]
+        )
         if not free:
-            raise ValueError(f"a publisher across hosts has at most {MAX_READERS} tokens "
-                             f"open or unopened: close subscribers, or make a new publisher")
+            raise ValueError(
+                f"a publisher across hosts has at most {MAX_READERS} tokens "
+                f"open or unopened: close subscribers, or make a new publisher"
+            )
         index, serial = free[0], next(self._serials)
         self._used = max(self._used, index + 1)
-        for field, value in ((PID, 0), (HOST, 0), (SHARE, 0), (SERIAL, serial), (ACK, -1),
-                             (BEAT, 0), (UP, -1), (LEADER, -1), (STATE, PENDING)):
+        for field, value in (
+            (PID, 0),
+            (HOST, 0),
+            (SHARE, 0),
+            (SERIAL, serial),
+            (ACK, -1),
+            (BEAT, 0),
+            (UP, -1),
+            (LEADER, -1),
+            (STATE, PENDING),
+        ):
             self._words[word(index, field)] = value
         if self.relay:
-            self._cards[index * CARD_BYTES:(index + 1) * CARD_BYTES] = 0
-        control = Control(self._header, self._control(word(index, STATE), FIELDS),
-                          self._control(word(index, STATE), CLAIMED),
-                          self._control(word(index, ACK), 1), self._control(word(index, BEAT), 1),
-                          self._cards_desc, self._blocks_desc)
-        return RemoteToken(self._endpoint.metadata(), self.device, self._nbytes, serial, index,
-                           self._chunk, control, tuple(self._data), self._table).to_bytes()
+            self._cards[index * CARD_BYTES : (index + 1) * CARD_BYTES] = 0
+        control = Control(
+            self._header,
+            self._control(word(index, STATE), FIELDS),
+            self._control(word(index, STATE), CLAIMED),
+            self._control(word(index, ACK), 1),
+            self._control(word(index, BEAT), 1),
+            self._cards_desc,
+            self._blocks_desc,
+        )
+        return RemoteToken(
+            self._endpoint.metadata(),
+            self.device,
+            self._nbytes,
+            serial,
+            index,
+            self._chunk,
+            control,
+            tuple(self._data),
+            self._table,
+        ).to_bytes()
 
     def _known(self) -> list[int]:
         """The control words up to the last record handed out, read once."""
-        return self._words[:word(self._used, 0)].tolist()
+        return self._words[: word(self._used, 0)].tolist()
 
     def _arrange(self) -> None:
         """The relay's places for the next generation, over the subscribers attached now (one
         that attaches later pulls it from the trainer)."""
         words = self._known()
-        members = [Member(words[word(i, HOST)], words[word(i, SHARE)], i)
-                   for i in range(count(words)) if words[word(i, STATE)] == ATTACHED]
+        members = [
+            Member(words[word(i, HOST)], words[word(i, SHARE)], i)
+            for i in range(count(words))
+            if words[word(i, STATE)] == ATTACHED
+        ]
         for index, place in chain(members).items():
             for field, value in ((UP, place.upstream), (LEADER, place.leader)):
                 if words[word(index, field)] != value:
@@ -231,14 +275,19 @@ class NixlPublisher:
             if self.copy:
                 assert self._storage is not None
                 self._words[FILLING] = generation  # subscribers reading it drop the pull
-                fill(self._storage, (generation % 2) * self._nbytes, self._table,
-                     named_weights(self._source, detach=False))
+                fill(
+                    self._storage,
+                    (generation % 2) * self._nbytes,
+                    self._table,
+                    named_weights(self._source, detach=False),
+                )
             synchronize(self.device)
             assert self._storage is not None
             word = SUMS + pair(generation)  # nobody holds generation - 2 any more
             start = (generation % self._buffers) * self._nbytes
-            self._words[word + 1] = crc32(self._storage, start, self._nbytes) if checksum \
-                else NO_SUM
+            self._words[word + 1] = (
+                crc32(self._storage, start, self._nbytes) if checksum else NO_SUM
+            )
             self._words[word] = generation
             row = self._blocks[pair(generation) // 2]  # for a partial pull's verify()
             row[0] = -1
@@ -285,8 +334,13 @@ class NixlPublisher:
             return True
 
         used = count(words)
-        return Records(lambda i: words[word(i, STATE)], lambda i: words[word(i, ACK)],
-                       lambda i: words[word(i, PID)], died, lambda: used)
+        return Records(
+            lambda i: words[word(i, STATE)],
+            lambda i: words[word(i, ACK)],
+            lambda i: words[word(i, PID)],
+            died,
+            lambda: used,
+        )
 
     def _adopt(self) -> list[int]:
         """The control words, once every subscriber that attached since the last look is no
@@ -330,9 +384,15 @@ class NixlPublisher:
         `upstream` in the chain (a record's index; -1: the trainer) and its `leader`, the record
         whose buffers it maps instead of pulling (-1: none)."""
         words = self._known()
-        found = {i: {"state": label(state),
-                     "acknowledged": words[word(i, ACK)], "pid": words[word(i, PID)]}
-                 for i in range(count(words)) if (state := words[word(i, STATE)]) != FREE}
+        found = {
+            i: {
+                "state": label(state),
+                "acknowledged": words[word(i, ACK)],
+                "pid": words[word(i, PID)],
+            }
+            for i in range(count(words))
+            if (state := words[word(i, STATE)]) != FREE
+        }
         if self.relay:
             for index, record in found.items():
                 record["upstream"] = words[word(index, UP)]
@@ -352,4 +412,3 @@ class NixlPublisher:
         self._blocks = torch.empty(0, 0, dtype=torch.int64)  # as the block sums' does
         if hasattr(self, "_words"):  # its fd-backed memory goes; subscribers() still answers
             self._words = self._words.clone()
-

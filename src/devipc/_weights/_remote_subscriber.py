@@ -15,6 +15,7 @@ carries, all of one publisher) before a subscriber allocates or claims anything:
 leaves the genuine one openable. Thread-safe as on one host: its calls take turns, and close()
 from another thread ends a wait under way there with ValueError.
 """
+
 import os
 import threading
 import weakref
@@ -95,15 +96,23 @@ class NixlSubscriber:
     Thread-safe: its calls from several threads take turns; `close()` from another thread ends a
     `wait` under way there with ValueError (within a poll, or once the pull under way ended)."""
 
-    def __init__(self, token: bytes | bytearray | memoryview,
-                 device: torch.device | str | int | None = None, share: bool = True,
-                 prefetch: bool = False,
-                 parts: Mapping[str, tuple[slice, ...]] | None = None):
+    def __init__(
+        self,
+        token: bytes | bytearray | memoryview,
+        device: torch.device | str | int | None = None,
+        share: bool = True,
+        prefetch: bool = False,
+        parts: Mapping[str, tuple[slice, ...]] | None = None,
+    ):
         """`parts` (a sharded engine's, `_sharded`): pull only these boxes of these tensors,
         not the whole generation (without a relay: a relay passes generations whole)."""
         opened = RemoteToken.from_bytes(token)
-        metadata, nbytes, chunk, control = opened.metadata, opened.nbytes, opened.chunk, \
-            opened.control
+        metadata, nbytes, chunk, control = (
+            opened.metadata,
+            opened.nbytes,
+            opened.chunk,
+            opened.control,
+        )
         self._table, self._buffers, self._data = opened.table, len(opened.data), list(opened.data)
         # a partial pull's byte runs: its parts' own, and rounded out to whole blocks for a
         # generation published with a checksum (so that verify() checks each block pulled)
@@ -112,8 +121,13 @@ class NixlSubscriber:
             self._runs = _runs_of(self._table, parts, 1, nbytes)
             self._checked_runs = _runs_of(self._table, parts, block_size(nbytes), nbytes)
         self._pulled_runs = self._runs  # those of the last pull
-        _check_descriptors(metadata, [*control.sizes(relay=bool(chunk), nbytes=nbytes),
-                                      *((desc, nbytes) for desc in self._data)])
+        _check_descriptors(
+            metadata,
+            [
+                *control.sizes(relay=bool(chunk), nbytes=nbytes),
+                *((desc, nbytes) for desc in self._data),
+            ],
+        )
         self.device = engine_device(opened.device, device)
         self.generation = -1
         self._calls = Calls("WeightSubscriber")
@@ -128,8 +142,12 @@ class NixlSubscriber:
         self._prefetched: _Pulled | None = None
         self._prefetch_error: Exception | None = None  # met there, for the next wait() to raise
         self._control = control
-        self._nbytes, self._index, self._chunk, self._metadata = nbytes, opened.record, chunk, \
-            metadata
+        self._nbytes, self._index, self._chunk, self._metadata = (
+            nbytes,
+            opened.record,
+            chunk,
+            metadata,
+        )
         # where the held generation lies: this process's memory, or its leader's (relay:
         # `_in_leader`); the views of the places it lay (by address: each keeps its memory)
         self._held_at = torch.empty(0, dtype=torch.uint8)
@@ -145,15 +163,15 @@ class NixlSubscriber:
         self._heart: list[threading.Thread] = []
         # two agents: a heartbeat through the one that pulls would wait for the whole pull
         self._endpoints: list[p2p.Endpoint] = []
-        self._let_go = weakref.finalize(self, let_go, self._endpoints, self._ids, self._stop,
-                                        self._heart)  # dropped unclosed: its agents go too
+        self._let_go = weakref.finalize(
+            self, let_go, self._endpoints, self._ids, self._stop, self._heart
+        )  # dropped unclosed: its agents go too
         try:
             self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
             self._words, words_id = p2p.create_tensor((_BEATS.stop,), torch.int64, "cpu")
             self._ids.append(words_id)
             if self._runs is not None:  # a row of the block sums, read with each pull
-                self._sums, sums_id = p2p.create_tensor((block_words(nbytes),), torch.int64,
-                                                        "cpu")
+                self._sums, sums_id = p2p.create_tensor((block_words(nbytes),), torch.int64, "cpu")
                 self._ids.append(sums_id)
             self._local = torch.empty(0, dtype=torch.uint8)  # one-hop pulls land here
             if not chunk:
@@ -161,27 +179,41 @@ class NixlSubscriber:
                 self._ids.append(local_id)
             state = self._poll().state
             if state != PENDING or int(self._words[_RECORD][SERIAL]) != opened.serial:
-                raise InvalidHandleError("this weight token was already opened (one token per "
-                                         "subscriber), or its record was reused")
+                raise InvalidHandleError(
+                    "this weight token was already opened (one token per "
+                    "subscriber), or its record was reused"
+                )
             if chunk:
                 self._card, card_id = p2p.create_tensor((CARD_BYTES,), torch.uint8, "cpu")
                 self._ids.append(card_id)
                 if self._share:
-                    self._follower = Follower(self._endpoints, self._buffers, nbytes,
-                                              chunks_of(nbytes, chunk))
+                    self._follower = Follower(
+                        self._endpoints, self._buffers, nbytes, chunks_of(nbytes, chunk)
+                    )
                 else:  # its card first: a downstream may read it once the claim is seen
                     self._own_relay()
-            self._words[_CLAIM] = torch.tensor([ATTACHED, os.getpid(),
-                                                host_key() if chunk else 0, self._share])
+            self._words[_CLAIM] = torch.tensor(
+                [ATTACHED, os.getpid(), host_key() if chunk else 0, self._share]
+            )
             self._remote(lambda: self._connection.write(self._words[_CLAIM], control.claim))
-            self._heart.append(threading.Thread(
-                target=_heartbeat, daemon=True, name="devipc-weights-heartbeat",
-                args=(beats, self._words[_BEATS], control.beat, self._stop)))
+            self._heart.append(
+                threading.Thread(
+                    target=_heartbeat,
+                    daemon=True,
+                    name="devipc-weights-heartbeat",
+                    args=(beats, self._words[_BEATS], control.beat, self._stop),
+                )
+            )
             self._heart[0].start()
             if prefetch:
-                self._heart.append(threading.Thread(
-                    target=_prefetching, daemon=True, name="devipc-weights-prefetch",
-                    args=(weakref.ref(self), self._stop)))
+                self._heart.append(
+                    threading.Thread(
+                        target=_prefetching,
+                        daemon=True,
+                        name="devipc-weights-prefetch",
+                        args=(weakref.ref(self), self._stop),
+                    )
+                )
                 self._heart[1].start()
         except BaseException:
             self._release()
@@ -193,39 +225,49 @@ class NixlSubscriber:
         try:
             return transfer()
         except RemoteTensorFreedError:
-            raise PeerGoneError("the weight publisher closed: nothing more will be published "
-                                "(ask a new publisher for a token)") from None
+            raise PeerGoneError(
+                "the weight publisher closed: nothing more will be published "
+                "(ask a new publisher for a token)"
+            ) from None
         except PeerGoneError as error:
-            raise PeerGoneError(f"the weight publisher closed, exited or cannot be reached "
-                                f"(its host is down or unreachable): {error}") from None
+            raise PeerGoneError(
+                f"the weight publisher closed, exited or cannot be reached "
+                f"(its host is down or unreachable): {error}"
+            ) from None
         except DevIpcError as error:
             if type(error) is not DevIpcError:  # a damaged handle, a size: not the peer's state
                 raise
             # NIXL's transfer failed for no reason it names (p2p says "NIXL failed: ..."):
             # with the publisher's memory, as when its agent goes mid-transfer
-            raise PeerGoneError(f"the weight publisher exited or cannot be reached: "
-                                f"{error}") from None
+            raise PeerGoneError(
+                f"the weight publisher exited or cannot be reached: {error}"
+            ) from None
         except Exception as error:
             if not type(error).__module__.startswith("nixl"):
                 raise
             # devipc.p2p lets some of NIXL's own errors through (a peer that disconnects during
             # its liveness read): the same news
-            raise PeerGoneError(f"the weight publisher exited or cannot be reached: NIXL says "
-                                f"{type(error).__name__}: {error}") from None
+            raise PeerGoneError(
+                f"the weight publisher exited or cannot be reached: NIXL says "
+                f"{type(error).__name__}: {error}"
+            ) from None
 
     def _poll(self) -> _Polled:
         """(published, filling, this record's state), one NIXL read. A publisher found closed or
         gone is posted nothing more, no heartbeat and no unsubscribe: NIXL logs an error for
         each post to an agent that disconnected, as a closing publisher's does right after."""
         try:
-            self._remote(lambda: self._connection.readv(
-                [self._words[_HEAD], self._words[_RECORD]],
-                [self._control.header, self._control.record]))
+            self._remote(
+                lambda: self._connection.readv(
+                    [self._words[_HEAD], self._words[_RECORD]],
+                    [self._control.header, self._control.record],
+                )
+            )
         except PeerGoneError:
             self._publisher_gone = True
             self._stop.set()
             raise
-        words = self._words[:HEADER + 1].tolist()
+        words = self._words[: HEADER + 1].tolist()
         self._header_seen = words[:HEADER]
         return _Polled(words[PUBLISHED], words[FILLING], words[HEADER + STATE])
 
@@ -245,19 +287,23 @@ class NixlSubscriber:
         if self._torn and not self._cut_ended():
             p2p.deregister(self._ids.pop())  # the local buffer's registration is the last
             self._views.clear()
-            self._local, local_id = p2p.create_tensor(self._local.shape, torch.uint8,
-                                                      self.device)
+            self._local, local_id = p2p.create_tensor(self._local.shape, torch.uint8, self.device)
             self._ids.append(local_id)
         self._torn = True
         checked = published_sum(self._header_seen[SUMS:], generation) is not None
         runs = self._pulled_runs = self._checked_runs if checked else self._runs
         if runs is None:
             self._cut = transfer = self._remote(
-                lambda: self._connection.read_async(self._local, data))
+                lambda: self._connection.read_async(self._local, data)
+            )
         elif runs:  # only the engine's parts, each run into its own place
-            self._cut = transfer = self._remote(lambda: self._connection.readv_async(
-                [self._local[start:start + length] for start, length in runs],
-                [data] * len(runs), [start for start, _ in runs]))
+            self._cut = transfer = self._remote(
+                lambda: self._connection.readv_async(
+                    [self._local[start : start + length] for start, length in runs],
+                    [data] * len(runs),
+                    [start for start, _ in runs],
+                )
+            )
         else:
             self._torn, self._held_at = False, self._local
             return True
@@ -309,7 +355,7 @@ class NixlSubscriber:
         if not self._remote(lambda: relay.pull(generation, data, slot, self._calls.check)):
             return False
         buffer = generation % self._buffers
-        self._held_at = relay.buffers[buffer * self._nbytes:(buffer + 1) * self._nbytes]
+        self._held_at = relay.buffers[buffer * self._nbytes : (buffer + 1) * self._nbytes]
         self._in_leader = False
         return True
 
@@ -322,8 +368,9 @@ class NixlSubscriber:
         pulls); None if it did not within RELAY_STALL seconds."""
         card, backoff = self._card, polling(_relay.RELAY_STALL)
         while True:
-            self._remote(lambda: self._connection.read(card, self._control.cards,
-                                                        record * CARD_BYTES))
+            self._remote(
+                lambda: self._connection.read(card, self._control.cards, record * CARD_BYTES)
+            )
             slot = bytes(card.numpy())
             if written(slot):
                 return slot
@@ -336,13 +383,26 @@ class NixlSubscriber:
         """This subscriber's own buffers, and its card in its slot, made when it first pulls a
         generation itself: an engine that only maps its leader's buffers holds no copy."""
         if self._relay is None:
-            relay = self._remote(lambda: Relay(
-                self._endpoints[0], self._metadata, self.device, self._buffers, self._nbytes,
-                self._chunk, self._ids, self._endpoints, bool(self._share)))
+            relay = self._remote(
+                lambda: Relay(
+                    self._endpoints[0],
+                    self._metadata,
+                    self.device,
+                    self._buffers,
+                    self._nbytes,
+                    self._chunk,
+                    self._ids,
+                    self._endpoints,
+                    bool(self._share),
+                )
+            )
             slot = relay.card.to_slot()
-            self._card[:len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
-            self._remote(lambda: self._connection.write(self._card[:len(slot)], self._control.cards,
-                                                        self._index * CARD_BYTES))
+            self._card[: len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
+            self._remote(
+                lambda: self._connection.write(
+                    self._card[: len(slot)], self._control.cards, self._index * CARD_BYTES
+                )
+            )
             self._relay = relay
         return self._relay
 
@@ -383,8 +443,10 @@ class NixlSubscriber:
                 self.generation, self._checksum, self._block_sums = fetched
                 return self.generation
             if backoff.expired():
-                raise TimeoutError(f"no new generation within {timeout} s (the newest is "
-                                   f"{self._header_seen[PUBLISHED]})")
+                raise TimeoutError(
+                    f"no new generation within {timeout} s (the newest is "
+                    f"{self._header_seen[PUBLISHED]})"
+                )
             backoff.pause()
 
     def _fetch(self) -> _Pulled | None:
@@ -394,14 +456,18 @@ class NixlSubscriber:
         PeerGoneError if the publisher dropped this subscriber."""
         published, filling, state = self._poll()
         if state != ATTACHED:
-            raise PeerGoneError(f"the weight publisher dropped this subscriber (its heartbeat "
-                                f"stopped for {_remote_token.LIVENESS} s): open a new token")
-        if published > self.generation and filling < published + self._buffers \
-                and self._pull(published) \
-                and self._poll().filling < published + self._buffers:  # nobody wrote meanwhile
+            raise PeerGoneError(
+                f"the weight publisher dropped this subscriber (its heartbeat "
+                f"stopped for {_remote_token.LIVENESS} s): open a new token"
+            )
+        if (
+            published > self.generation
+            and filling < published + self._buffers
+            and self._pull(published)
+            and self._poll().filling < published + self._buffers
+        ):  # nobody wrote meanwhile
             checksum = published_sum(self._header_seen[SUMS:], published)
-            blocks = None if checksum is None or self._runs is None \
-                else self._blocks_of(published)
+            blocks = None if checksum is None or self._runs is None else self._blocks_of(published)
             return _Pulled(published, checksum, blocks)
         return None
 
@@ -409,8 +475,9 @@ class NixlSubscriber:
         """The CRC-32s of `generation`'s blocks, one NIXL read (None: not published with it).
         Its row stays until this subscriber acknowledges it, as the generation's bytes do."""
         row = pair(generation) // 2
-        self._remote(lambda: self._connection.read(self._sums, self._control.blocks,
-                                                   row * self._sums.nbytes))
+        self._remote(
+            lambda: self._connection.read(self._sums, self._control.blocks, row * self._sums.nbytes)
+        )
         words = self._sums.tolist()
         return words[1:] if words[0] == generation else None
 
@@ -425,8 +492,11 @@ class NixlSubscriber:
             return None
         try:
             with self._turns:
-                if self._prefetch_error is not None or self._prefetched is not None \
-                        or self._acked != self.generation:
+                if (
+                    self._prefetch_error is not None
+                    or self._prefetched is not None
+                    or self._acked != self.generation
+                ):
                     return False  # the engine holds one, or has an error to meet
                 self._prefetched = self._fetch()
                 return self._prefetched is not None
@@ -444,15 +514,15 @@ class NixlSubscriber:
             if self._prefetched is not None or self._prefetch_error is not None:
                 return True
             published, filling, state = self._poll()
-        return state != ATTACHED or (published > self.generation
-                                     and filling < published + self._buffers)
+        return state != ATTACHED or (
+            published > self.generation and filling < published + self._buffers
+        )
 
     @property
     def pull_bytes(self) -> int:
         """The bytes of a generation one pull reads: all of it, or the runs of `parts` (at the
         last pull: a generation with a checksum pulls whole blocks)."""
-        return self._nbytes if self._pulled_runs is None \
-            else sum(n for _, n in self._pulled_runs)
+        return self._nbytes if self._pulled_runs is None else sum(n for _, n in self._pulled_runs)
 
     @counted
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -461,15 +531,18 @@ class NixlSubscriber:
         if self.generation < 0:
             raise ValueError("no generation yet: wait() first")
         if self._torn:
-            raise ValueError("the last wait() was cut short while it pulled a generation into "
-                             "this memory: wait() again")
+            raise ValueError(
+                "the last wait() was cut short while it pulled a generation into "
+                "this memory: wait() again"
+            )
         held = self._held_at
         views = self._views.get(held.data_ptr())
         if views is None:
             if len(self._views) >= 4:  # places of generations held before
                 self._views.clear()
             views = self._views[held.data_ptr()] = self._table.views(
-                held.untyped_storage(), shift=int(held.storage_offset()))
+                held.untyped_storage(), shift=int(held.storage_offset())
+            )
         self._still_held(read=False)
         return views
 
@@ -495,7 +568,8 @@ class NixlSubscriber:
                 f"this subscriber held it, as happens only once the publisher dropped it (its "
                 f"heartbeat stood still for {_remote_token.LIVENESS} s: a pause, SIGSTOP, a "
                 f"debugger): what was read of it since wait() may be of a newer generation; open "
-                f"a new token")
+                f"a new token"
+            )
 
     @counted
     def verify(self) -> None:
@@ -505,16 +579,22 @@ class NixlSubscriber:
             raise ValueError("no generation to verify: wait() first")
         with self._turns:
             if self._checksum is None:
-                raise ValueError(f"generation {self.generation} was published without a "
-                                 f"checksum: the WeightPublisher publishes with checksum=True")
+                raise ValueError(
+                    f"generation {self.generation} was published without a "
+                    f"checksum: the WeightPublisher publishes with checksum=True"
+                )
             if self._runs is not None and self._block_sums is None:
-                raise ValueError(f"generation {self.generation} was published without the "
-                                 f"checksums of its blocks, which a partial pull checks: "
-                                 f"WeightPublisher(..., block_checksums=True) (a "
-                                 f"ShardedPublisher's are)")
+                raise ValueError(
+                    f"generation {self.generation} was published without the "
+                    f"checksums of its blocks, which a partial pull checks: "
+                    f"WeightPublisher(..., block_checksums=True) (a "
+                    f"ShardedPublisher's are)"
+                )
             if self._torn:
-                raise ValueError("the last wait() was cut short while it pulled a generation "
-                                 "into this memory: wait() again")
+                raise ValueError(
+                    "the last wait() was cut short while it pulled a generation "
+                    "into this memory: wait() again"
+                )
             synchronize(self.device)
             held = self._held_at
             if self._runs is not None:
@@ -523,25 +603,36 @@ class NixlSubscriber:
             found = crc32(held.untyped_storage(), int(held.storage_offset()), self._nbytes)
             self._still_held(read=True)
             if found != self._checksum:
-                raise ChecksumError(f"generation {self.generation} holds other bytes here than "
-                                    f"the WeightPublisher published (CRC-32 {found:08x}, "
-                                    f"published {self._checksum:08x})")
+                raise ChecksumError(
+                    f"generation {self.generation} holds other bytes here than "
+                    f"the WeightPublisher published (CRC-32 {found:08x}, "
+                    f"published {self._checksum:08x})"
+                )
 
     def _verify_blocks(self, held: torch.Tensor) -> None:
         """A partial pull's check: each block it pulled (whole ones: `_checked_runs`) against
         the CRC-32 published for it."""
         assert self._checked_runs is not None and self._block_sums is not None
         block, storage = block_size(self._nbytes), held.untyped_storage()
-        bad = [index for start, length in self._checked_runs
-               for index in range(start // block, -(-(start + length) // block))
-               if crc32(storage, int(held.storage_offset()) + index * block,
-                        min(block, self._nbytes - index * block)) != self._block_sums[index]]
+        bad = [
+            index
+            for start, length in self._checked_runs
+            for index in range(start // block, -(-(start + length) // block))
+            if crc32(
+                storage,
+                int(held.storage_offset()) + index * block,
+                min(block, self._nbytes - index * block),
+            )
+            != self._block_sums[index]
+        ]
         self._still_held(read=True)
         if bad:
-            raise ChecksumError(f"generation {self.generation} holds other bytes here than the "
-                                f"WeightPublisher published: {len(bad)} of the blocks of "
-                                f"{block} bytes pulled differ (the first at byte "
-                                f"{bad[0] * block})")
+            raise ChecksumError(
+                f"generation {self.generation} holds other bytes here than the "
+                f"WeightPublisher published: {len(bad)} of the blocks of "
+                f"{block} bytes pulled differ (the first at byte "
+                f"{bad[0] * block})"
+            )
 
     @counted
     def ack(self) -> None:
@@ -551,8 +642,7 @@ class NixlSubscriber:
         with self._turns:
             self._still_held(read=True)  # what the engine read since wait() was of it
             self._words[_ACKED] = self.generation
-            self._remote(lambda: self._connection.write(self._words[_ACKED],
-                                                        self._control.ack))
+            self._remote(lambda: self._connection.write(self._words[_ACKED], self._control.ack))
             self._acked = self.generation
 
     def close(self) -> None:
@@ -570,8 +660,9 @@ class NixlSubscriber:
         self._words[_CLAIM][0] = CLOSED
         try:
             if not self._publisher_gone:  # (nothing waits for this subscriber there)
-                self._remote(lambda: self._connection.write(self._words[_CLAIM],
-                                                            self._control.claim))
+                self._remote(
+                    lambda: self._connection.write(self._words[_CLAIM], self._control.claim)
+                )
         except (DevIpcError, ValueError):
             pass  # the publisher is gone: nothing waits for this subscriber
         self._release()
@@ -586,17 +677,26 @@ class NixlSubscriber:
             self._follower.drop()
 
 
-def _runs_of(table: Table, parts: Mapping[str, tuple[slice, ...]], block: int,
-             nbytes: int) -> list[tuple[int, int]]:
+def _runs_of(
+    table: Table, parts: Mapping[str, tuple[slice, ...]], block: int, nbytes: int
+) -> list[tuple[int, int]]:
     """The byte runs of a generation of `nbytes` that hold `parts` (a box per tensor name), in
     order, rounded out to whole blocks of `block` bytes."""
     rows = {name: row for row, name in enumerate(table.names)}
     unknown = sorted(set(parts) - rows.keys())
     if unknown:
         raise KeyError(f"the publisher publishes no tensors named {unknown[:5]}")
-    runs = sorted(run for name, box in parts.items() for run in byte_runs(
-        table.offsets[rows[name]], table.shapes[rows[name]], table.strides[rows[name]],
-        table.dtypes[rows[name]].itemsize, box))
+    runs = sorted(
+        run
+        for name, box in parts.items()
+        for run in byte_runs(
+            table.offsets[rows[name]],
+            table.shapes[rows[name]],
+            table.strides[rows[name]],
+            table.dtypes[rows[name]].itemsize,
+            box,
+        )
+    )
     merged: list[tuple[int, int]] = []  # (start, end)
     for start, length in runs:
         if not length:
@@ -609,26 +709,30 @@ def _runs_of(table: Table, parts: Mapping[str, tuple[slice, ...]], block: int,
     return [(start, end - start) for start, end in merged]
 
 
-
 def _check_descriptors(metadata: bytes, expected: Iterable[tuple[bytes, int]]) -> None:
     """A token's descriptors (with `expected` sizes) decoded, NIXL parts' digests checked, all
     of the publisher whose endpoint it names: InvalidHandleError before anything is allocated or
     claimed, so that the genuine token still opens."""
     meta = Metadata.from_bytes(metadata)
     if meta.transport != "nixl":
-        raise InvalidHandleError(f"a weight token across hosts names a NIXL endpoint, not a "
-                                 f"{meta.transport!r} one")
+        raise InvalidHandleError(
+            f"a weight token across hosts names a NIXL endpoint, not a {meta.transport!r} one"
+        )
     agent, _ = agent_metadata_from_bytes(meta.extra)
     for data, nbytes in expected:
         desc = Descriptor.from_bytes(data)
         remote = Remote.from_bytes(desc.extra)
         if desc.page != meta.page or remote.agent != agent:
-            raise InvalidHandleError("a descriptor of this weight token is of another process "
-                                     "than its publisher: the token is damaged")
+            raise InvalidHandleError(
+                "a descriptor of this weight token is of another process "
+                "than its publisher: the token is damaged"
+            )
         if desc.nbytes != nbytes or remote.nbytes != nbytes:
-            raise InvalidHandleError(f"this weight token is damaged: a descriptor of "
-                                     f"{desc.nbytes} bytes ({remote.nbytes} for NIXL) where "
-                                     f"the token says {nbytes}")
+            raise InvalidHandleError(
+                f"this weight token is damaged: a descriptor of "
+                f"{desc.nbytes} bytes ({remote.nbytes} for NIXL) where "
+                f"the token says {nbytes}"
+            )
 
 
 def _connect(endpoints: list[p2p.Endpoint], metadata: bytes) -> p2p.Connection:
@@ -637,9 +741,11 @@ def _connect(endpoints: list[p2p.Endpoint], metadata: bytes) -> p2p.Connection:
     try:
         return endpoints[-1].connect(metadata)
     except InvalidHandleError as error:
-        raise InvalidHandleError(f"this weight token does not reach its publisher: it closed or "
-                                 f"exited, or the token is damaged ({error}); ask the publisher "
-                                 f"for a new token") from None
+        raise InvalidHandleError(
+            f"this weight token does not reach its publisher: it closed or "
+            f"exited, or the token is damaged ({error}); ask the publisher "
+            f"for a new token"
+        ) from None
 
 
 def _prefetching(subscriber: "weakref.ref[NixlSubscriber]", stop: threading.Event) -> None:
@@ -657,8 +763,9 @@ def _prefetching(subscriber: "weakref.ref[NixlSubscriber]", stop: threading.Even
             backoff = polling()
 
 
-def _heartbeat(connection: p2p.Connection, word: torch.Tensor, desc: bytes,
-               stop: threading.Event) -> None:
+def _heartbeat(
+    connection: p2p.Connection, word: torch.Tensor, desc: bytes, stop: threading.Event
+) -> None:
     """A subscriber's proof of life: a counter written into its record every HEARTBEAT s, until
     it closes, is dropped, or the publisher is gone."""
     beats = 0

@@ -20,6 +20,7 @@ Beside it, the block sums: a host tensor of int64 words, a row per parity (`_che
 generation | the CRC-32 of each of its blocks (`_checksum.blocks`), written before its generation
 word, once nobody holds the generation two back; a partial pull reads the row with its data.
 """
+
 import threading
 from typing import NamedTuple
 
@@ -32,10 +33,33 @@ from ._common import token_reader, token_writer
 from ._readers import MAX_READERS
 from ._relay import CARD_BYTES
 
-__all__ = ["ACK", "BEAT", "CARDS_BYTES", "CLAIMED", "CONTROL_WORDS", "FIELDS", "FILLING",
-           "HEADER", "HEARTBEAT", "HOST", "LEADER", "LIVENESS", "PID", "PUBLISHED", "SERIAL",
-           "SHARE", "STATE", "SUMS", "UP", "Control", "RemoteToken", "block_words", "count",
-           "let_go", "word"]
+__all__ = [
+    "ACK",
+    "BEAT",
+    "CARDS_BYTES",
+    "CLAIMED",
+    "CONTROL_WORDS",
+    "FIELDS",
+    "FILLING",
+    "HEADER",
+    "HEARTBEAT",
+    "HOST",
+    "LEADER",
+    "LIVENESS",
+    "PID",
+    "PUBLISHED",
+    "SERIAL",
+    "SHARE",
+    "STATE",
+    "SUMS",
+    "UP",
+    "Control",
+    "RemoteToken",
+    "block_words",
+    "count",
+    "let_go",
+    "word",
+]
 
 HEARTBEAT = 0.5  # seconds between a subscriber's heartbeats
 LIVENESS = 10.0  # seconds of a still heartbeat after which a subscriber counts as dead
@@ -86,8 +110,14 @@ class Control(NamedTuple):
     def sizes(self, relay: bool, nbytes: int) -> list[tuple[bytes, int]]:
         """Each descriptor with the bytes it must span (the cards' only with `relay`), for
         buffers of `nbytes`."""
-        words = ((self.header, HEADER), (self.record, FIELDS), (self.claim, CLAIMED),
-                 (self.ack, 1), (self.beat, 1), (self.blocks, 2 * block_words(nbytes)))
+        words = (
+            (self.header, HEADER),
+            (self.record, FIELDS),
+            (self.claim, CLAIMED),
+            (self.ack, 1),
+            (self.beat, 1),
+            (self.blocks, 2 * block_words(nbytes)),
+        )
         sizes = [(desc, length * _WORD_BYTES) for desc, length in words]
         if relay:
             sizes.append((self.cards, CARDS_BYTES))
@@ -130,17 +160,24 @@ class RemoteToken(NamedTuple):
         serial = reader.int("token serial", 1)
         record = reader.int("record index", 0, MAX_READERS - 1)
         chunk = reader.int("relay chunk", 0, max(nbytes, 1))
-        control = Control(*(reader.bytes("control descriptor", _DESCRIPTOR_BYTES)
-                            for _ in Control._fields))
-        data = tuple(reader.bytes("weights descriptor", _DESCRIPTOR_BYTES)
-                     for _ in range(reader.int("buffer count", 1, 2)))
+        control = Control(
+            *(reader.bytes("control descriptor", _DESCRIPTOR_BYTES) for _ in Control._fields)
+        )
+        data = tuple(
+            reader.bytes("weights descriptor", _DESCRIPTOR_BYTES)
+            for _ in range(reader.int("buffer count", 1, 2))
+        )
         table = Table.read(reader, nbytes)
         reader.end()
         return cls(metadata, device, nbytes, serial, record, chunk, control, data, table)
 
 
-def let_go(endpoints: list[p2p.Endpoint], ids: list[int], stop: threading.Event | None = None,
-           threads: list[threading.Thread] | None = None) -> None:
+def let_go(
+    endpoints: list[p2p.Endpoint],
+    ids: list[int],
+    stop: threading.Event | None = None,
+    threads: list[threading.Thread] | None = None,
+) -> None:
     """End what a publisher or a subscriber holds (its heartbeat, registrations, endpoints),
     also when it is dropped unclosed: a registry listener would keep its NIXL agents alive."""
     if stop is not None:

@@ -8,6 +8,7 @@ last ones shorter or empty: uneven shards), one axis after the other, so each ra
 of the full tensor. What an engine asks for is a box too (a range of one dim); `plan` says, once,
 from which rank and where in its local shard each part of it comes.
 """
+
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,8 +17,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["REPLICATE", "Layout", "ParamLayout", "Piece", "byte_runs", "layout_of", "plan",
-           "tp_slices", "world_of"]
+__all__ = [
+    "REPLICATE",
+    "Layout",
+    "ParamLayout",
+    "Piece",
+    "byte_runs",
+    "layout_of",
+    "plan",
+    "tp_slices",
+    "world_of",
+]
 
 REPLICATE = -1  # a placement code: the mesh axis replicates; a code d >= 0 shards dim d
 
@@ -36,9 +46,11 @@ def _code(placement: Any) -> int:
         return REPLICATE
     if kind == "Shard" and isinstance(getattr(placement, "dim", None), int):
         return placement.dim
-    raise ValueError(f"a placement is Replicate(), Shard(dim) or an int code (-1 replicate, "
-                     f"d >= 0 shard dim d), not {placement!r} (Partial and strided shards are "
-                     f"not published: reduce or redistribute them first)")
+    raise ValueError(
+        f"a placement is Replicate(), Shard(dim) or an int code (-1 replicate, "
+        f"d >= 0 shard dim d), not {placement!r} (Partial and strided shards are "
+        f"not published: reduce or redistribute them first)"
+    )
 
 
 def _chunk(start: int, stop: int, pieces: int, index: int) -> tuple[int, int]:
@@ -60,22 +72,31 @@ class ParamLayout:
     placements: tuple[int, ...] = ()
     owners: tuple[int, ...] = ()
 
-    def __init__(self, shape: Iterable[int], mesh_shape: Iterable[int] = (1,),
-                 placements: Iterable[Any] | None = None, owners: Iterable[int] | None = None):
+    def __init__(
+        self,
+        shape: Iterable[int],
+        mesh_shape: Iterable[int] = (1,),
+        placements: Iterable[Any] | None = None,
+        owners: Iterable[int] | None = None,
+    ):
         shape, mesh = tuple(map(int, shape)), tuple(map(int, mesh_shape))
         codes = tuple(map(_code, placements or ())) or (REPLICATE,) * len(mesh)
         ranks = tuple(range(math.prod(mesh))) if owners is None else tuple(map(int, owners))
         if any(size < 0 for size in shape) or not mesh or any(size < 1 for size in mesh):
-            raise ValueError(f"a shape of sizes >= 0 and a mesh shape of sizes >= 1, not "
-                             f"{shape} over {mesh}")
+            raise ValueError(
+                f"a shape of sizes >= 0 and a mesh shape of sizes >= 1, not {shape} over {mesh}"
+            )
         if len(codes) != len(mesh):
-            raise ValueError(f"{len(codes)} placements for a mesh of {len(mesh)} axes {mesh}: "
-                             f"one per axis")
+            raise ValueError(
+                f"{len(codes)} placements for a mesh of {len(mesh)} axes {mesh}: one per axis"
+            )
         if any(code >= len(shape) for code in codes):
             raise ValueError(f"placements {codes} shard a dim a tensor of shape {shape} lacks")
         if len(ranks) != math.prod(mesh) or len(set(ranks)) != len(ranks) or min(ranks) < 0:
-            raise ValueError(f"owners {ranks}: {math.prod(mesh)} distinct ranks >= 0, one per "
-                             f"coordinate of mesh {mesh}")
+            raise ValueError(
+                f"owners {ranks}: {math.prod(mesh)} distinct ranks >= 0, one per "
+                f"coordinate of mesh {mesh}"
+            )
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "mesh_shape", mesh)
         object.__setattr__(self, "placements", codes)
@@ -115,8 +136,9 @@ def layout_of(weights: Mapping[str, torch.Tensor]) -> dict[str, ParamLayout]:
     layout = {}
     for (name, tensor), mesh in zip(weights.items(), meshes):
         grid = (first if mesh is None else mesh).mesh
-        layout[name] = ParamLayout(tensor.shape, grid.shape, getattr(tensor, "placements", None),
-                                   grid.flatten().tolist())
+        layout[name] = ParamLayout(
+            tensor.shape, grid.shape, getattr(tensor, "placements", None), grid.flatten().tolist()
+        )
     return layout
 
 
@@ -129,9 +151,12 @@ def world_of(layout: Layout) -> int:
 Slice = tuple[int, int, int] | None
 
 
-def tp_slices(layout: Layout, rank: int, size: int,
-              dims: Mapping[str, int | None] | Callable[[str], int | None],
-              ) -> dict[str, Slice]:
+def tp_slices(
+    layout: Layout,
+    rank: int,
+    size: int,
+    dims: Mapping[str, int | None] | Callable[[str], int | None],
+) -> dict[str, Slice]:
     """What tensor-parallel engine `rank` of `size` serves of each parameter: its piece of dim
     `dims[name]` split as torch.chunk splits it (vLLM's even split where `size` divides the
     dim), or all of it where the dim is None (replicated in the engine)."""
@@ -154,8 +179,9 @@ class Piece(NamedTuple):
     target: tuple[slice, ...]
 
 
-def plan(layout: Layout, slices: Mapping[str, Slice]) -> dict[str, tuple[tuple[int, ...],
-                                                                          list[Piece]]]:
+def plan(
+    layout: Layout, slices: Mapping[str, Slice]
+) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
     """For each parameter asked for: the slice's shape and the pieces that make it, one from
     each distinct shard it overlaps (of replicas, the lowest rank's). Computed once per engine."""
     unknown = sorted(set(slices) - set(layout))
@@ -168,8 +194,9 @@ def plan(layout: Layout, slices: Mapping[str, Slice]) -> dict[str, tuple[tuple[i
         if asked is not None:
             dim, start, stop = asked
             if not (0 <= dim < len(param.shape) and 0 <= start <= stop <= param.shape[dim]):
-                raise ValueError(f"{name!r}: slice {asked} (dim, start, stop) is outside its "
-                                 f"shape {param.shape}")
+                raise ValueError(
+                    f"{name!r}: slice {asked} (dim, start, stop) is outside its shape {param.shape}"
+                )
             want[dim] = (start, stop)
         shards: dict[Box, int] = {}
         for rank in sorted(param.owners):
@@ -185,13 +212,16 @@ def plan(layout: Layout, slices: Mapping[str, Slice]) -> dict[str, tuple[tuple[i
     return out
 
 
-def _relative(box: Sequence[tuple[int, int]], origin: Sequence[tuple[int, int]],
-              ) -> tuple[slice, ...]:
+def _relative(
+    box: Sequence[tuple[int, int]],
+    origin: Sequence[tuple[int, int]],
+) -> tuple[slice, ...]:
     return tuple(slice(low - base, high - base) for (low, high), (base, _) in zip(box, origin))
 
 
-def byte_runs(offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int,
-              box: Sequence[slice]) -> list[tuple[int, int]]:
+def byte_runs(
+    offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int, box: Sequence[slice]
+) -> list[tuple[int, int]]:
     """The contiguous byte runs (start, length) that hold `box` of a tensor lying at byte
     `offset` of its buffer: what an engine pulls of it across hosts. A tensor that is not
     row-major contiguous is pulled whole."""
@@ -207,14 +237,17 @@ def byte_runs(offset: int, shape: Sequence[int], strides: Sequence[int], itemsiz
     if not ranges:  # a scalar
         return [(offset, itemsize)]
     # the dims after `last` are whole: one run per index of the dims before it
-    last = max((dim for dim, (start, stop) in enumerate(ranges)
-                if (start, stop) != (0, shape[dim])), default=0)
-    length = (ranges[last][1] - ranges[last][0]) * math.prod(shape[last + 1:]) * itemsize
+    last = max(
+        (dim for dim, (start, stop) in enumerate(ranges) if (start, stop) != (0, shape[dim])),
+        default=0,
+    )
+    length = (ranges[last][1] - ranges[last][0]) * math.prod(shape[last + 1 :]) * itemsize
     runs: list[tuple[int, int]] = []
     outer = [range(start, stop) for start, stop in ranges[:last]]
     for index in itertools.product(*outer):
-        element = sum(i * stride for i, stride in zip(index, strides)) \
-            + ranges[last][0] * strides[last]
+        element = (
+            sum(i * stride for i, stride in zip(index, strides)) + ranges[last][0] * strides[last]
+        )
         start = offset + element * itemsize
         if runs and runs[-1][0] + runs[-1][1] == start:
             runs[-1] = (runs[-1][0], runs[-1][1] + length)

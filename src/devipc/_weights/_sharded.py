@@ -10,6 +10,7 @@ acknowledges a generation to every rank only after it has it from all of them. S
 rank that dies mid-generation leaves every engine with the generation before, and an error that
 names it.
 """
+
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,12 +38,17 @@ class ShardedPublisher:
     one, and every rank publishes every generation (`publish()`), in step: the generation an
     engine takes is the one all ranks published."""
 
-    def __init__(self, weights: torch.nn.Module | Mapping[str, torch.Tensor],
-                 layout: Layout | None = None, *, rank: int, copy: bool = False,
-                 transport: str = "ipc"):
+    def __init__(
+        self,
+        weights: torch.nn.Module | Mapping[str, torch.Tensor],
+        layout: Layout | None = None,
+        *,
+        rank: int,
+        copy: bool = False,
+        transport: str = "ipc",
+    ):
         named = dict(named_weights(weights))
-        self.layout: dict[str, ParamLayout] = dict(layout_of(named) if layout is None
-                                                   else layout)
+        self.layout: dict[str, ParamLayout] = dict(layout_of(named) if layout is None else layout)
         self.rank, self.world = rank, world_of(self.layout)
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} of a layout whose owners are ranks 0..{self.world - 1}")
@@ -57,27 +63,34 @@ class ShardedPublisher:
             if hasattr(tensor, "to_local"):
                 tensor = tensor.to_local()
             if tuple(tensor.shape) != shape:
-                raise ValueError(f"{name!r}: rank {rank}'s local shard is {tuple(tensor.shape)}, "
-                                 f"its layout says {shape} (of {param.shape})")
+                raise ValueError(
+                    f"{name!r}: rank {rank}'s local shard is {tuple(tensor.shape)}, "
+                    f"its layout says {shape} (of {param.shape})"
+                )
             local[name] = tensor
         extra = sorted(set(named) - set(local))
         if extra:
-            raise ValueError(f"rank {rank}'s weights name {extra[:5]}, which its layout gives "
-                             f"it no part of")
+            raise ValueError(
+                f"rank {rank}'s weights name {extra[:5]}, which its layout gives it no part of"
+            )
         if not local:
             raise ValueError(f"rank {rank} owns no part of any weight: it has nothing to publish")
-        self._publisher = WeightPublisher(local, copy=copy, transport=transport,
-                                          block_checksums=transport == "nixl")
+        self._publisher = WeightPublisher(
+            local, copy=copy, transport=transport, block_checksums=transport == "nixl"
+        )
 
-    generation = property(lambda self: self._publisher.generation,
-                          doc="The newest generation this rank published (-1: none yet).")
+    generation = property(
+        lambda self: self._publisher.generation,
+        doc="The newest generation this rank published (-1: none yet).",
+    )
 
     def token(self) -> bytes:
         """One engine's way in to this rank (open once); an engine takes one of every rank."""
         return self._publisher.token()
 
-    def publish(self, *, wait: bool = True, timeout: float | None = None,
-                checksum: bool = False) -> int:
+    def publish(
+        self, *, wait: bool = True, timeout: float | None = None, checksum: bool = False
+    ) -> int:
         """`WeightPublisher.publish` of this rank's shards. With `wait`, returns once every
         engine took the generation, which each does only once every rank published it."""
         return self._publisher.publish(wait=wait, timeout=timeout, checksum=checksum)
@@ -110,21 +123,33 @@ class ShardedSubscriber:
     host); one that spans ranks is assembled from each, its bytes only, into a buffer of this
     engine made once. `options`: `WeightSubscriber`'s `share` and `prefetch`, across hosts."""
 
-    def __init__(self, tokens: Sequence[bytes], layout: Layout,
-                 slices: Mapping[str, Slice] | None = None,
-                 device: torch.device | str | int | None = None, **options: bool):
+    def __init__(
+        self,
+        tokens: Sequence[bytes],
+        layout: Layout,
+        slices: Mapping[str, Slice] | None = None,
+        device: torch.device | str | int | None = None,
+        **options: bool,
+    ):
         self.layout = dict(layout)
         world = world_of(self.layout)
         if len(tokens) != world:
-            raise ValueError(f"{len(tokens)} tokens for a trainer of {world} ranks: one of each "
-                             f"rank, in rank order")
-        self._plan = plan(self.layout, {name: None for name in self.layout}
-                          if slices is None else slices)
+            raise ValueError(
+                f"{len(tokens)} tokens for a trainer of {world} ranks: one of each "
+                f"rank, in rank order"
+            )
+        self._plan = plan(
+            self.layout, {name: None for name in self.layout} if slices is None else slices
+        )
         self._subs: list[LocalSubscriber | NixlSubscriber] = []
         try:
             for rank, token in enumerate(tokens):
-                parts = {name: piece.source for name, (_, pieces) in self._plan.items()
-                         for piece in pieces if piece.rank == rank}
+                parts = {
+                    name: piece.source
+                    for name, (_, pieces) in self._plan.items()
+                    for piece in pieces
+                    if piece.rank == rank
+                }
                 self._subs.append(_subscriber(token, device, parts, options))
         except BaseException:
             self.close()
@@ -132,8 +157,7 @@ class ShardedSubscriber:
         self.device = self._subs[0].device
         self.generation = -1
         pulls = sum(hasattr(sub, "pull_bytes") for sub in self._subs)  # across hosts
-        self._pool = ThreadPoolExecutor(len(self._subs), "devipc-sharded") if pulls > 1 \
-            else None
+        self._pool = ThreadPoolExecutor(len(self._subs), "devipc-sharded") if pulls > 1 else None
         self._checked = False
         self._buffers: dict[str, torch.Tensor] = {}
         self._held: dict[str, torch.Tensor] | None = None
@@ -169,21 +193,28 @@ class ShardedSubscriber:
                 if errors[-1] is not None:
                     break
         else:
-            futures = [self._pool.submit(_caught, self._wait_rank, rank, target, deadline)
-                       for rank in behind]
+            futures = [
+                self._pool.submit(_caught, self._wait_rank, rank, target, deadline)
+                for rank in behind
+            ]
             errors = [future.result() for future in futures]
-        gone = [(rank, error) for rank, error in zip(behind, errors)
-                if isinstance(error, PeerGoneError)]
+        gone = [
+            (rank, error) for rank, error in zip(behind, errors) if isinstance(error, PeerGoneError)
+        ]
         if gone:
             rank, why = gone[0]
-            raise PeerGoneError(f"trainer rank {rank} of {len(self._subs)} is gone ({why}): "
-                                f"generation {target} is incomplete; this engine keeps "
-                                f"generation {self.generation}") from why
+            raise PeerGoneError(
+                f"trainer rank {rank} of {len(self._subs)} is gone ({why}): "
+                f"generation {target} is incomplete; this engine keeps "
+                f"generation {self.generation}"
+            ) from why
         if any(isinstance(error, TimeoutError) for error in errors):
             late = [rank for rank, sub in enumerate(self._subs) if sub.generation < target]
-            raise TimeoutError(f"generation {target} not published by trainer ranks {late} "
-                               f"within {timeout} s (this engine keeps generation "
-                               f"{self.generation})")
+            raise TimeoutError(
+                f"generation {target} not published by trainer ranks {late} "
+                f"within {timeout} s (this engine keeps generation "
+                f"{self.generation})"
+            )
         for error in errors:
             if error is not None:
                 raise error
@@ -204,17 +235,22 @@ class ShardedSubscriber:
                 self._check(locals_)
             held, pairs = {}, []
             for name, (shape, pieces) in self._plan.items():
-                if len(pieces) == 1 and tuple(
-                        locals_[pieces[0].rank][name][pieces[0].source].shape) == shape:
+                if (
+                    len(pieces) == 1
+                    and tuple(locals_[pieces[0].rank][name][pieces[0].source].shape) == shape
+                ):
                     held[name] = locals_[pieces[0].rank][name][pieces[0].source]
                     continue
                 buffer = self._buffers.get(name)
                 if buffer is None:
                     some = next(rank for rank in range(len(self._subs)) if name in locals_[rank])
                     buffer = self._buffers[name] = torch.empty(
-                        shape, dtype=locals_[some][name].dtype, device=self.device)
-                pairs += [(buffer[piece.target], locals_[piece.rank][name][piece.source])
-                          for piece in pieces]
+                        shape, dtype=locals_[some][name].dtype, device=self.device
+                    )
+                pairs += [
+                    (buffer[piece.target], locals_[piece.rank][name][piece.source])
+                    for piece in pieces
+                ]
                 held[name] = buffer
             copy_pairs(pairs)
             for sub in self._subs:
@@ -226,22 +262,30 @@ class ShardedSubscriber:
         """Once: each rank's published shards are those the layout gives it (tokens in rank
         order, the same layout on both sides)."""
         for rank, local in enumerate(locals_):
-            expected = {name: param.local_shape(rank) for name, param in self.layout.items()
-                        if param.local_shape(rank) is not None}
+            expected = {
+                name: param.local_shape(rank)
+                for name, param in self.layout.items()
+                if param.local_shape(rank) is not None
+            }
             found = {name: tuple(tensor.shape) for name, tensor in local.items()}
             if found != expected:
                 wrong = sorted(set(found.items()) ^ set(expected.items()))[:3]
-                raise ValueError(f"token {rank} publishes shards that are not trainer rank "
-                                 f"{rank}'s in this layout (differing: {wrong}): pass each "
-                                 f"rank's token at its rank, and the trainer's layout")
+                raise ValueError(
+                    f"token {rank} publishes shards that are not trainer rank "
+                    f"{rank}'s in this layout (differing: {wrong}): pass each "
+                    f"rank's token at its rank, and the trainer's layout"
+                )
         self._checked = True
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, slice) of the held generation, for an engine's own loader."""
         yield from self.tensors().items()
 
-    def copy_into(self, module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
-                  names: Names = None) -> None:
+    def copy_into(
+        self,
+        module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+        names: Names = None,
+    ) -> None:
         """`WeightSubscriber.copy_into` of the slices served: the engine's tensors are
         slice-shaped; floating dtypes convert; `names` maps a published name to the engine's."""
         copy_into(self.tensors(), module_or_state_dict, names)
@@ -282,9 +326,13 @@ class ShardedSubscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-def _subscriber(token: bytes, device: torch.device | str | int | None,
-                parts: dict[str, tuple[slice, ...]], options: dict[str, bool],
-                ) -> "LocalSubscriber | NixlSubscriber":
+
+def _subscriber(
+    token: bytes,
+    device: torch.device | str | int | None,
+    parts: dict[str, tuple[slice, ...]],
+    options: dict[str, bool],
+) -> "LocalSubscriber | NixlSubscriber":
     """One rank's subscriber, as `WeightSubscriber` makes it; across hosts it pulls only
     `parts` of each generation (on one host nothing is pulled: the rank's memory is mapped)."""
     transport, _ = token_reader(token)
@@ -293,8 +341,10 @@ def _subscriber(token: bytes, device: torch.device | str | int | None,
 
         return NixlSubscriber(token, device, parts=parts, **options)
     if options:
-        raise ValueError(f"{sorted(options)}: options of subscribers across hosts "
-                         f"(transport='nixl'); on one host there is nothing to pull")
+        raise ValueError(
+            f"{sorted(options)}: options of subscribers across hosts "
+            f"(transport='nixl'); on one host there is nothing to pull"
+        )
     return LocalSubscriber(token, device)
 
 

@@ -12,6 +12,7 @@ why) and exits non-zero when one failed. Every process it starts runs the `--hoo
 first, so hooks registered by a user module are the ones tested everywhere.
 It is a user of devipc's public faces (`devipc`, `hooks`, `p2p`), never of their private modules.
 """
+
 from . import (  # noqa: F401  (importing a module of checks adds them to CHECKS)
     _contract,
     _lifetime,
@@ -27,15 +28,32 @@ from ._check import CHECKS, Check
 from ._runner import Result, Session, run
 
 # The order checks run in: the contract first, then what builds on it.
-ORDER = ("contract.", "roundtrip.", "writes.", "sync.", "mp.", "handles.", "refusals.",
-         "lifetime.", "p2p.", "optional.")
+ORDER = (
+    "contract.",
+    "roundtrip.",
+    "writes.",
+    "sync.",
+    "mp.",
+    "handles.",
+    "refusals.",
+    "lifetime.",
+    "p2p.",
+    "optional.",
+)
 
 __all__ = ["CHECKS", "Check", "Result", "Session", "run", "select"]
 
 
 def select(substrings: list[str] | None = None) -> list[Check]:
     """The checks whose names contain any of `substrings` (all without), in running order."""
-    chosen = [check for check in CHECKS
-              if not substrings or any(part in check.name for part in substrings)]
-    return sorted(chosen, key=lambda check: next(
-        (i for i, prefix in enumerate(ORDER) if check.name.startswith(prefix)), len(ORDER)))
+    chosen = [
+        check
+        for check in CHECKS
+        if not substrings or any(part in check.name for part in substrings)
+    ]
+    return sorted(
+        chosen,
+        key=lambda check: next(
+            (i for i, prefix in enumerate(ORDER) if check.name.startswith(prefix)), len(ORDER)
+        ),
+    )

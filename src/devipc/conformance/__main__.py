@@ -1,5 +1,6 @@
 """`python -m devipc.conformance --device TYPE`: run the kit, print the table, exit 1 on a
 failure (2 when it cannot start)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,18 +16,33 @@ from . import Result, run, select
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m devipc.conformance",
-        description="Check a device's devipc IPC hooks against the contract.")
+        description="Check a device's devipc IPC hooks against the contract.",
+    )
     parser.add_argument("--device", help="the device type under test, e.g. openreg")
     parser.add_argument("--index", type=int, default=0, help="the device index (default 0)")
-    parser.add_argument("--hooks-module", action="append", default=[], metavar="MODULE",
-                        help="import MODULE first in every process of the kit (to load the "
-                             "device or register its hooks); repeatable")
-    parser.add_argument("-k", action="append", default=[], metavar="SUBSTRING",
-                        help="run only checks whose name contains SUBSTRING; repeatable")
+    parser.add_argument(
+        "--hooks-module",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first in every process of the kit (to load the "
+        "device or register its hooks); repeatable",
+    )
+    parser.add_argument(
+        "-k",
+        action="append",
+        default=[],
+        metavar="SUBSTRING",
+        help="run only checks whose name contains SUBSTRING; repeatable",
+    )
     parser.add_argument("--list", action="store_true", help="list the checks and exit")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds one check may take before it fails (default 120)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds one check may take before it fails (default 120)",
+    )
     args = parser.parse_args(argv)
     if not args.list and not args.device:
         parser.error("--device is required")
@@ -51,13 +67,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import _device
     from ._runner import CannotStart, describe, preflight
+
     try:
         _device.load(args.hooks_module)
         device = torch.device(args.device, args.index)
         count = _device.device_count(device)
     except Exception as error:  # noqa: BLE001 - said on stderr: the kit cannot start
-        print(f"cannot test {args.device}:{args.index}: {type(error).__name__}: {error} "
-              f"(is its package installed? --hooks-module imports it)", file=sys.stderr)
+        print(
+            f"cannot test {args.device}:{args.index}: {type(error).__name__}: {error} "
+            f"(is its package installed? --hooks-module imports it)",
+            file=sys.stderr,
+        )
         return 2
     if not 0 <= args.index < count:
         print(f"{args.device} has {count} devices here, no index {args.index}", file=sys.stderr)
@@ -71,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"devipc conformance: {describe(device)}")
         print(f"{'result':<8} {'check':<28} {'time':>7}  detail", flush=True)
+
     def report(result: Result) -> None:
         if not args.json:
             print(row(result), flush=True)
@@ -80,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(result) for result in results], indent=1))
     else:
-        counts = {status: sum(r.status == status for r in results)
-                  for status in ("passed", "failed", "skipped")}
-        print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} "
-              f"skipped in {time.monotonic() - start:.1f} s")
+        counts = {
+            status: sum(r.status == status for r in results)
+            for status in ("passed", "failed", "skipped")
+        }
+        print(
+            f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} "
+            f"skipped in {time.monotonic() - start:.1f} s"
+        )
     code = 1 if failed else 0
     if hung:  # a check's thread is still stuck in the device: do not wait for it at exit
         sys.stdout.flush()

@@ -1,5 +1,6 @@
 """What a check is: a name, one line on what it proves, and a function that passes (returning a
 detail), fails (raising) or skips (raising `Skip` with the reason)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,10 +26,15 @@ class Check:
 CHECKS: list[Check] = []
 
 
-def check(name: str, proves: str, fresh_peers: int = 0,
-          ) -> Callable[[Callable[[Kit], str | None]], Callable[[Kit], str | None]]:
+def check(
+    name: str,
+    proves: str,
+    fresh_peers: int = 0,
+) -> Callable[[Callable[[Kit], str | None]], Callable[[Kit], str | None]]:
     """Adds the decorated function to CHECKS, in definition order."""
+
     def add(run: Callable[[Kit], str | None]) -> Callable[[Kit], str | None]:
         CHECKS.append(Check(name, proves, run, fresh_peers))
         return run
+
     return add

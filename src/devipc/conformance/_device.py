@@ -1,6 +1,7 @@
 """The device under test through torch's device module (`torch.get_device_module`), not
 `torch.accelerator`: the kit talks to the named device even where another one is torch's current
 accelerator. Used in the kit's process and in its peers alike."""
+
 from __future__ import annotations
 
 import importlib
@@ -46,8 +47,7 @@ def settle(device: torch.device, timeout: float) -> None:
     """Let this process's finished device work release what it received (the releases wait for
     queued work, then run from devipc's collector)."""
     synchronize(device)
-    wait_for(lambda: devipc.stats()["pending_releases"] == 0, "received memory released",
-             timeout)
+    wait_for(lambda: devipc.stats()["pending_releases"] == 0, "received memory released", timeout)
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout: float) -> None:

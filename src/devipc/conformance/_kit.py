@@ -1,4 +1,5 @@
 """What every check gets: the device under test, its hooks, the peers, and bounded waits."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,8 +49,7 @@ class Kit:
     def settle(self) -> None:
         _device.settle(self.device, WAIT)
 
-    def wait_for(self, condition: Callable[[], object], what: str,
-                 timeout: float = WAIT) -> None:
+    def wait_for(self, condition: Callable[[], object], what: str, timeout: float = WAIT) -> None:
         try:
             _device.wait_for(condition, what, timeout)
         except TimeoutError as error:

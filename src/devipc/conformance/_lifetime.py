@@ -1,5 +1,6 @@
 """Memory a consumer may reach lives exactly as long as someone may reach it: back to its
 baseline once consumers let go or died, still mapped for a consumer after its producer exited."""
+
 from __future__ import annotations
 
 import torch
@@ -24,25 +25,33 @@ class Baseline:
     def still_held(self) -> None:
         """The memory is held for a consumer: not back yet."""
         memory = self.kit.memory_allocated()
-        expect(memory is None or self.memory is None or memory > self.memory,
-               "the producer's memory went back to its allocator while a consumer held it")
+        expect(
+            memory is None or self.memory is None or memory > self.memory,
+            "the producer's memory went back to its allocator while a consumer held it",
+        )
         expect(devipc.stats()["sent"] > self.sent, "no send is held while a consumer holds it")
 
     def back(self, why: str) -> None:
         """Back to the baseline, or below it: sends of earlier checks may end meanwhile."""
-        self.kit.wait_for(lambda: devipc.stats()["sent"] <= self.sent
-                          and devipc.stats()["exports"] <= self.exports,
-                          f"devipc's sends and exports back to baseline after {why}")
+        self.kit.wait_for(
+            lambda: (
+                devipc.stats()["sent"] <= self.sent and devipc.stats()["exports"] <= self.exports
+            ),
+            f"devipc's sends and exports back to baseline after {why}",
+        )
         memory = self.memory
         if memory is not None:
-            self.kit.wait_for(lambda: (self.kit.memory_allocated() or 0) <= memory,
-                              f"the device's allocated memory back to {self.memory} bytes after "
-                              f"{why}")
+            self.kit.wait_for(
+                lambda: (self.kit.memory_allocated() or 0) <= memory,
+                f"the device's allocated memory back to {self.memory} bytes after {why}",
+            )
 
 
-@check("lifetime.release",
-       "memory stays while a consumer holds it, and is back to baseline once the consumer "
-       "released it and the producer dropped it")
+@check(
+    "lifetime.release",
+    "memory stays while a consumer holds it, and is back to baseline once the consumer "
+    "released it and the producer dropped it",
+)
 def release(kit: Kit) -> str:
     peer = kit.peer()
     baseline = Baseline(kit)
@@ -56,20 +65,27 @@ def release(kit: Kit) -> str:
     expect(after["mapped"] == 0, f"the peer still maps {after['mapped']} allocations")
     if mapped is not None:  # the mapping count of the received file goes back: close unmapped
         file, count = mapped
-        kit.wait_for(lambda: peer.call(_tasks.mapping_count, file) < count,
-                     "the peer still maps the received memory after devipc closed it "
-                     "(OpenedMemory.close must unmap it: else every long-lived consumer leaks)")
+        kit.wait_for(
+            lambda: peer.call(_tasks.mapping_count, file) < count,
+            "the peer still maps the received memory after devipc closed it "
+            "(OpenedMemory.close must unmap it: else every long-lived consumer leaks)",
+        )
     baseline.back("the consumer released it")
-    notes = [] if mapped is not None else ["the memory is in no file mapping of the peer: its "
-                                           "unmapping is not seen"]
+    notes = (
+        []
+        if mapped is not None
+        else ["the memory is in no file mapping of the peer: its unmapping is not seen"]
+    )
     if baseline.memory is None:
         notes.append("the device module has no memory_allocated: devipc's counts only")
     return "; ".join(["1 MiB", *notes])
 
 
-@check("lifetime.dead_consumer",
-       "a consumer killed (SIGKILL) while holding memory is reclaimed by the producer",
-       fresh_peers=1)
+@check(
+    "lifetime.dead_consumer",
+    "a consumer killed (SIGKILL) while holding memory is reclaimed by the producer",
+    fresh_peers=1,
+)
 def dead_consumer(kit: Kit) -> str:
     doomed = kit.peers.fresh()
     doomed.call(_tasks.pid)
@@ -83,10 +99,12 @@ def dead_consumer(kit: Kit) -> str:
     return "1 MiB held by a killed peer"
 
 
-@check("lifetime.producer_exit",
-       "after its producer exited, a consumer's mapping still reads and writes, and a send "
-       "nobody opened is refused with PeerGoneError",
-       fresh_peers=1)
+@check(
+    "lifetime.producer_exit",
+    "after its producer exited, a consumer's mapping still reads and writes, and a send "
+    "nobody opened is refused with PeerGoneError",
+    fresh_peers=1,
+)
 def producer_exit(kit: Kit) -> str:
     producer = kit.peers.fresh()
     producer.call(_tasks.pid)
@@ -94,8 +112,7 @@ def producer_exit(kit: Kit) -> str:
     mapped_before = devipc.stats()["mapped"]
     tensor, unopened = producer.call(_tasks.produce_then_exit, kit.target)
     producer.close()
-    expect(producer.process.exitcode == 0,
-           f"the producer exited with {producer.process.exitcode}")
+    expect(producer.process.exitcode == 0, f"the producer exited with {producer.process.exitcode}")
     expect(torch.equal(tensor.cpu(), torch.arange(16.0)), "the mapping reads other values now")
     tensor.add_(1)
     expect(torch.equal(tensor.cpu(), torch.arange(16.0) + 1), "a write did not read back")
@@ -104,13 +121,16 @@ def producer_exit(kit: Kit) -> str:
     except devipc.PeerGoneError:
         pass
     except Exception as error:  # noqa: BLE001 - any other error is the check's verdict
-        raise CheckFailed(f"opening a send of an exited producer raised "
-                          f"{type(error).__name__}: {error}, not PeerGoneError") from None
+        raise CheckFailed(
+            f"opening a send of an exited producer raised "
+            f"{type(error).__name__}: {error}, not PeerGoneError"
+        ) from None
     else:
         raise CheckFailed("a send of an exited producer opened")
     del tensor
     kit.settle()
-    kit.wait_for(lambda: devipc.stats()["mapped"] <= mapped_before,
-                 "the exited producer's memory unmapped")
+    kit.wait_for(
+        lambda: devipc.stats()["mapped"] <= mapped_before, "the exited producer's memory unmapped"
+    )
     baseline.back("the exited producer's memory was dropped")
     return "read, write, refusal, unmapped"

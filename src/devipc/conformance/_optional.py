@@ -1,5 +1,6 @@
 """The optional hooks, each tested where the device has it (README, "Optional, beyond the RFC");
 a device that keeps a default skips its check, saying so."""
+
 from __future__ import annotations
 
 import torch
@@ -23,16 +24,23 @@ def batch_case(kit: Kit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
     device_dst = torch.zeros(4096, dtype=torch.uint8, device=kit.device)
     host_src = torch.randint(0, 255, (1024,), dtype=torch.uint8, generator=generator)
     host_dst = torch.zeros(1024, dtype=torch.uint8)
-    spans = [(device_dst, 0, device_src, 0, 256), (device_dst, 300, device_src, 1001, 1),
-             (device_dst, 513, device_src, 7, 777), (device_dst, 2000, device_src, 3000, 1000),
-             (device_dst, 3500, host_src, 3, 500), (host_dst, 10, device_src, 100, 900)]
+    spans = [
+        (device_dst, 0, device_src, 0, 256),
+        (device_dst, 300, device_src, 1001, 1),
+        (device_dst, 513, device_src, 7, 777),
+        (device_dst, 2000, device_src, 3000, 1000),
+        (device_dst, 3500, host_src, 3, 500),
+        (host_dst, 10, device_src, 100, 900),
+    ]
     return device_src, device_dst, host_dst, spans
 
 
-@check("optional.copy_batch",
-       "copy_batch queues a table of copies (device and host sides, unaligned) as one stream "
-       "operation ordered with the caller's work, equal to per-pair Tensor.copy_, and raises "
-       "for a copy outside the device's memory")
+@check(
+    "optional.copy_batch",
+    "copy_batch queues a table of copies (device and host sides, unaligned) as one stream "
+    "operation ordered with the caller's work, equal to per-pair Tensor.copy_, and raises "
+    "for a copy outside the device's memory",
+)
 def copy_batch(kit: Kit) -> str:
     batch = kit.hooks.copy_batch
     if batch is None:
@@ -42,15 +50,22 @@ def copy_batch(kit: Kit) -> str:
     device_src.add_(1)  # queued before the batch: the batch must copy its result
     targets = {id(device_dst): expected_dst, id(host_dst): expected_host}
     for dst, dst_at, src, src_at, n in spans:
-        targets[id(dst)][dst_at:dst_at + n].copy_(src[src_at:src_at + n])
-    table = torch.tensor([[dst.data_ptr() + dst_at, src.data_ptr() + src_at, n]
-                          for dst, dst_at, src, src_at, n in spans], dtype=torch.int64)
+        targets[id(dst)][dst_at : dst_at + n].copy_(src[src_at : src_at + n])
+    table = torch.tensor(
+        [
+            [dst.data_ptr() + dst_at, src.data_ptr() + src_at, n]
+            for dst, dst_at, src, src_at, n in spans
+        ],
+        dtype=torch.int64,
+    )
     batch(kit.device.index, table)
     after = device_dst.clone()  # queued after the batch: must see all of it
     kit.synchronize()
-    expect(torch.equal(after.cpu(), expected_dst.cpu()),
-           "device destinations differ from per-pair copies (or the batch was not ordered "
-           "with the work around it)")
+    expect(
+        torch.equal(after.cpu(), expected_dst.cpu()),
+        "device destinations differ from per-pair copies (or the batch was not ordered "
+        "with the work around it)",
+    )
     expect(torch.equal(host_dst, expected_host.cpu()), "the host destination differs")
     host_a, host_b = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
     outside = torch.tensor([[host_a.data_ptr(), host_b.data_ptr(), 8]], dtype=torch.int64)
@@ -64,22 +79,27 @@ def copy_batch(kit: Kit) -> str:
     return f"{len(spans)} rows"
 
 
-@check("optional.reusable_mappings",
-       "where reusable_mappings says yes (consumers keep a mapping open after its last storage "
-       "for the next tensor on it), a handle names one allocation for good: an allocation "
-       "freed back to the device (its cache emptied) and made again gets a new handle")
+@check(
+    "optional.reusable_mappings",
+    "where reusable_mappings says yes (consumers keep a mapping open after its last storage "
+    "for the next tensor on it), a handle names one allocation for good: an allocation "
+    "freed back to the device (its cache emptied) and made again gets a new handle",
+)
 def reusable_mappings(kit: Kit) -> str:
     if not kit.hooks.reusable_mappings():
         raise Skip("the device closes a mapping with its last storage (reusable_mappings: no)")
     module = _device.module_of(kit.device)
-    if getattr(module, "empty_cache", None) is None \
-            or getattr(module, "memory_reserved", None) is None:
-        raise Skip("the device's module has no empty_cache or memory_reserved: the kit cannot "
-                   "free an allocation and tell that it went")
+    if (
+        getattr(module, "empty_cache", None) is None
+        or getattr(module, "memory_reserved", None) is None
+    ):
+        raise Skip(
+            "the device's module has no empty_cache or memory_reserved: the kit cannot "
+            "free an allocation and tell that it went"
+        )
 
     def handle_of(tensor: torch.Tensor) -> bytes:
-        return devipc.hooks.IpcMemHandle.of(
-            kit.hooks.get_ipc_mem_handle(tensor.data_ptr())).handle
+        return devipc.hooks.IpcMemHandle.of(kit.hooks.get_ipc_mem_handle(tensor.data_ptr())).handle
 
     def emptied() -> int:
         kit.synchronize()
@@ -97,19 +117,23 @@ def reusable_mappings(kit: Kit) -> str:
         if gone:
             freed += 1
             same_address += tensor.data_ptr() == address
-            expect(handle_of(tensor) != first,
-                   "memory freed and allocated again has the old allocation's handle: a "
-                   "consumer would take its kept mapping of the old memory for it. Make handles "
-                   "unique per allocation, or have reusable_mappings say no")
+            expect(
+                handle_of(tensor) != first,
+                "memory freed and allocated again has the old allocation's handle: a "
+                "consumer would take its kept mapping of the old memory for it. Make handles "
+                "unique per allocation, or have reusable_mappings say no",
+            )
     del tensor
     if not freed:
         raise Skip(f"a {nbytes >> 20} MiB allocation was never given back by empty_cache")
     return f"{freed} allocations made again after a free ({same_address} at the old address)"
 
 
-@check("optional.can_map_on",
-       "can_map_on says yes for the owning device and no for the CPU or an index past the "
-       "count, never raises, and devipc.open(..., device=) follows it")
+@check(
+    "optional.can_map_on",
+    "can_map_on says yes for the owning device and no for the CPU or an index past the "
+    "count, never raises, and devipc.open(..., device=) follows it",
+)
 def can_map_on(kit: Kit) -> str:
     if not kit.overrides("can_map_on"):
         raise Skip("the device keeps the default can_map_on (only the owning device)")
@@ -118,8 +142,10 @@ def can_map_on(kit: Kit) -> str:
     handle, _ = devipc.hooks.IpcMemHandle.of(kit.hooks.get_ipc_mem_handle(tensor.data_ptr()))
     answer = peer.call(_tasks.can_map, kit.target, handle)
     answers, owner = answer["answers"], answer["owner"]
-    expect(all(isinstance(value, bool) for value in answers.values()),
-           f"answers that are not bools: {answers}")
+    expect(
+        all(isinstance(value, bool) for value in answers.values()),
+        f"answers that are not bools: {answers}",
+    )
     count = _device.device_count(kit.device)
     past = str(torch.device(kit.device.type, count))
     expect(answers[owner], f"can_map_on says no for the owning device {owner}")
@@ -136,8 +162,10 @@ def can_map_on(kit: Kit) -> str:
                 expect(where == name, f"devipc.open(device={name!r}) gave {where}")
                 expect(torch.equal(got["values"], tensor.cpu()), f"on {name}: other values")
             else:
-                expect(isinstance(got, str) and raised(got, "UnsupportedDeviceError"),
-                       f"devipc.open(device={name!r}) against can_map_on: {got}")
+                expect(
+                    isinstance(got, str) and raised(got, "UnsupportedDeviceError"),
+                    f"devipc.open(device={name!r}) against can_map_on: {got}",
+                )
     finally:
         for sent in handles:
             sent.revoke()
@@ -145,15 +173,19 @@ def can_map_on(kit: Kit) -> str:
     return f"{count} devices, mapped where it says yes"
 
 
-@check("optional.device_identity",
-       "device_identity gives bytes, stable, the same in a peer, distinct per device")
+@check(
+    "optional.device_identity",
+    "device_identity gives bytes, stable, the same in a peer, distinct per device",
+)
 def device_identity(kit: Kit) -> str:
     count = _device.device_count(kit.device)
     ours = [kit.hooks.device_identity(torch.device(kit.device.type, i)) for i in range(count)]
     if not any(ours):
-        raise Skip("the device reports no identity (device_identity gives b\"\")")
-    expect(all(type(identity) is bytes and identity for identity in ours),
-           f"identities that are not non-empty bytes: {ours}")
+        raise Skip('the device reports no identity (device_identity gives b"")')
+    expect(
+        all(type(identity) is bytes and identity for identity in ours),
+        f"identities that are not non-empty bytes: {ours}",
+    )
     again = [kit.hooks.device_identity(torch.device(kit.device.type, i)) for i in range(count)]
     expect(again == ours, "identities changed between two calls")
     expect(len(set(ours)) == count, "two devices share an identity")
@@ -162,26 +194,30 @@ def device_identity(kit: Kit) -> str:
     return f"{count} devices"
 
 
-@check("optional.memory_kind",
-       "memory_kind is \"DRAM\", \"VRAM\" or None for every device, the same on every call")
+@check(
+    "optional.memory_kind",
+    'memory_kind is "DRAM", "VRAM" or None for every device, the same on every call',
+)
 def memory_kind(kit: Kit) -> str:
     count = _device.device_count(kit.device)
     kinds = [kit.hooks.memory_kind(i) for i in range(count)]
     if not kit.overrides("memory_kind"):
-        raise Skip("the device keeps the default memory_kind (None: devipc.p2p's NIXL path "
-                   "refuses it)")
+        raise Skip(
+            "the device keeps the default memory_kind (None: devipc.p2p's NIXL path refuses it)"
+        )
     expect(all(kind in KINDS for kind in kinds), f"memory kinds {kinds}")
     expect([kit.hooks.memory_kind(i) for i in range(count)] == kinds, "the kinds changed")
     return f"{sorted(set(map(str, kinds)))}"
 
 
-@check("optional.make_resizable",
-       "a sent storage resizes (resize_(0) and regrowth), and the consumer keeps the sent "
-       "block's values")
+@check(
+    "optional.make_resizable",
+    "a sent storage resizes (resize_(0) and regrowth), and the consumer keeps the sent "
+    "block's values",
+)
 def make_resizable(kit: Kit) -> str:
     if not kit.overrides("make_resizable"):
-        raise Skip("the device keeps the default make_resizable (a sent storage cannot be "
-                   "resized)")
+        raise Skip("the device keeps the default make_resizable (a sent storage cannot be resized)")
     peer = kit.peer()
     tensor = torch.arange(1024, dtype=torch.float32, device=kit.device)
     try:
@@ -194,8 +230,10 @@ def make_resizable(kit: Kit) -> str:
         kit.synchronize()
         expect(tensor.data_ptr() != sent_ptr, "regrowth gave the storage the sent block back")
         got = peer.call(_tasks.held_report, "resized")["values"]
-        expect(torch.equal(got, torch.arange(1024.0)),
-               "the consumer's values changed when the producer resized and refilled")
+        expect(
+            torch.equal(got, torch.arange(1024.0)),
+            "the consumer's values changed when the producer resized and refilled",
+        )
     finally:
         peer.call(_tasks.drop, "resized", kit.target)
     return "4 KiB, resized to 0 and back"

@@ -7,6 +7,7 @@ bounded; a peer that does not answer in time, or died, is killed and the check f
 task. One long-lived peer serves most checks; checks that kill a peer or let it exit take a fresh
 one, started ahead with the first so that their imports overlap.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -66,8 +67,12 @@ class Peer:
     def __init__(self, modules: list[str]):
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests, self.replies = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=serve, args=(self.requests, self.replies, modules),
-                                   name="devipc-conformance-peer", daemon=True)
+        self.process = ctx.Process(
+            target=serve,
+            args=(self.requests, self.replies, modules),
+            name="devipc-conformance-peer",
+            daemon=True,
+        )
         self.process.start()
         # request numbers: sent, answered (the reply taken), seen (the newest reply read)
         self._sent = self._answered = self._seen = 0  # 0 is the peer's start
@@ -83,12 +88,12 @@ class Peer:
         self.requests.put((self._sent, task, args))
         return self._sent
 
-    def reply(self, task: Callable[..., Any], timeout: float = 30.0,
-              number: int | None = None) -> Any:
+    def reply(
+        self, task: Callable[..., Any], timeout: float = 30.0, number: int | None = None
+    ) -> Any:
         """The value of request `number` (default: the oldest not answered yet). Replies to
         earlier requests that a failed check left unread are dropped."""
-        return self._reply(task.__name__, timeout,
-                           self._answered + 1 if number is None else number)
+        return self._reply(task.__name__, timeout, self._answered + 1 if number is None else number)
 
     def alive(self) -> bool:
         return self.process.is_alive()
@@ -111,8 +116,9 @@ class Peer:
 
     def _await_start(self) -> None:
         if not self._answered and not self._sent:
-            self._reply("starting (importing torch, the device and --hooks-module)",
-                        START_TIMEOUT, 0)
+            self._reply(
+                "starting (importing torch, the device and --hooks-module)", START_TIMEOUT, 0
+            )
 
     def _reply(self, what: str, timeout: float, number: int) -> Any:
         deadline = time.monotonic() + timeout
@@ -126,13 +132,15 @@ class Peer:
                     raise PeerError(f"the peer died (exit code {code}) during {what}") from None
                 if time.monotonic() > deadline:
                     self.kill()
-                    raise PeerError(f"the peer did not finish {what} within {timeout:g} s "
-                                    f"(killed)") from None
+                    raise PeerError(
+                        f"the peer did not finish {what} within {timeout:g} s (killed)"
+                    ) from None
                 continue
             except Exception as error:  # noqa: BLE001 - a reply the kit's process could not open
                 self._answered = self._seen = max(self._seen, number)
-                raise PeerError(f"receiving the reply to {what}: {type(error).__name__}: "
-                                f"{error}") from None
+                raise PeerError(
+                    f"receiving the reply to {what}: {type(error).__name__}: {error}"
+                ) from None
             # a request that did not unpickle has no number: it is the one after the last seen
             self._seen = answered = self._seen + 1 if answered is None else answered
             if answered >= number:

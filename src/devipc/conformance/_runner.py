@@ -1,5 +1,6 @@
 """Runs checks one after the other, each in a thread of its own with a deadline: a check that
 hangs fails by timeout (its peers are killed) and the kit goes on."""
+
 from __future__ import annotations
 
 import os
@@ -39,15 +40,19 @@ def attempt(check: Check, kit: Kit) -> tuple[str, str]:
     except BaseException as error:  # noqa: BLE001
         # whatever a check raises is its verdict, never the kit's end
         where = traceback.extract_tb(error.__traceback__)[-1]
-        return "failed", (f"{type(error).__name__}: {error} "
-                          f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
+        return "failed", (
+            f"{type(error).__name__}: {error} ({where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
+        )
 
 
 def run_one(check: Check, kit: Kit, timeout: float) -> Result:
     outcome: list[tuple[str, str]] = []
     start = time.monotonic()
-    thread = threading.Thread(target=lambda: outcome.append(attempt(check, kit)),
-                              name=f"conformance {check.name}", daemon=True)
+    thread = threading.Thread(
+        target=lambda: outcome.append(attempt(check, kit)),
+        name=f"conformance {check.name}",
+        daemon=True,
+    )
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
@@ -79,7 +84,7 @@ def descendants(spared: set[int]) -> list[int]:
                 line = stat.read()
         except OSError:
             continue  # gone
-        parent = int(line[line.rfind(b")") + 2:].split()[1])
+        parent = int(line[line.rfind(b")") + 2 :].split()[1])
         parents.setdefault(parent, []).append(int(entry))
     found, unvisited = [], list(parents.get(os.getpid(), []))
     while unvisited:
@@ -122,29 +127,42 @@ def preflight(device: torch.device) -> None:
 
     hooks = devipc.hooks.get_ipc_hooks(device.type)
     if hooks is None:
-        raise CannotStart(f"no IPC hooks are registered for {device.type!r} (is its hooks "
-                          f"package installed? --hooks-module imports it)")
+        raise CannotStart(
+            f"no IPC hooks are registered for {device.type!r} (is its hooks "
+            f"package installed? --hooks-module imports it)"
+        )
     try:
         answer = hooks.supports_ipc()
     except Exception as error:  # noqa: BLE001 - said as why the kit cannot start
-        raise CannotStart(f"its hooks' supports_ipc() raised {type(error).__name__}: {error}; "
-                          f"it must answer True or False, and never raise") from None
+        raise CannotStart(
+            f"its hooks' supports_ipc() raised {type(error).__name__}: {error}; "
+            f"it must answer True or False, and never raise"
+        ) from None
     if answer is not True:
-        raise CannotStart(f"its hooks' supports_ipc() answers {answer!r}: devipc shares "
-                          f"nothing of the device unless it answers True")
+        raise CannotStart(
+            f"its hooks' supports_ipc() answers {answer!r}: devipc shares "
+            f"nothing of the device unless it answers True"
+        )
     try:
         events = hooks.requires_event_sync()
     except Exception as error:  # noqa: BLE001 - said as why the kit cannot start
-        raise CannotStart(f"its hooks' requires_event_sync() raised {type(error).__name__}: "
-                          f"{error}; it must answer True or False") from None
+        raise CannotStart(
+            f"its hooks' requires_event_sync() raised {type(error).__name__}: "
+            f"{error}; it must answer True or False"
+        ) from None
     needed = SHARING + (EVENTS if events else ())
     missing = [name for name in needed if not overrides(hooks, name)]
     if missing:
-        why = " (requires_event_sync() is True: consumers wait on events)" if set(
-            missing) & set(EVENTS) else ""
-        raise CannotStart(f"its hooks {type(hooks).__module__}.{type(hooks).__qualname__} do "
-                          f"not implement {', '.join(missing)}{why}: devipc cannot share "
-                          f"without them (docs/vendor-guide.md, \"The six hooks\")")
+        why = (
+            " (requires_event_sync() is True: consumers wait on events)"
+            if set(missing) & set(EVENTS)
+            else ""
+        )
+        raise CannotStart(
+            f"its hooks {type(hooks).__module__}.{type(hooks).__qualname__} do "
+            f"not implement {', '.join(missing)}{why}: devipc cannot share "
+            f'without them (docs/vendor-guide.md, "The six hooks")'
+        )
 
 
 class Session:
@@ -166,9 +184,13 @@ class Session:
         self.kit.peers.close()
 
 
-def run(checks: Sequence[Check], device: torch.device, modules: list[str],
-        report: Callable[[Result], None] = lambda result: None,
-        timeout: float = CHECK_TIMEOUT) -> tuple[list[Result], bool]:
+def run(
+    checks: Sequence[Check],
+    device: torch.device,
+    modules: list[str],
+    report: Callable[[Result], None] = lambda result: None,
+    timeout: float = CHECK_TIMEOUT,
+) -> tuple[list[Result], bool]:
     """Run `checks` against `device` (its hooks registered, `modules` imported); each result
     also goes to `report` as it comes. Returns the results, and whether a check hung."""
     session = Session(device, modules, fresh=sum(check.fresh_peers for check in checks))
@@ -190,10 +212,15 @@ def describe(device: torch.device) -> str:
     if hooks is None:
         return f"{device}: no IPC hooks registered"
     try:
-        mode = ("interprocess events" if hooks.requires_event_sync()
-                else "no events (the producer synchronizes)")
+        mode = (
+            "interprocess events"
+            if hooks.requires_event_sync()
+            else "no events (the producer synchronizes)"
+        )
     except Exception as error:  # noqa: BLE001 - said in the report's first line
         mode = f"requires_event_sync() raised {type(error).__name__}"
     count = _device.device_count(device)
-    return (f"{device} of {count}, hooks {type(hooks).__module__}.{type(hooks).__qualname__}, "
-            f"{mode}; torch {torch.__version__}, devipc {devipc.__version__}")
+    return (
+        f"{device} of {count}, hooks {type(hooks).__module__}.{type(hooks).__qualname__}, "
+        f"{mode}; torch {torch.__version__}, devipc {devipc.__version__}"
+    )

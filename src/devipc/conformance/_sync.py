@@ -7,6 +7,7 @@ then one last copy that fills the sent tensor with ones, and sends it at once. S
 order, so a consumer that reads before the producer's work is done reads zeros, whatever the
 device's speed. (Copies, because they are asynchronous on every device; other ops may block.)
 """
+
 from __future__ import annotations
 
 import math
@@ -54,25 +55,35 @@ def sends_see_queued_work(kit: Kit) -> str:
             seen = peer.call(_tasks.min_max, tensor)  # pickled in the Queue's feeder thread
         else:
             seen = peer.call(_tasks.open_min_max, bytes(devipc.share(tensor)))  # this thread
-        expect(seen == (1, 1), f"through {path}, the peer read values in {seen}, not all 1: "
-               f"it read before the {copies} copies queued ahead of the send had run")
+        expect(
+            seen == (1, 1),
+            f"through {path}, the peer read values in {seen}, not all 1: "
+            f"it read before the {copies} copies queued ahead of the send had run",
+        )
         kit.synchronize()
-    return f"{copies} copies (~{BUSY:g} s) queued ahead of each send, through a Queue and " \
-           f"devipc.share"
+    return (
+        f"{copies} copies (~{BUSY:g} s) queued ahead of each send, through a Queue and devipc.share"
+    )
 
 
-@check("sync.producer_synchronizes",
-       "without events (size 0) the producer's queued work is done before the consumer reads")
+@check(
+    "sync.producer_synchronizes",
+    "without events (size 0) the producer's queued work is done before the consumer reads",
+)
 def producer_synchronizes(kit: Kit) -> str:
     if kit.events():
         raise Skip("the device uses interprocess events")
     return sends_see_queued_work(kit)
 
 
-@check("sync.events",
-       "with events the consumer's stream waits for the producer's queued work before it reads")
+@check(
+    "sync.events",
+    "with events the consumer's stream waits for the producer's queued work before it reads",
+)
 def events(kit: Kit) -> str:
     if not kit.events():
-        raise Skip("the device's requires_event_sync() is False here: no interprocess events "
-                   "(a device with an event mode: run the kit in that mode too)")
+        raise Skip(
+            "the device's requires_event_sync() is False here: no interprocess events "
+            "(a device with an event mode: run the kit in that mode too)"
+        )
     return sends_see_queued_work(kit)

@@ -5,6 +5,7 @@ Tasks take and return plain values, CPU tensors and device tensors; a device ten
 arguments was opened while the request was unpickled. `held` keeps what a check wants to stay
 mapped between two calls. Refusals a check expects are returned as text, not raised.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,13 +32,16 @@ def hooks_of(device: str) -> devipc.hooks.IpcHooks:
 
 
 def outcome(action: Callable[[], object]) -> str:
-    """"ok", or what `action()` raised: its class and the devipc errors it is, then its message
+    """ "ok", or what `action()` raised: its class and the devipc errors it is, then its message
     ("SpentHandleError InvalidHandleError: ..."), so that the kit can tell the kind of a refusal."""
     try:
         action()
     except Exception as error:  # noqa: BLE001 - any: its kinds are the answer
-        kinds = [kind.__name__ for kind in type(error).__mro__
-                 if kind.__name__.endswith("Error") and kind.__module__.startswith("devipc")]
+        kinds = [
+            kind.__name__
+            for kind in type(error).__mro__
+            if kind.__name__.endswith("Error") and kind.__module__.startswith("devipc")
+        ]
         names = [type(error).__name__] + [kind for kind in kinds if kind != type(error).__name__]
         return f"{' '.join(names)}: {error}"
     return "ok"
@@ -50,12 +54,18 @@ def raised(result: str, kind: str) -> bool:
 
 def report(tensor: torch.Tensor) -> dict:
     """What a check compares of a received tensor."""
-    return {"values": tensor.detach().cpu().clone(), "dtype": tensor.dtype,
-            "shape": tuple(tensor.shape), "stride": tensor.stride(),
-            "offset": tensor.storage_offset(), "device": str(tensor.device),
-            "type": type(tensor).__name__, "requires_grad": tensor.requires_grad,
-            "received": devipc.received_via_ipc(tensor),
-            "storage": tensor.untyped_storage().data_ptr()}
+    return {
+        "values": tensor.detach().cpu().clone(),
+        "dtype": tensor.dtype,
+        "shape": tuple(tensor.shape),
+        "stride": tensor.stride(),
+        "offset": tensor.storage_offset(),
+        "device": str(tensor.device),
+        "type": type(tensor).__name__,
+        "requires_grad": tensor.requires_grad,
+        "received": devipc.received_via_ipc(tensor),
+        "storage": tensor.untyped_storage().data_ptr(),
+    }
 
 
 # -- receiving and holding -------------------------------------------------------------------------
@@ -151,8 +161,12 @@ def open_mem_handle(device: str, handle: bytes) -> dict:
     """Open a producer's raw hook handle, report what OpenedMemory says, close it."""
     memory = hooks_of(device).open_ipc_mem_handle(handle)
     try:
-        return {"ptr": memory.ptr, "size": memory.size, "device": str(memory.device),
-                "types": (type(memory.ptr).__name__, type(memory.size).__name__)}
+        return {
+            "ptr": memory.ptr,
+            "size": memory.size,
+            "device": str(memory.device),
+            "types": (type(memory.ptr).__name__, type(memory.size).__name__),
+        }
     finally:
         memory.close()
 
@@ -161,8 +175,10 @@ def wait_events(device: str, event: bytes) -> dict:
     """wait_ipc_event with the producer's bytes, and with b"", on this peer's current stream."""
     target = torch.device(device)
     hooks, stream = hooks_of(device), _device.current_stream(target)
-    result = {"event": outcome(lambda: hooks.wait_ipc_event(event, stream)),
-              "empty": outcome(lambda: hooks.wait_ipc_event(b"", stream))}
+    result = {
+        "event": outcome(lambda: hooks.wait_ipc_event(event, stream)),
+        "empty": outcome(lambda: hooks.wait_ipc_event(b"", stream)),
+    }
     _device.synchronize(target)
     return result
 
@@ -174,8 +190,7 @@ def hook_refusals(device: str, handles: dict[str, bytes]) -> dict[str, str]:
     def try_open(handle: bytes) -> None:
         hooks.open_ipc_mem_handle(handle).close()
 
-    return {name: outcome(functools.partial(try_open, handle))
-            for name, handle in handles.items()}
+    return {name: outcome(functools.partial(try_open, handle)) for name, handle in handles.items()}
 
 
 def open_refusals(damaged: dict[str, bytes]) -> dict[str, str]:
@@ -196,8 +211,12 @@ def can_map(device: str, handle: bytes) -> dict:
     memory = hooks.open_ipc_mem_handle(handle)
     try:
         count = _device.device_count(target)
-        answers = {str(torch.device(target.type, i)): hooks.can_map_on(
-            memory, torch.device(target.type, i)) for i in range(count + 1)}
+        answers = {
+            str(torch.device(target.type, i)): hooks.can_map_on(
+                memory, torch.device(target.type, i)
+            )
+            for i in range(count + 1)
+        }
         answers["cpu"] = hooks.can_map_on(memory, torch.device("cpu"))
         return {"owner": str(memory.device), "answers": answers}
     finally:
@@ -323,4 +342,3 @@ class DeviceDataset(torch.utils.data.Dataset):
 def start_worker(modules: list[str], worker_id: int) -> None:
     """DataLoader's worker_init_fn: the user's modules, as in every process of the kit."""
     _device.load(modules)
-

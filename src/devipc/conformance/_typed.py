@@ -1,5 +1,6 @@
 """Typed handles and buckets: devipc's own bytes (devipc.share/open, share_tensors/open_tensors),
 sent here through the peer's Queue as plain bytes, as over any socket."""
+
 from __future__ import annotations
 
 import torch
@@ -13,9 +14,11 @@ from ._kit import WAIT, Kit
 from ._tasks import raised
 
 
-@check("handles.share_open",
-       "devipc.share/open: a typed handle opens in a peer as the same memory (writes cross); "
-       "a revoked one is refused")
+@check(
+    "handles.share_open",
+    "devipc.share/open: a typed handle opens in a peer as the same memory (writes cross); "
+    "a revoked one is refused",
+)
 def share_open(kit: Kit) -> str:
     peer = kit.peer()
     base = torch.arange(32, dtype=torch.float32, device=kit.device)
@@ -31,14 +34,18 @@ def share_open(kit: Kit) -> str:
     revoked = devipc.share(base)
     expect(revoked.revoke() and not revoked.unopened(), "revoke() of an unopened send failed")
     refused = peer.call(_tasks.open_refusals, {"revoked": bytes(revoked)})["revoked"]
-    expect(raised(refused, "InvalidHandleError"),
-           f"opening a revoked handle gave {refused!r}, not InvalidHandleError")
+    expect(
+        raised(refused, "InvalidHandleError"),
+        f"opening a revoked handle gave {refused!r}, not InvalidHandleError",
+    )
     return "a 4x4 view at offset 16 bytes; a revoked send"
 
 
-@check("handles.open_in_producer",
-       "a process opens its own typed handle: the same memory, writes crossing (CUDA refuses "
-       "its own handles: the hooks must recognise them)")
+@check(
+    "handles.open_in_producer",
+    "a process opens its own typed handle: the same memory, writes crossing (CUDA refuses "
+    "its own handles: the hooks must recognise them)",
+)
 def open_in_producer(kit: Kit) -> str:
     base = torch.arange(16, dtype=torch.float32, device=kit.device)
     own = devipc.open(bytes(devipc.share(base[4:12])))
@@ -48,23 +55,29 @@ def open_in_producer(kit: Kit) -> str:
         kit.synchronize()
         expected = torch.arange(16.0)
         expected[4:12] += 100
-        expect(torch.equal(base.cpu(), expected), "a write through the opened tensor is not "
-               "in the producer's tensor")
+        expect(
+            torch.equal(base.cpu(), expected),
+            "a write through the opened tensor is not in the producer's tensor",
+        )
     finally:
         del own
         kit.settle()
     return "8 of 16 elements"
 
 
-@check("handles.buckets",
-       "share_tensors/open_tensors: a bucket opens as views of one mapping, packed (a copy) and "
-       "as packed weights sent in place (copy=False), writes crossing")
+@check(
+    "handles.buckets",
+    "share_tensors/open_tensors: a bucket opens as views of one mapping, packed (a copy) and "
+    "as packed weights sent in place (copy=False), writes crossing",
+)
 def buckets(kit: Kit) -> str:
     peer = kit.peer()
-    named = {"weight": torch.arange(12, dtype=torch.float32, device=kit.device).view(3, 4),
-             "bias": torch.full((3,), -1.0, dtype=torch.float16, device=kit.device),
-             "steps": torch.tensor([7], dtype=torch.int64, device=kit.device),
-             "unused": torch.empty(0, device=kit.device)}
+    named = {
+        "weight": torch.arange(12, dtype=torch.float32, device=kit.device).view(3, 4),
+        "bias": torch.full((3,), -1.0, dtype=torch.float16, device=kit.device),
+        "steps": torch.tensor([7], dtype=torch.int64, device=kit.device),
+        "unused": torch.empty(0, device=kit.device),
+    }
     # Named, not temporaries: a devipc storage that dies while an exception unwinds the
     # stack crashes the process (its deleter is a ctypes callback).
     copied = devipc.share_tensors(named)
@@ -76,27 +89,36 @@ def buckets(kit: Kit) -> str:
             for name, tensor in named.items():
                 if tensor.numel():
                     same_values(f"{key} {name}", tensor, got[name])
-            expect(len({got[name]["storage"] for name in got if got[name]["shape"] != (0,)})
-                   == 1, f"{key}: the views are not of one mapping")
+            expect(
+                len({got[name]["storage"] for name in got if got[name]["shape"] != (0,)}) == 1,
+                f"{key}: the views are not of one mapping",
+            )
             peer.call(_tasks.add_to_bucket, key, "weight", 1.0)
             local = (handle.local or {}).get("weight")
-            expect(local is not None
-                   and torch.equal(local.cpu(), torch.arange(12.0).view(3, 4) + 1),
-                   f"{key}: the peer's write is not in the producer's view (Handle.local)")
+            expect(
+                local is not None and torch.equal(local.cpu(), torch.arange(12.0).view(3, 4) + 1),
+                f"{key}: the peer's write is not in the producer's view (Handle.local)",
+            )
     finally:
         peer.call(_tasks.drop, "copied", kit.target)
         peer.call(_tasks.drop, "in place", kit.target)
     return "4 tensors of 3 dtypes, both ways of packing"
 
 
-@check("weights.publish",
-       "devipc.WeightPublisher/WeightSubscriber: a peer gets every published generation of "
-       "packed weights (copy_into, batched where the hooks have copy_batch), acknowledges it, "
-       "and the publisher's wait ends")
+@check(
+    "weights.publish",
+    "devipc.WeightPublisher/WeightSubscriber: a peer gets every published generation of "
+    "packed weights (copy_into, batched where the hooks have copy_batch), acknowledges it, "
+    "and the publisher's wait ends",
+)
 def publish(kit: Kit) -> str:
     peer = kit.peer()
-    weights = devipc.pack({"w": torch.arange(64.0, device=kit.device).view(8, 8),
-                           "b": torch.zeros(3, dtype=torch.int64, device=kit.device)})
+    weights = devipc.pack(
+        {
+            "w": torch.arange(64.0, device=kit.device).view(8, 8),
+            "b": torch.zeros(3, dtype=torch.int64, device=kit.device),
+        }
+    )
     publisher = devipc.WeightPublisher(weights)
     try:
         peer.call(_tasks.subscribe, "weights", publisher.token())
@@ -105,11 +127,15 @@ def publish(kit: Kit) -> str:
             weights["b"].fill_(step)
             generation = publisher.publish(wait=False)
             got = peer.call(_tasks.take_generation, "weights")
-            expect(got["generation"] == generation,
-                   f"the peer got generation {got['generation']}, not {generation}")
+            expect(
+                got["generation"] == generation,
+                f"the peer got generation {got['generation']}, not {generation}",
+            )
             for name, tensor in weights.items():
-                expect(torch.equal(got["values"][name], tensor.cpu()),
-                       f"generation {generation}: the peer's {name!r} differs")
+                expect(
+                    torch.equal(got["values"][name], tensor.cpu()),
+                    f"generation {generation}: the peer's {name!r} differs",
+                )
             publisher.wait_acks(generation, timeout=WAIT)
     finally:
         peer.call(_tasks.unsubscribe, "weights", kit.target)

@@ -2,6 +2,7 @@
 pytest_plugin.py for the options). A failed check fails its test with the kit's message, a
 skipped one skips with the reason. Runs only under pytest, whose module it takes from
 sys.modules: the core imports nothing beyond torch."""
+
 from __future__ import annotations
 
 import os
@@ -29,14 +30,15 @@ def pytest_generate_tests(metafunc: Any) -> None:
 
 def target(config: Any) -> tuple[str | None, int, list[str]]:
     """(device type, index, modules) from the plugin's options, else from the environment."""
-    device = getattr(config.option, "devipc_device", None) \
-        or os.environ.get("DEVIPC_CONFORMANCE_DEVICE")
+    device = getattr(config.option, "devipc_device", None) or os.environ.get(
+        "DEVIPC_CONFORMANCE_DEVICE"
+    )
     index = getattr(config.option, "devipc_index", None)
     if index is None:
         index = int(os.environ.get("DEVIPC_CONFORMANCE_INDEX", "0"))
     modules = getattr(config.option, "devipc_modules", None) or [
-        name for name in os.environ.get("DEVIPC_CONFORMANCE_HOOKS_MODULES", "").split(",")
-        if name]
+        name for name in os.environ.get("DEVIPC_CONFORMANCE_HOOKS_MODULES", "").split(",") if name
+    ]
     return device, index, modules
 
 
@@ -45,8 +47,10 @@ def session(config: Any) -> Session:
     if id(config) not in _sessions:
         device, index, modules = target(config)
         if device is None:
-            skip("no device named: pytest -p devipc.conformance.pytest_plugin --device TYPE, "
-                 "or DEVIPC_CONFORMANCE_DEVICE=TYPE")
+            skip(
+                "no device named: pytest -p devipc.conformance.pytest_plugin --device TYPE, "
+                "or DEVIPC_CONFORMANCE_DEVICE=TYPE"
+            )
         _sessions[id(config)] = Session(torch.device(device, index), modules)
         config.add_cleanup(lambda: _sessions.pop(id(config)).close())
     return _sessions[id(config)]

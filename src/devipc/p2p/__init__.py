@@ -13,6 +13,7 @@ The core never imports this package; `import devipc.p2p` to use it. Its errors a
 (`devipc._core._errors`), named here too.
 Inside devipc it builds on the sharing core (`_core`) alone.
 """
+
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,16 +37,35 @@ if TYPE_CHECKING:
 
     from .._core._memory import TensorOrStorage
 
-__all__ = ["Connection", "DevIpcError", "Endpoint", "InvalidHandleError", "Link",
-           "NotRegisteredError", "PeerGoneError", "PreparedTransfer", "Registration",
-           "RemoteTensorFreedError",
-           "Transfer", "TransferSizeError", "Transport", "UnsupportedDeviceError",
-           "add_listener", "create_tensor", "deregister", "free_tensor",
-           "get_tensor_id_by_tensor", "register", "registration", "remove_listener"]
+__all__ = [
+    "Connection",
+    "DevIpcError",
+    "Endpoint",
+    "InvalidHandleError",
+    "Link",
+    "NotRegisteredError",
+    "PeerGoneError",
+    "PreparedTransfer",
+    "Registration",
+    "RemoteTensorFreedError",
+    "Transfer",
+    "TransferSizeError",
+    "Transport",
+    "UnsupportedDeviceError",
+    "add_listener",
+    "create_tensor",
+    "deregister",
+    "free_tensor",
+    "get_tensor_id_by_tensor",
+    "register",
+    "registration",
+    "remove_listener",
+]
 
 
-def create_tensor(shape: int | Iterable[int], dtype: "torch.dtype",
-                  device: "torch.device | str | int") -> "tuple[torch.Tensor, int]":
+def create_tensor(
+    shape: int | Iterable[int], dtype: "torch.dtype", device: "torch.device | str | int"
+) -> "tuple[torch.Tensor, int]":
     """(tensor, tensor_id): a new uninitialized tensor, registered. CPU tensors are made in
     fd-backed shared memory, so peers map them without a copy."""
     import torch
@@ -101,5 +121,6 @@ def add_listener(listener: Any) -> None:
 
 def remove_listener(listener: object) -> None:
     registry.remove_listener(listener)
+
 
 name_as_public(__name__, globals(), __all__)

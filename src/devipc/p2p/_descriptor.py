@@ -7,6 +7,7 @@ field by field: they come from other processes, and anything malformed is Invali
                      memory handle | offset in allocation | ref-counter handle | anchor slot or
                      inode | fd | event | transport extra
 """
+
 import re
 from dataclasses import dataclass, field, replace
 
@@ -49,13 +50,15 @@ class Metadata:
         pid = reader.int("pid", 1, (1 << 31) - 1)
         page = reader.bytes("registry page handle", HANDLE_SIZE)
         if len(page) != HANDLE_SIZE:
-            raise InvalidHandleError(f"a registry page handle has {HANDLE_SIZE} bytes, not "
-                                     f"{len(page)}")
+            raise InvalidHandleError(
+                f"a registry page handle has {HANDLE_SIZE} bytes, not {len(page)}"
+            )
         extra = reader.bytes("transport metadata")
         reader.end()
         if handle_pid(page) != pid:
-            raise InvalidHandleError(f"the registry page handle names another process than "
-                                     f"pid {pid}")
+            raise InvalidHandleError(
+                f"the registry page handle names another process than pid {pid}"
+            )
         return cls(transport, host, pid, page, extra)
 
 
@@ -86,11 +89,12 @@ class Descriptor:
         if offset == 0 and nbytes == self.nbytes:
             return self
         if type(offset) is not int or offset < 0 or offset + nbytes > self.nbytes:
-            raise TransferSizeError(f"bytes [{offset}, {offset + nbytes}) are not inside the "
-                                    f"{self.nbytes} bytes the owner advertised: pass an offset "
-                                    f"in [0, {self.nbytes - nbytes}] or ask for a larger range")
-        return replace(self, offset=self.offset + offset, nbytes=nbytes,
-                       shift=self.shift + offset)
+            raise TransferSizeError(
+                f"bytes [{offset}, {offset + nbytes}) are not inside the "
+                f"{self.nbytes} bytes the owner advertised: pass an offset "
+                f"in [0, {self.nbytes - nbytes}] or ask for a larger range"
+            )
+        return replace(self, offset=self.offset + offset, nbytes=nbytes, shift=self.shift + offset)
 
     def to_bytes(self) -> bytes:
         writer = _wire.Writer(_wire.P2P_DESCRIPTOR).bytes(self.page).int(self.reg_id)
@@ -124,23 +128,41 @@ class Descriptor:
         extra = reader.bytes("transport extra")
         reader.end()
         if len(page) != HANDLE_SIZE:
-            raise InvalidHandleError(f"a registry page handle has {HANDLE_SIZE} bytes, not "
-                                     f"{len(page)}")
-        if kind == DEVICE and (not mem or len(counter) != HANDLE_SIZE
-                               or anchor >= SLOTS_PER_FILE):
-            raise InvalidHandleError("a device descriptor needs a memory handle, a ref-counter "
-                                     "handle and an anchor slot inside the file")
+            raise InvalidHandleError(
+                f"a registry page handle has {HANDLE_SIZE} bytes, not {len(page)}"
+            )
+        if kind == DEVICE and (not mem or len(counter) != HANDLE_SIZE or anchor >= SLOTS_PER_FILE):
+            raise InvalidHandleError(
+                "a device descriptor needs a memory handle, a ref-counter "
+                "handle and an anchor slot inside the file"
+            )
         if kind == CPU and (device != torch.device("cpu", 0) or mem or counter or mem_offset):
             raise InvalidHandleError("a CPU descriptor names a CPU tensor by fd and inode only")
-        return cls(page=page, reg_id=reg_id, slot=slot, storage_bytes=storage_bytes,
-                   offset=offset, nbytes=nbytes, device=device, identity=identity, kind=kind,
-                   mem=mem, mem_offset=mem_offset, counter=counter, anchor=anchor, fd=fd,
-                   event=event, extra=extra)
+        return cls(
+            page=page,
+            reg_id=reg_id,
+            slot=slot,
+            storage_bytes=storage_bytes,
+            offset=offset,
+            nbytes=nbytes,
+            device=device,
+            identity=identity,
+            kind=kind,
+            mem=mem,
+            mem_offset=mem_offset,
+            counter=counter,
+            anchor=anchor,
+            fd=fd,
+            event=event,
+            extra=extra,
+        )
 
 
 def check_name(name: object) -> str:
     """A transport's name: a short lowercase word, as the wire format carries it."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"a transport's name is 1-16 characters of [a-z0-9_.-] starting with a "
-                         f"letter, got {name!r}")
+        raise ValueError(
+            f"a transport's name is 1-16 characters of [a-z0-9_.-] starting with a "
+            f"letter, got {name!r}"
+        )
     return name

@@ -7,6 +7,7 @@ endpoint validates what every transport needs (descriptors, local tensors, the r
 the transport moves the bytes. The owner's Python code takes no part in a transfer: its metadata
 and descriptors are all a peer needs.
 """
+
 import os
 import secrets
 import threading
@@ -44,8 +45,10 @@ def _make_transport(transport: str | Transport, agent_name: str) -> Transport:
 
         return NixlTransport(agent_name)
     if isinstance(transport, str) or not isinstance(transport, Transport):
-        raise ValueError(f"transport is 'auto', 'ipc', 'nixl' or a Transport object (name, "
-                         f"metadata, describe, connect, close), not {transport!r}")
+        raise ValueError(
+            f"transport is 'auto', 'ipc', 'nixl' or a Transport object (name, "
+            f"metadata, describe, connect, close), not {transport!r}"
+        )
     check_name(transport.name)
     return transport
 
@@ -69,11 +72,13 @@ class Endpoint:
         """What a peer passes to its `connect` (send it out of band: a socket, a store)."""
         self._check_open()
         extra = bytes(self._transport.metadata())
-        return Metadata(self.transport, host_identity(), os.getpid(), registry.page().handle,
-                        extra).to_bytes()
+        return Metadata(
+            self.transport, host_identity(), os.getpid(), registry.page().handle, extra
+        ).to_bytes()
 
-    def connect(self, peer_metadata: bytes | bytearray | memoryview, *,
-                liveness: bool = True) -> "Connection":
+    def connect(
+        self, peer_metadata: bytes | bytearray | memoryview, *, liveness: bool = True
+    ) -> "Connection":
         """A connection to the endpoint whose `metadata()` this is. `liveness=False` leaves out
         the round trip before each NIXL post that checks the peer's registrations still live:
         for a peer whose registrations live as long as its endpoint, where a transfer fails
@@ -81,33 +86,47 @@ class Endpoint:
         self._check_open()
         meta = Metadata.from_bytes(peer_metadata)
         if meta.transport != self.transport:
-            raise InvalidHandleError(f"the peer's endpoint uses transport {meta.transport!r}, "
-                                     f"this one {self.transport!r}: make both with the same "
-                                     f"transport")
+            raise InvalidHandleError(
+                f"the peer's endpoint uses transport {meta.transport!r}, "
+                f"this one {self.transport!r}: make both with the same "
+                f"transport"
+            )
         connection = Connection(self, meta, liveness)
         with self._lock:
             self._connections.add(connection)
         return connection
 
-    def advertise(self, tensor_or_id: torch.Tensor | int, offset: int = 0,
-                  nbytes: int | None = None) -> bytes:
+    def advertise(
+        self, tensor_or_id: torch.Tensor | int, offset: int = 0, nbytes: int | None = None
+    ) -> bytes:
         """A remote descriptor of a registered tensor's bytes [offset, offset + nbytes) (from the
         tensor's first byte; for an id, from its storage's). Work queued so far on the tensor's
         device is visible to the peers' transfers through it (an event, or a synchronization)."""
         self._check_open()
         reg, offset, nbytes = _resolve(tensor_or_id, offset, nbytes)
-        where: dict = dict(kind=NONE, mem=b"", mem_offset=0, counter=b"", anchor=0, fd=0,
-                           event=b"", extra=b"")
+        where: dict = dict(
+            kind=NONE, mem=b"", mem_offset=0, counter=b"", anchor=0, fd=0, event=b"", extra=b""
+        )
         fields = self._transport.describe(reg, offset, nbytes)
         unknown = set(fields) - set(where)
         if unknown:
-            raise ValueError(f"transport {self.transport!r} described fields a descriptor does "
-                             f"not have: {sorted(unknown)} (only {sorted(where)})")
+            raise ValueError(
+                f"transport {self.transport!r} described fields a descriptor does "
+                f"not have: {sorted(unknown)} (only {sorted(where)})"
+            )
         where.update(fields)
         identity = b"" if reg.device.type == "cpu" else identity_of(reg.device)
-        return Descriptor(page=registry.page().handle, reg_id=reg.id, slot=reg.slot,
-                          storage_bytes=reg.nbytes, offset=offset, nbytes=nbytes,
-                          device=reg.device, identity=identity, **where).to_bytes()
+        return Descriptor(
+            page=registry.page().handle,
+            reg_id=reg.id,
+            slot=reg.slot,
+            storage_bytes=reg.nbytes,
+            offset=offset,
+            nbytes=nbytes,
+            device=reg.device,
+            identity=identity,
+            **where,
+        ).to_bytes()
 
     def close(self) -> None:
         """Close every connection and the transport. Idempotent."""
@@ -142,16 +161,19 @@ def _int(value: object, what: str) -> int:
     return value
 
 
-def _resolve(tensor_or_id: torch.Tensor | int, offset: int,
-             nbytes: int | None) -> tuple[Registration, int, int]:
+def _resolve(
+    tensor_or_id: torch.Tensor | int, offset: int, nbytes: int | None
+) -> tuple[Registration, int, int]:
     """(registration, byte offset in its storage, byte count) of what `advertise` was given."""
     offset = _int(offset, "offset")
     if isinstance(tensor_or_id, torch.Tensor):
         reg = registry.lookup(tensor_or_id)
         tensor = tensor_or_id
         if not tensor.is_contiguous():
-            raise ValueError("advertise a contiguous tensor (or its registration id with a byte "
-                             "range): a strided view is not one byte range")
+            raise ValueError(
+                "advertise a contiguous tensor (or its registration id with a byte "
+                "range): a strided view is not one byte range"
+            )
         start = cast(int, tensor.storage_offset()) * tensor.element_size()
         size = tensor.numel() * tensor.element_size()
     else:
@@ -206,12 +228,20 @@ class Connection:
         """Copy `local` into the remote range (or into its bytes from `offset`)."""
         self._one(WRITE, local, remote, offset)
 
-    def readv(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
-              offsets: Iterable[int] | None = None) -> None:
+    def readv(
+        self,
+        locals_: Iterable[torch.Tensor],
+        remotes: Iterable[Remote],
+        offsets: Iterable[int] | None = None,
+    ) -> None:
         self._post(READ, list(locals_), list(remotes), True, offsets)
 
-    def writev(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
-               offsets: Iterable[int] | None = None) -> None:
+    def writev(
+        self,
+        locals_: Iterable[torch.Tensor],
+        remotes: Iterable[Remote],
+        offsets: Iterable[int] | None = None,
+    ) -> None:
         self._post(WRITE, list(locals_), list(remotes), True, offsets)
 
     def read_async(self, local: torch.Tensor, remote: Remote, offset: Offset = None) -> Transfer:
@@ -220,23 +250,37 @@ class Connection:
     def write_async(self, local: torch.Tensor, remote: Remote, offset: Offset = None) -> Transfer:
         return self._post(WRITE, [local], [remote], False, None if offset is None else (offset,))
 
-    def readv_async(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
-                    offsets: Iterable[int] | None = None) -> Transfer:
+    def readv_async(
+        self,
+        locals_: Iterable[torch.Tensor],
+        remotes: Iterable[Remote],
+        offsets: Iterable[int] | None = None,
+    ) -> Transfer:
         return self._post(READ, list(locals_), list(remotes), False, offsets)
 
-    def writev_async(self, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
-                     offsets: Iterable[int] | None = None) -> Transfer:
+    def writev_async(
+        self,
+        locals_: Iterable[torch.Tensor],
+        remotes: Iterable[Remote],
+        offsets: Iterable[int] | None = None,
+    ) -> Transfer:
         return self._post(WRITE, list(locals_), list(remotes), False, offsets)
 
-    def prepare(self, op: str, locals_: Iterable[torch.Tensor], remotes: Iterable[Remote],
-                offsets: Iterable[int] | None = None) -> "PreparedTransfer":
+    def prepare(
+        self,
+        op: str,
+        locals_: Iterable[torch.Tensor],
+        remotes: Iterable[Remote],
+        offsets: Iterable[int] | None = None,
+    ) -> "PreparedTransfer":
         """`op` ("read" or "write") of each local tensor and remote range, validated once:
         `post()` starts it again and again. The local tensors are held until `close()`."""
         kind = operation(op)
         locals_ = list(locals_)
         descs = self._descs(locals_, list(remotes), offsets)
-        prepared = PreparedTransfer(self, self._extras.prepared(self._open_link(), kind,
-                                                                locals_, descs))
+        prepared = PreparedTransfer(
+            self, self._extras.prepared(self._open_link(), kind, locals_, descs)
+        )
         self._prepared.add(prepared)
         return prepared
 
@@ -248,8 +292,10 @@ class Connection:
         self._open_link()
         map_range = self._extras.map
         if map_range is None:
-            raise ValueError(f"transport {self._endpoint.transport!r} cannot map a peer's "
-                             f"memory into this process: read a copy instead")
+            raise ValueError(
+                f"transport {self._endpoint.transport!r} cannot map a peer's "
+                f"memory into this process: read a copy instead"
+            )
         return map_range(self._descriptor(remote))
 
     def mapped(self) -> int:
@@ -277,23 +323,25 @@ class Connection:
             desc = remote
         else:
             if not isinstance(remote, (bytes, bytearray, memoryview)):
-                raise InvalidHandleError(f"a remote descriptor is bytes, got "
-                                         f"{type(remote).__name__}")
+                raise InvalidHandleError(
+                    f"a remote descriptor is bytes, got {type(remote).__name__}"
+                )
             desc = self._decoded.decode(bytes(remote))
         if desc.page != self._page_handle:
-            raise InvalidHandleError("this descriptor was advertised by another process than "
-                                     "the one this connection reaches")
+            raise InvalidHandleError(
+                "this descriptor was advertised by another process than "
+                "the one this connection reaches"
+            )
         return desc
 
-    def _descs(self, locals_: list, remotes: list,
-               offsets: Iterable[int] | None) -> list[Descriptor]:
+    def _descs(
+        self, locals_: list, remotes: list, offsets: Iterable[int] | None
+    ) -> list[Descriptor]:
         """The descriptors of `remotes`, narrowed to `offsets`, checked against `locals_`."""
         if len(locals_) != len(remotes):
-            raise ValueError(f"{len(locals_)} local tensors for {len(remotes)} remote "
-                             f"descriptors")
+            raise ValueError(f"{len(locals_)} local tensors for {len(remotes)} remote descriptors")
         whole, tensor = offsets is None, torch.Tensor
-        key = tuple(remotes) if len(remotes) >= _VECTOR_MIN and type(remotes[0]) is bytes \
-            else None
+        key = tuple(remotes) if len(remotes) >= _VECTOR_MIN and type(remotes[0]) is bytes else None
         try:
             known = None if key is None else self._vectors.get(key)
         except TypeError:  # unhashable remotes (a bytearray): decoded one by one
@@ -311,8 +359,7 @@ class Connection:
         for local, remote in zip(locals_, remotes):
             # the common case first: bytes decoded before, of this peer, the whole range
             found = decoded.get(remote) if type(remote) is bytes else None
-            desc = found if found is not None and found.page == page \
-                else self._descriptor(remote)
+            desc = found if found is not None and found.page == page else self._descriptor(remote)
             if whole and (type(local) is not tensor or local.nbytes != desc.nbytes):
                 _check_local(local, desc)  # says what is wrong (or takes a subclass)
             append(desc)
@@ -324,8 +371,9 @@ class Connection:
             return descs
         return self._narrow(locals_, descs, list(offsets or ()))
 
-    def _narrow(self, locals_: list, descs: list[Descriptor],
-                offsets: list[int]) -> list[Descriptor]:
+    def _narrow(
+        self, locals_: list, descs: list[Descriptor], offsets: list[int]
+    ) -> list[Descriptor]:
         """The sub-ranges of `descs` at `offsets`, as long as the local tensors."""
         if len(offsets) != len(descs):
             raise ValueError(f"{len(offsets)} offsets for {len(descs)} remote descriptors")
@@ -340,8 +388,10 @@ class Connection:
                 continue
             sub = desc.narrow(offset, local.nbytes)
             if sub is not desc and not self._sub_ranges:
-                raise ValueError(f"transport {self._endpoint.transport!r} does not move "
-                                 f"sub-ranges: ask the owner to advertise the range itself")
+                raise ValueError(
+                    f"transport {self._endpoint.transport!r} does not move "
+                    f"sub-ranges: ask the owner to advertise the range itself"
+                )
             if len(kept) >= _DECODED_KEPT:
                 kept.clear()
             kept[key] = (desc, sub)  # the same object each time: the link's caches know it
@@ -353,14 +403,21 @@ class Connection:
         descriptor seen before, the whole range) checked inline (it is most of a small copy)."""
         desc = self._decoded.get(remote) if type(remote) is bytes else None
         link = self._link
-        if desc is None or offset is not None or link is None or desc.page != self._page_handle \
-                or type(local) is not torch.Tensor or local.nbytes != desc.nbytes:
+        if (
+            desc is None
+            or offset is not None
+            or link is None
+            or desc.page != self._page_handle
+            or type(local) is not torch.Tensor
+            or local.nbytes != desc.nbytes
+        ):
             self._post(op, [local], [remote], True, None if offset is None else (offset,))
         elif self._again is None or not self._again(op, local, desc):
             link.post(op, [local], [desc], True).wait()
 
-    def _post(self, op: str, locals_: list, remotes: list, wait: bool,
-              offsets: Iterable[int] | None) -> Transfer:
+    def _post(
+        self, op: str, locals_: list, remotes: list, wait: bool, offsets: Iterable[int] | None
+    ) -> Transfer:
         """Queue (or, host to host, run) the copies; with `wait`, return once they are done."""
         descs = self._descs(locals_, remotes, offsets)
         transfer = self._open_link().post(op, locals_, descs, wait)
@@ -389,8 +446,9 @@ class PreparedTransfer:
         if connection is None:
             raise ValueError("this prepared transfer is closed: prepare it again")
         if connection._link is None:
-            raise ValueError("the connection of this prepared transfer is closed: connect and "
-                             "prepare again")
+            raise ValueError(
+                "the connection of this prepared transfer is closed: connect and prepare again"
+            )
         return self._prepared.post()
 
     def close(self) -> None:
@@ -413,5 +471,7 @@ def _check_local(local: object, desc: Descriptor | None) -> None:
         raise TypeError(f"a local tensor is a torch.Tensor, not {type(local).__name__}")
     nbytes = local.nbytes
     if desc is not None and nbytes != desc.nbytes:
-        raise TransferSizeError(f"the local tensor has {nbytes} bytes, the remote range "
-                                f"{desc.nbytes} (pass an offset to move a sub-range)")
+        raise TransferSizeError(
+            f"the local tensor has {nbytes} bytes, the remote range "
+            f"{desc.nbytes} (pass an offset to move a sub-range)"
+        )

@@ -10,6 +10,7 @@ that file for that export (the core's forwarding path), so the owner's code neve
 and the memory can never be reused while a peer maps it. A CPU storage lives in fd-backed shared
 memory: a peer maps the file itself, whose pages live while anyone maps them.
 """
+
 import os
 import threading
 import weakref
@@ -25,8 +26,9 @@ from ._registry import Registration
 __all__ = ["CpuExport", "DeviceExport", "export_of", "order_for_peers"]
 
 _lock = threading.Lock()
-_exports: "weakref.WeakKeyDictionary[Registration, CpuExport | DeviceExport]" = \
+_exports: "weakref.WeakKeyDictionary[Registration, CpuExport | DeviceExport]" = (
     weakref.WeakKeyDictionary()
+)
 PEER_ROOM = 64  # slots an advertisement leaves in its counter file for peers' first opens
 
 
@@ -35,8 +37,10 @@ class DeviceExport:
 
     def __init__(self, storage: torch.UntypedStorage):
         if _sharing.received_via_ipc(storage):
-            raise ReshareError("this storage was received from another process through devipc: "
-                               "advertise a clone() of it, or have its owner advertise it")
+            raise ReshareError(
+                "this storage was received from another process through devipc: "
+                "advertise a clone() of it, or have its owner advertise it"
+            )
         while True:  # near the end of a counter file: use it up, so that a new one starts
             shared = _sharing.share_device(storage)
             self.mem, self.mem_offset = shared.handle, shared.offset_bytes
@@ -72,8 +76,9 @@ def export_of(reg: Registration) -> CpuExport | DeviceExport | None:
             storage = reg.storage()
             if storage is None:
                 return None
-            export = _exports[reg] = \
-                (CpuExport if storage.device.type == "cpu" else DeviceExport)(storage)
+            export = _exports[reg] = (CpuExport if storage.device.type == "cpu" else DeviceExport)(
+                storage
+            )
         return export
 
 

@@ -11,6 +11,7 @@ memory the CPU may address ("DRAM" hooks), when the current stream is idle, is m
 calling thread: handing it to the stream and waiting for it would cost more than the copy, and
 the order is the same.
 """
+
 import array
 import ctypes
 import operator
@@ -65,8 +66,13 @@ class IpcTransport:
             where: dict = dict(kind=CPU, fd=export.fd, anchor=export.inode)
         else:
             assert isinstance(export, DeviceExport)
-            where = dict(kind=DEVICE, mem=export.mem, mem_offset=export.mem_offset,
-                         counter=export.counter, anchor=export.anchor)
+            where = dict(
+                kind=DEVICE,
+                mem=export.mem,
+                mem_offset=export.mem_offset,
+                counter=export.counter,
+                anchor=export.anchor,
+            )
         where["event"] = order_for_peers(reg.device)
         return where
 
@@ -74,7 +80,8 @@ class IpcTransport:
         if meta.host != host_identity() or not meta.host:
             raise UnsupportedDeviceError(
                 f"peer process {meta.pid} runs on another host or PID namespace: the device's "
-                f"IPC hooks cannot reach its memory. Use Endpoint(transport='nixl') on both sides")
+                f"IPC hooks cannot reach its memory. Use Endpoint(transport='nixl') on both sides"
+            )
         return IpcLink(Peer(meta))
 
     def close(self) -> None:
@@ -143,8 +150,9 @@ class IpcLink:
             if here == device:
                 if not _current_stream(index).query():
                     return False
-            elif not host_addressable(here) or not _idle((here,) if device is None
-                                                         else (here, device)):
+            elif not host_addressable(here) or not _idle(
+                (here,) if device is None else (here, device)
+            ):
                 return False
         address = local.data_ptr()
         last_address, mine = plan.last
@@ -162,16 +170,24 @@ class IpcLink:
         peer.sweep()  # the registrations the owner ended: their mappings go
         entries = peer.open_all(descs)  # pinned: no other thread unmaps them under the copies
         try:
-            if wait and len(descs) <= _INLINE_PAIRS and self._copied_here(op, locals_, entries,
-                                                                          descs):
+            if (
+                wait
+                and len(descs) <= _INLINE_PAIRS
+                and self._copied_here(op, locals_, entries, descs)
+            ):
                 return DONE
             distinct = list({id(entry): entry for entry in entries}.values())  # few, many
             devices = {entry.device for entry in distinct if entry.device.type != "cpu"}
             devices.update(local.device for local in locals_ if not local.is_cpu)
             batch = _batch(op, locals_, entries, descs, devices)
-            pairs: list = [] if batch is not None else [
-                _pair(op, local, entry, desc) for local, entry, desc in
-                zip(locals_, entries, descs)]
+            pairs: list = (
+                []
+                if batch is not None
+                else [
+                    _pair(op, local, entry, desc)
+                    for local, entry, desc in zip(locals_, entries, descs)
+                ]
+            )
             if not devices and not wait:  # the job off this thread unpins them
                 pinned, entries = entries, []
                 return self._on_host(pairs, pinned, locals_)
@@ -181,8 +197,7 @@ class IpcLink:
         finally:
             peer.unpin(entries)
 
-    def _copied_here(self, op: str, locals_: list, entries: list[RemoteEntry],
-                     descs: list) -> bool:
+    def _copied_here(self, op: str, locals_: list, entries: list[RemoteEntry], descs: list) -> bool:
         """Whether the calling thread copied these few pairs itself (host-addressable memory,
         idle streams); it then keeps one descriptor's plan."""
         rows = _host_rows(op, locals_, entries, descs)
@@ -194,17 +209,32 @@ class IpcLink:
             device = None if entry.device.type == "cpu" else entry.device
             assert entry.address is not None  # `_host_rows` took it
             stream = None if device is None else accelerator_index(device)
-            self._keep(self._singles, id(desc), _SinglePlan(
-                descs=[desc], entries=[entry], device=device,
-                stream=-1 if stream is None else stream,
-                remote=host_bytes(entry.address + desc.offset, desc.nbytes)))
+            self._keep(
+                self._singles,
+                id(desc),
+                _SinglePlan(
+                    descs=[desc],
+                    entries=[entry],
+                    device=device,
+                    stream=-1 if stream is None else stream,
+                    remote=host_bytes(entry.address + desc.offset, desc.nbytes),
+                ),
+            )
         self._posts += 1
         if not self._posts % _SWEEP_EVERY:  # now and then: plans never sweep
             self._peer.sweep()
         return True
 
-    def _queue(self, op: str, descs: list, distinct: list[RemoteEntry], devices: set,
-               batch: "_Batch | None", pairs: list, locals_: list) -> Transfer:
+    def _queue(
+        self,
+        op: str,
+        descs: list,
+        distinct: list[RemoteEntry],
+        devices: set,
+        batch: "_Batch | None",
+        pairs: list,
+        locals_: list,
+    ) -> Transfer:
         """The copies queued on the devices' current streams (or made here, host memory)."""
         try:
             if batch is None:
@@ -213,13 +243,19 @@ class IpcLink:
                 batch.copy_batch(batch.device_index, batch.table)
                 (device,) = devices
                 remote = 1 if op == READ else 0  # the table's column of the peer's addresses
-                self._last = self._keep(self._batches, tuple(map(id, descs)), _BatchPlan(
-                    descs=descs, entries=distinct, device=device,
-                    table=batch.table[:, [remote, 2]].t().contiguous(),
-                    cpu_remote=any(entry.device.type == "cpu" for entry in distinct)))
+                self._last = self._keep(
+                    self._batches,
+                    tuple(map(id, descs)),
+                    _BatchPlan(
+                        descs=descs,
+                        entries=distinct,
+                        device=device,
+                        table=batch.table[:, [remote, 2]].t().contiguous(),
+                        cpu_remote=any(entry.device.type == "cpu" for entry in distinct),
+                    ),
+                )
             remote_data = [entry.data for entry in distinct]  # kept: they outlive the copies
-            transfer = Transfer(record_events(devices), keep=(pairs, batch, remote_data,
-                                                              locals_))
+            transfer = Transfer(record_events(devices), keep=(pairs, batch, remote_data, locals_))
             if any(entry.device.type == "cpu" for entry in distinct):
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
         except BaseException:
@@ -239,8 +275,9 @@ class IpcLink:
         plans[key] = plan
         return plan
 
-    def _on_host(self, pairs: Iterable[tuple], entries: list[RemoteEntry],
-                 locals_: list[torch.Tensor]) -> Transfer:
+    def _on_host(
+        self, pairs: Iterable[tuple], entries: list[RemoteEntry], locals_: list[torch.Tensor]
+    ) -> Transfer:
         """Host copies off the calling thread (the async calls). The job holds the local tensors:
         the pairs may be bare addresses."""
         peer = self._peer
@@ -299,8 +336,11 @@ class _BatchPlan:
         other). Every local tensor is checked before any slice goes."""
         device, kept = self.device, self.table
         copy_batch = hooks_for(device).copy_batch
-        if copy_batch is None or not all(map(_contiguous, locals_)) \
-                or not set(map(_device_of, locals_)) <= {device, _CPU}:
+        if (
+            copy_batch is None
+            or not all(map(_contiguous, locals_))
+            or not set(map(_device_of, locals_)) <= {device, _CPU}
+        ):
             return None  # (the checks are C loops: map, no Python per pair)
         distinct = self.entries
         if not peer.pin_live(distinct):
@@ -309,15 +349,20 @@ class _BatchPlan:
         try:
             for start in range(0, len(locals_), _SLICE):
                 end = start + _SLICE
-                mine = torch.frombuffer(array.array("q", map(_address, locals_[start:end])),
-                                        dtype=torch.int64)
+                mine = torch.frombuffer(
+                    array.array("q", map(_address, locals_[start:end])), dtype=torch.int64
+                )
                 remote, sizes = kept[0, start:end], kept[1, start:end]
-                table = copy_table(mine, remote, sizes) if op == READ \
+                table = (
+                    copy_table(mine, remote, sizes)
+                    if op == READ
                     else copy_table(remote, mine, sizes)
+                )
                 copy_batch(device.index, table)
                 tables.append(table)
-            transfer = Transfer(record_events((device,)),
-                                keep=(tables, [entry.data for entry in distinct], locals_))
+            transfer = Transfer(
+                record_events((device,)), keep=(tables, [entry.data for entry in distinct], locals_)
+            )
             if self.cpu_remote:
                 transfer.wait()  # a CPU mapping must outlive the device copy: finish it here
         except BaseException:
@@ -348,8 +393,9 @@ class _PreparedPlan:
     keep: tuple[object, ...]  # what a device copy's Transfer holds until it ends
 
     @classmethod
-    def prepared(cls, op: str, locals_: list, entries: list[RemoteEntry],
-                 descs: list[Descriptor]) -> "_PreparedPlan":
+    def prepared(
+        cls, op: str, locals_: list, entries: list[RemoteEntry], descs: list[Descriptor]
+    ) -> "_PreparedPlan":
         """The plan of a prepared transfer: `entries` (one per descriptor, pinned by the caller
         for the plan's life) and `locals_` are fixed."""
         distinct = list({id(entry): entry for entry in entries}.values())
@@ -357,33 +403,47 @@ class _PreparedPlan:
         devices.update(local.device for local in locals_ if not local.is_cpu)
         rows = _host_rows(op, locals_, entries, descs, events=False)
         streams = [] if rows is None else [accelerator_index(device) for device in rows[1]]
-        small = rows is not None and None not in streams \
-            and len(rows[0]) <= _INLINE_PAIRS and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
+        small = (
+            rows is not None
+            and None not in streams
+            and len(rows[0]) <= _INLINE_PAIRS
+            and sum(n for _, _, n in rows[0]) <= _INLINE_BYTES
+        )
         batch = _batch(op, locals_, entries, descs, devices)
         return cls(
-            descs=descs, entries=distinct, devices=devices,
+            descs=descs,
+            entries=distinct,
+            devices=devices,
             cpu_remote=any(entry.device.type == "cpu" for entry in distinct),
             words=[(entry.slot, entry.reg_id) for entry in distinct],
             # the copies the calling thread may make when these streams are idle
             streams=[index for index in streams if index is not None] if small else [],
             rows=[(host_bytes(dst, n), host_bytes(src, n)) for dst, src, n in rows[0]]
-            if rows is not None and small else None,
-            batch=batch, pairs=[] if batch is not None else [
-                _pair(op, local, entry, desc) for local, entry, desc in
-                zip(locals_, entries, descs)],
+            if rows is not None and small
+            else None,
+            batch=batch,
+            pairs=[]
+            if batch is not None
+            else [
+                _pair(op, local, entry, desc) for local, entry, desc in zip(locals_, entries, descs)
+            ],
             owner=(entries, descs) if any(desc.event for desc in descs) else None,
-            keep=(locals_, [entry.data for entry in distinct]))
+            keep=(locals_, [entry.data for entry in distinct]),
+        )
 
     def post_prepared(self, peer: Peer) -> Transfer:
         """A prepared transfer's copies, once more: the owner's words and the streams read, the
         rest as prepared."""
         devices, owner, rows = self.devices, self.owner, self.rows
         if owner is not None:  # the owner's advertisement events, waited for once
-            if rows is not None and all(not d.event or d.event in e.waited
-                                        for e, d in zip(*owner)):
+            if rows is not None and all(not d.event or d.event in e.waited for e, d in zip(*owner)):
                 self.owner = owner = None
-        if rows is not None and owner is None and _all_idle(self.streams) \
-                and peer.move_live(self.words, rows):  # liveness and copies, one lock
+        if (
+            rows is not None
+            and owner is None
+            and _all_idle(self.streams)
+            and peer.move_live(self.words, rows)
+        ):  # liveness and copies, one lock
             return DONE
         peer.check_alive()
         peer.check_live(self.words)
@@ -412,8 +472,7 @@ class IpcPrepared:
         peer.check_alive()
         entries = peer.open_all(descs)
         try:
-            self._plan: _PreparedPlan | None = _PreparedPlan.prepared(op, locals_, entries,
-                                                                      descs)
+            self._plan: _PreparedPlan | None = _PreparedPlan.prepared(op, locals_, entries, descs)
         except BaseException:
             peer.unpin(entries)
             raise
@@ -434,16 +493,20 @@ class IpcPrepared:
                 self._entries = []
 
 
-def _host_rows(op: str, locals_: list, entries: list[RemoteEntry], descs: list[Descriptor],
-               events: bool = True) -> tuple[list[tuple[int, int, int]], set] | None:
+def _host_rows(
+    op: str, locals_: list, entries: list[RemoteEntry], descs: list[Descriptor], events: bool = True
+) -> tuple[list[tuple[int, int, int]], set] | None:
     """((destination, source, bytes) rows, devices) when every pair is contiguous memory the
     CPU may copy itself (host memory, or a "DRAM" device's) and, with `events`, the owner's
     events were waited for; else None."""
     rows: list[tuple[int, int, int]] = []
     devices = set()
     for local, entry, desc in zip(locals_, entries, descs):
-        if entry.address is None or (events and desc.event and desc.event not in entry.waited) \
-                or not local.is_contiguous():
+        if (
+            entry.address is None
+            or (events and desc.event and desc.event not in entry.waited)
+            or not local.is_contiguous()
+        ):
             return None
         if entry.device.type != "cpu":
             devices.add(entry.device)
@@ -480,8 +543,9 @@ def _move(rows: Iterable[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, nbytes)
 
 
-def _wait_for_owner(entries: list[RemoteEntry], descs: list[Descriptor],
-                    devices: set[torch.device]) -> None:
+def _wait_for_owner(
+    entries: list[RemoteEntry], descs: list[Descriptor], devices: set[torch.device]
+) -> None:
     """Make the current streams wait for the events recorded when the ranges were advertised
     (once per entry and event)."""
     for entry, desc in zip(entries, descs):
@@ -523,8 +587,11 @@ def _batch(op: str, locals_: list, entries: list, descs: list, devices: set) -> 
         remote.append(base + desc.offset)
     mine = array.array("q", map(_address, locals_))
     sizes = array.array("q", [desc.nbytes for desc in descs])
-    return _Batch(copy_batch, device.index, copy_table(mine, remote, sizes) if op == READ
-                  else copy_table(remote, mine, sizes))
+    return _Batch(
+        copy_batch,
+        device.index,
+        copy_table(mine, remote, sizes) if op == READ else copy_table(remote, mine, sizes),
+    )
 
 
 def _copy(pairs: Iterable[tuple]) -> None:
@@ -546,16 +613,18 @@ def _pair(op: str, local: torch.Tensor, entry: RemoteEntry, desc: Descriptor) ->
         here, there = local.data_ptr(), entry.host + desc.offset
         return (here, there, desc.nbytes) if op == READ else (there, here, desc.nbytes)
     assert entry.data is not None  # pinned: not unmapped while this transfer uses it
-    remote = entry.data[desc.offset:desc.offset + desc.nbytes]
+    remote = entry.data[desc.offset : desc.offset + desc.nbytes]
     if local.dtype is torch.uint8 and local.dim() == 1 and local.is_contiguous():
         local_view = local
     elif local.is_contiguous():
         local_view = local.view(-1).view(torch.uint8)
     else:
         if desc.offset % local.element_size():
-            raise TransferSizeError(f"a non-contiguous local tensor of {local.dtype} needs a "
-                                    f"remote range aligned to {local.element_size()} bytes, "
-                                    f"this one starts at byte {desc.offset}")
+            raise TransferSizeError(
+                f"a non-contiguous local tensor of {local.dtype} needs a "
+                f"remote range aligned to {local.element_size()} bytes, "
+                f"this one starts at byte {desc.offset}"
+            )
         remote = remote.view(local.dtype).view(local.shape)
         local_view = local
     return (local_view, remote, None) if op == READ else (remote, local_view, None)

@@ -36,6 +36,7 @@ Smaller ones are polled by their caller: first without sleeping, then backing of
 
 NIXL is imported on first use: `import devipc.p2p` works without it.
 """
+
 import bisect
 import collections
 import ctypes
@@ -69,8 +70,7 @@ from ._registry import PAGE_BYTES, Registration, registry, word_offset
 from ._transfer import Transfer
 from ._transport import OPERATIONS, READ, WRITE
 
-__all__ = ["NixlLink", "NixlPrepared", "NixlTransport", "load_nixl", "memory_kind",
-           "new_agent"]
+__all__ = ["NixlLink", "NixlPrepared", "NixlTransport", "load_nixl", "memory_kind", "new_agent"]
 
 INSTALL = "pip install 'devipc[nixl]'"
 LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
@@ -97,15 +97,18 @@ def load_nixl() -> types.ModuleType:
         except ImportError as error:
             # a missing distribution, or the meta package finding no backend wheel: try the next
             if isinstance(error, ModuleNotFoundError) and error.name not in (
-                    name.split(".")[0], name):
+                name.split(".")[0],
+                name,
+            ):
                 raise
             continue
         if not logging.getLogger("nixl").level < logging.INFO:
             logging.getLogger("nixl").setLevel(logging.WARNING)  # no INFO lines on stdout
         _api = api
         return api
-    raise ImportError(f"devipc.p2p's NIXL transport needs NIXL, which is not installed: "
-                      f"{INSTALL}") from None
+    raise ImportError(
+        f"devipc.p2p's NIXL transport needs NIXL, which is not installed: {INSTALL}"
+    ) from None
 
 
 def new_agent(name: str) -> Any:
@@ -147,7 +150,8 @@ def memory_kind(device: torch.device) -> str:
         raise UnsupportedDeviceError(
             f"{device} memory cannot be registered with NIXL: its IPC hooks' memory_kind("
             f"{device.index or 0}) says {kind!r}, not one of {KINDS}. Implement "
-            f"IpcHooks.memory_kind for {device.type!r}, or use the same-host transport.")
+            f"IpcHooks.memory_kind for {device.type!r}, or use the same-host transport."
+        )
     return kind
 
 
@@ -160,8 +164,9 @@ class _Local:
 
     __slots__ = ("base", "end", "kind", "dev_id", "dlist", "partial")
 
-    def __init__(self, base: int, nbytes: int, kind: str, dev_id: int, dlist: object,
-                 partial: bytes):
+    def __init__(
+        self, base: int, nbytes: int, kind: str, dev_id: int, dlist: object, partial: bytes
+    ):
         self.base, self.end, self.kind, self.dev_id = base, base + nbytes, kind, dev_id
         self.dlist, self.partial = dlist, partial
 
@@ -219,9 +224,11 @@ class _Pending:
         if "PROC" in self.states:  # still in flight when the endpoint closed: kept for good
             return ValueError("the NIXL transport was closed before this transfer ended")
         if "ERR" in self.states:
-            return PeerGoneError(f"a NIXL transfer with agent {agent!r} failed: the peer "
-                                 f"exited, closed its endpoint, or its memory is no longer "
-                                 f"registered")
+            return PeerGoneError(
+                f"a NIXL transfer with agent {agent!r} failed: the peer "
+                f"exited, closed its endpoint, or its memory is no longer "
+                f"registered"
+            )
         return None if error is None else _nixl_error(error, agent)
 
 
@@ -305,8 +312,9 @@ class NixlTransport:
         self._again: dict[tuple, tuple[Descriptor, _Local, NixlPrepared]] = {}
         self._page = self.register_range(registry.page().buffer.address, PAGE_BYTES, "DRAM", 0)
         self._scratch = torch.zeros(_SCRATCH_WORDS, dtype=torch.int64)  # liveness words land here
-        self.scratch_registration = self.register_range(self._scratch.data_ptr(),
-                                                        8 * _SCRATCH_WORDS, "DRAM", 0)
+        self.scratch_registration = self.register_range(
+            self._scratch.data_ptr(), 8 * _SCRATCH_WORDS, "DRAM", 0
+        )
         self._closed = False  # the endpoint adds this transport as a registry listener
 
     # -- this process's memory --
@@ -334,8 +342,11 @@ class NixlTransport:
         with self.lock:
             if self._closed or reg.id in self._regs:
                 return
-            self._regs[reg.id] = None if kind is None else \
-                self.register_range(reg.base, reg.nbytes, kind, _dev_id(reg.device, kind))
+            self._regs[reg.id] = (
+                None
+                if kind is None
+                else self.register_range(reg.base, reg.nbytes, kind, _dev_id(reg.device, kind))
+            )
 
     def on_deregister(self, reg: Registration) -> None:
         with self.lock:
@@ -372,8 +383,17 @@ class NixlTransport:
         if local is None:
             memory_kind(reg.device)  # raises, saying why
             raise ValueError(f"registration {reg.id} ended")
-        return Remote(self.agent_name, local.kind, local.dev_id, reg.base + offset, nbytes, reg.id,
-                      reg.slot, self._page.base, local.partial).to_bytes()
+        return Remote(
+            self.agent_name,
+            local.kind,
+            local.dev_id,
+            reg.base + offset,
+            nbytes,
+            reg.id,
+            reg.slot,
+            self._page.base,
+            local.partial,
+        ).to_bytes()
 
     def connect(self, meta: Metadata) -> "NixlLink":
         return NixlLink(self, self.add_peer(meta.extra))
@@ -387,13 +407,16 @@ class NixlTransport:
             try:
                 agent = self.agent.add_remote_agent(blob)
             except Exception as error:  # noqa: BLE001 - NIXL's own exception types
-                raise InvalidHandleError(f"NIXL could not load the peer's agent metadata: "
-                                         f"{type(error).__name__}: {error}") from None
+                raise InvalidHandleError(
+                    f"NIXL could not load the peer's agent metadata: "
+                    f"{type(error).__name__}: {error}"
+                ) from None
             agent = agent.decode() if isinstance(agent, bytes) else str(agent)
             if agent != name:
                 self.agent.remove_remote_agent(agent)
-                raise InvalidHandleError(f"NIXL metadata of agent {agent!r} claims to be of "
-                                         f"{name!r}")
+                raise InvalidHandleError(
+                    f"NIXL metadata of agent {agent!r} claims to be of {name!r}"
+                )
             self._peers.setdefault(agent, set())
             self._links[agent] = self._links.get(agent, 0) + 1
         return agent
@@ -423,16 +446,31 @@ class NixlTransport:
             entry = self._again.get(key)  # holds the descriptor: its id is not reused
             if entry is None:
                 found = self.find_range(address, desc.nbytes)
-                if self._closed or found is None or found is self._page \
-                        or found is self.scratch_registration:
+                if (
+                    self._closed
+                    or found is None
+                    or found is self._page
+                    or found is self.scratch_registration
+                ):
                     return False
                 if len(self._again) >= _AGAIN_KEPT:
                     self._forget_again(lambda entry: True)
-                remotes = self.remotes(link.agent, [(address, desc.nbytes, local.device)],
-                                       [desc.extra], [desc.shift])
-                entry = self._again[key] = (desc, found, NixlPrepared(
-                    self, link.agent, op, [(address, desc.nbytes, local.device)], remotes, [],
-                    link.liveness))
+                remotes = self.remotes(
+                    link.agent, [(address, desc.nbytes, local.device)], [desc.extra], [desc.shift]
+                )
+                entry = self._again[key] = (
+                    desc,
+                    found,
+                    NixlPrepared(
+                        self,
+                        link.agent,
+                        op,
+                        [(address, desc.nbytes, local.device)],
+                        remotes,
+                        [],
+                        link.liveness,
+                    ),
+                )
             prepared = entry[2]
             if desc.nbytes >= WATCHED_FROM:  # waited for as any large transfer
                 transfer = prepared.repost(local)
@@ -461,9 +499,13 @@ class NixlTransport:
     def _decode(self, extra: bytes) -> Remote:
         return self._decoded.decode(bytes(extra))
 
-    def remotes(self, remote_agent: str, local: Sequence[tuple[int, int, torch.device]],
-                remote_extras: Sequence[bytes], shifts: Sequence[int] | None = None
-                ) -> list[Remote]:
+    def remotes(
+        self,
+        remote_agent: str,
+        local: Sequence[tuple[int, int, torch.device]],
+        remote_extras: Sequence[bytes],
+        shifts: Sequence[int] | None = None,
+    ) -> list[Remote]:
         """The peer descriptors' transport parts, checked against `local` (addr, nbytes,
         device) and narrowed to start `shifts` bytes in (sub-ranges)."""
         if len(local) != len(remote_extras):
@@ -471,21 +513,30 @@ class NixlTransport:
         remotes = [self._decode(extra) for extra in remote_extras]
         for i, ((_, nbytes, _), remote) in enumerate(zip(local, remotes)):
             if remote.agent != remote_agent:
-                raise InvalidHandleError(f"a descriptor of NIXL agent {remote.agent!r} used on "
-                                         f"the connection to {remote_agent!r}")
+                raise InvalidHandleError(
+                    f"a descriptor of NIXL agent {remote.agent!r} used on "
+                    f"the connection to {remote_agent!r}"
+                )
             shift = 0 if shifts is None else shifts[i]
             if shift + nbytes > remote.nbytes or (shifts is None and nbytes != remote.nbytes):
-                raise TransferSizeError(f"local range of {nbytes} bytes from byte {shift} of a "
-                                        f"remote range of {remote.nbytes}")
+                raise TransferSizeError(
+                    f"local range of {nbytes} bytes from byte {shift} of a "
+                    f"remote range of {remote.nbytes}"
+                )
             if shift or nbytes != remote.nbytes:
                 remotes[i] = replace(remote, addr=remote.addr + shift, nbytes=nbytes)
         return remotes
 
-    def post_ranges(self, op: str, remote_agent: str,
-                    local: Sequence[tuple[int, int, torch.device]],
-                    remote_extras: Sequence[bytes],
-                    shifts: Sequence[int] | None = None, keep: object = None,
-                    liveness: bool = True) -> "NixlTransfer":
+    def post_ranges(
+        self,
+        op: str,
+        remote_agent: str,
+        local: Sequence[tuple[int, int, torch.device]],
+        remote_extras: Sequence[bytes],
+        shifts: Sequence[int] | None = None,
+        keep: object = None,
+        liveness: bool = True,
+    ) -> "NixlTransfer":
         """Start `op` ("READ": remote into local, "WRITE": local into remote) for each pair of
         `local` (addr, nbytes, device) and a peer descriptor's transport part (from `shifts`
         bytes in, when given). `keep` (what holds the local memory) lives until NIXL is done.
@@ -512,8 +563,10 @@ class NixlTransport:
                     name = self.agent.add_remote_agent(remote.partial)
                 except Exception as error:  # noqa: BLE001
                     # NIXL's own exception types, said as devipc's
-                    raise InvalidHandleError(f"NIXL could not load a descriptor's metadata: "
-                                             f"{type(error).__name__}: {error}") from None
+                    raise InvalidHandleError(
+                        f"NIXL could not load a descriptor's metadata: "
+                        f"{type(error).__name__}: {error}"
+                    ) from None
                 if (name.decode() if isinstance(name, bytes) else str(name)) != agent:
                     raise InvalidHandleError("a descriptor's metadata names another agent")
                 loaded.add(remote.reg_id)
@@ -523,7 +576,7 @@ class NixlTransport:
         words = {(r.page, r.slot): r.reg_id for r in remotes}
         items = list(words.items())
         for start in range(0, len(items), _SCRATCH_WORDS):
-            chunk = items[start:start + _SCRATCH_WORDS]
+            chunk = items[start : start + _SCRATCH_WORDS]
             scratch = self.scratch_registration.base
             local = [(scratch + 8 * i, 8, 0) for i in range(len(chunk))]
             remote = [(page + word_offset(slot), 8, 0) for (page, slot), _ in chunk]
@@ -533,7 +586,8 @@ class NixlTransport:
                 if int(self._scratch[i]) != reg_id:
                     raise RemoteTensorFreedError(
                         f"remote tensor {reg_id} of NIXL agent {agent!r} was freed or "
-                        f"deregistered by its owner. Ask the owner for a new descriptor.")
+                        f"deregistered by its owner. Ask the owner for a new descriptor."
+                    )
 
     def finish_now(self, pending: _Pending, handle: object, agent: str) -> None:
         """Post `handle` as `pending`'s one request (a liveness read, a few µs as a rule) and
@@ -545,15 +599,18 @@ class NixlTransport:
             while not pending.poll(self.agent):
                 backoff.pause()
                 if backoff.expired():
-                    raise PeerGoneError(f"NIXL agent {agent!r} did not answer within "
-                                        f"{LIVENESS_TIMEOUT} s")
+                    raise PeerGoneError(
+                        f"NIXL agent {agent!r} did not answer within {LIVENESS_TIMEOUT} s"
+                    )
         except BaseException:
             self.let_go(pending)
             raise
         self.settle(pending)
         if pending.states != ["DONE"]:
-            raise PeerGoneError(f"NIXL could not read NIXL agent {agent!r}'s registry: the "
-                                f"peer closed its endpoint or exited")
+            raise PeerGoneError(
+                f"NIXL could not read NIXL agent {agent!r}'s registry: the "
+                f"peer closed its endpoint or exited"
+            )
 
     def post_handle(self, handle: object, agent: str) -> str:
         try:
@@ -561,17 +618,33 @@ class NixlTransport:
         except Exception as error:  # noqa: BLE001 - NIXL's own exception types, said as devipc's
             raise _nixl_error(error, agent) from None
 
-    def _request(self, op: str, agent: str, local: list[tuple[int, int, int]], local_kind: str,
-                 remote: list[tuple[int, int, int]], remote_kind: str) -> object:
+    def _request(
+        self,
+        op: str,
+        agent: str,
+        local: list[tuple[int, int, int]],
+        local_kind: str,
+        remote: list[tuple[int, int, int]],
+        remote_kind: str,
+    ) -> object:
         try:
             return self.agent.initialize_xfer(
-                op, self.agent.get_xfer_descs(local, local_kind),
-                self.agent.get_xfer_descs(remote, remote_kind), agent)
+                op,
+                self.agent.get_xfer_descs(local, local_kind),
+                self.agent.get_xfer_descs(remote, remote_kind),
+                agent,
+            )
         except Exception as error:  # noqa: BLE001 - NIXL's own exception types, said as devipc's
             raise _nixl_error(error, agent) from None
 
-    def _start(self, op: str, agent: str, local: Iterable[tuple[int, int, torch.device]],
-               remotes: Iterable[Remote], keep: object) -> "NixlTransfer":
+    def _start(
+        self,
+        op: str,
+        agent: str,
+        local: Iterable[tuple[int, int, torch.device]],
+        remotes: Iterable[Remote],
+        keep: object,
+    ) -> "NixlTransfer":
         groups: dict[tuple[str, str], tuple[list, list]] = {}
         pending = _Pending(keep=keep)
         self.in_flight.add(pending)
@@ -627,9 +700,12 @@ class NixlTransport:
             for pending in [p for p in self.in_flight if p.poll(self.agent)]:
                 self.settle(pending)
             if self.in_flight and backoff.expired():
-                _log.warning("devipc.p2p: %d NIXL transfers did not end within %s s of their "
-                             "endpoint's close: their memory is kept", len(self.in_flight),
-                             LIVENESS_TIMEOUT)
+                _log.warning(
+                    "devipc.p2p: %d NIXL transfers did not end within %s s of their "
+                    "endpoint's close: their memory is kept",
+                    len(self.in_flight),
+                    LIVENESS_TIMEOUT,
+                )
                 _stranded.extend(self.in_flight)
                 self.in_flight.clear()
             elif self.in_flight:
@@ -674,8 +750,10 @@ class NixlLink:
         local = []
         for tensor, desc in zip(locals_, descs):
             if not desc.extra:
-                raise InvalidHandleError("this descriptor carries no NIXL part: advertise it "
-                                         "from an Endpoint(transport='nixl')")
+                raise InvalidHandleError(
+                    "this descriptor carries no NIXL part: advertise it "
+                    "from an Endpoint(transport='nixl')"
+                )
             if not tensor.is_contiguous():
                 raise ValueError("the NIXL path moves contiguous local tensors only")
             local.append((tensor.data_ptr(), desc.nbytes, tensor.device))
@@ -684,10 +762,15 @@ class NixlLink:
     def post(self, op: str, locals_: list, descs: list[Descriptor], wait: bool) -> Transfer:
         local = self._ranges(locals_, descs)
         _synchronize({tensor.device for tensor in locals_})
-        handle = self._transport.post_ranges(op, self.agent, local,
-                                             [desc.extra for desc in descs],
-                                             [desc.shift for desc in descs], locals_,
-                                             self.liveness)
+        handle = self._transport.post_ranges(
+            op,
+            self.agent,
+            local,
+            [desc.extra for desc in descs],
+            [desc.shift for desc in descs],
+            locals_,
+            self.liveness,
+        )
         return Transfer(handle=handle, keep=(locals_,))
 
     def again(self, op: str, local: torch.Tensor, desc: Descriptor) -> bool:
@@ -701,8 +784,9 @@ class NixlLink:
 
     def prepare(self, op: str, locals_: list, descs: list[Descriptor]) -> "NixlPrepared":
         local = self._ranges(locals_, descs)
-        remotes = self._transport.remotes(self.agent, local, [desc.extra for desc in descs],
-                                          [desc.shift for desc in descs])
+        remotes = self._transport.remotes(
+            self.agent, local, [desc.extra for desc in descs], [desc.shift for desc in descs]
+        )
         return NixlPrepared(self._transport, self.agent, op, local, remotes, locals_)
 
 
@@ -718,8 +802,16 @@ class NixlPrepared:
     made once: a post is the liveness read and one `transfer` per memory-kind pair (one, as a
     rule), both prepared handles reposted."""
 
-    def __init__(self, transport: NixlTransport, agent: str, op: str, local: list,
-                 remotes: list[Remote], keep: list, liveness: bool = True):
+    def __init__(
+        self,
+        transport: NixlTransport,
+        agent: str,
+        op: str,
+        local: list,
+        remotes: list[Remote],
+        keep: list,
+        liveness: bool = True,
+    ):
         self._transport, self._agent = transport, agent
         self._devices = {device for _, _, device in local if device.type != "cpu"}
         self._nbytes = sum(nbytes for _, nbytes, _ in local)
@@ -749,24 +841,38 @@ class NixlPrepared:
                     pair[1].append((remote.addr, nbytes, remote.dev_id))
                 for (local_kind, remote_kind), (mine, theirs) in groups.items():
                     self.handles.append(self._prepped(op, mine, local_kind, theirs, remote_kind))
-                words = sorted({(r.page + word_offset(r.slot), r.reg_id) for r in remotes}) \
-                    if liveness else []
+                words = (
+                    sorted({(r.page + word_offset(r.slot), r.reg_id) for r in remotes})
+                    if liveness
+                    else []
+                )
                 if len(words) > _SCRATCH_WORDS:
-                    raise ValueError(f"a prepared NIXL transfer reaches at most "
-                                     f"{_SCRATCH_WORDS} registrations, not {len(words)}: "
-                                     f"prepare it in parts")
+                    raise ValueError(
+                        f"a prepared NIXL transfer reaches at most "
+                        f"{_SCRATCH_WORDS} registrations, not {len(words)}: "
+                        f"prepare it in parts"
+                    )
                 scratch = transport.scratch_registration.base
                 self._ids = [reg_id for _, reg_id in words]
                 self._read = (ctypes.c_int64 * len(words)).from_address(scratch)  # lands there
-                self._live = self._prepped(
-                    READ, [(scratch + 8 * i, 8, 0) for i in range(len(words))], "DRAM",
-                    [(word, 8, 0) for word, _ in words], "DRAM") if words else None
+                self._live = (
+                    self._prepped(
+                        READ,
+                        [(scratch + 8 * i, 8, 0) for i in range(len(words))],
+                        "DRAM",
+                        [(word, 8, 0) for word, _ in words],
+                        "DRAM",
+                    )
+                    if words
+                    else None
+                )
             except BaseException:
                 self._release(nixl)
                 raise
 
-    def _prepped(self, op: str, mine: list, local_kind: str, theirs: list,
-                 remote_kind: str) -> object:
+    def _prepped(
+        self, op: str, mine: list, local_kind: str, theirs: list, remote_kind: str
+    ) -> object:
         nixl = self._transport.agent
         try:
             ours = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", mine, local_kind)
@@ -786,8 +892,10 @@ class NixlPrepared:
         _synchronize(self._devices)
         transfer = self.repost()
         if transfer is None:
-            raise ValueError("the previous post of this prepared transfer is still in "
-                             "flight: wait for it before posting again")
+            raise ValueError(
+                "the previous post of this prepared transfer is still in "
+                "flight: wait for it before posting again"
+            )
         return transfer
 
     def repost(self, keep: object = None) -> Transfer | None:
@@ -840,7 +948,8 @@ class NixlPrepared:
                 ended = next(i for w, i in zip(words, self._ids) if w != i)
                 raise RemoteTensorFreedError(
                     f"remote tensor {ended} of NIXL agent {agent!r} was freed or "
-                    f"deregistered by its owner. Ask the owner for a new descriptor.")
+                    f"deregistered by its owner. Ask the owner for a new descriptor."
+                )
         # kept, should it be closed
         self._in_flight = posted = _Pending(keep=self._keep if keep is None else keep)
         transport.in_flight.add(posted)
@@ -861,8 +970,7 @@ class NixlPrepared:
         local tensors: now, or once the post still in flight ended."""
         transport, posted = self._transport, self._in_flight
         if nixl is not None:  # else the transport closed, and NIXL let go of it all
-            gone = posted if posted is not None and not transport.done_with(posted) \
-                else _Pending()
+            gone = posted if posted is not None and not transport.done_with(posted) else _Pending()
             gone.owned += [*self.handles, *([self._live] if self._live else [])]
             gone.dlists += self._dlists
             gone.temps += self._temps
@@ -904,18 +1012,20 @@ class NixlTransfer:
 
     def done(self) -> bool:
         ended = self._pending.ended
-        if ended is not None and not self._finished and not ended.is_set() \
-                and _watcher.running():
+        if ended is not None and not self._finished and not ended.is_set() and _watcher.running():
             return False  # the watcher polls it
         with self._transport.lock:
             return self.check()
 
     def wait(self, timeout: float | None = None) -> None:
-        ended, backoff = self._pending.ended, Backoff(timeout, first=0.0002, longest=0.0002,
-                                                      spins=1000)
+        ended, backoff = (
+            self._pending.ended,
+            Backoff(timeout, first=0.0002, longest=0.0002, spins=1000),
+        )
         if ended is not None:  # large: in slices, signals handled between them
-            while not ended.wait(_SLICE if timeout is None else min(_SLICE,
-                                                                    backoff.remaining() or 0)):
+            while not ended.wait(
+                _SLICE if timeout is None else min(_SLICE, backoff.remaining() or 0)
+            ):
                 if backoff.expired():
                     raise TimeoutError(f"the NIXL transfer did not finish within {timeout} s")
                 if not _watcher.running():  # stopped at exit, or failed to start: poll here
@@ -936,9 +1046,12 @@ class NixlTransfer:
 def _nixl_error(error: Exception, agent: str) -> DevIpcError:
     name = type(error).__name__
     if name == "nixlRemoteDisconnectError":
-        return PeerGoneError(f"NIXL agent {agent!r} disconnected: the peer exited or closed its "
-                             f"endpoint")
+        return PeerGoneError(
+            f"NIXL agent {agent!r} disconnected: the peer exited or closed its endpoint"
+        )
     if name == "nixlNotFoundError":
-        return RemoteTensorFreedError(f"NIXL agent {agent!r} does not know this memory (any "
-                                      f"more): ask the owner for a new descriptor")
+        return RemoteTensorFreedError(
+            f"NIXL agent {agent!r} does not know this memory (any "
+            f"more): ask the owner for a new descriptor"
+        )
     return DevIpcError(f"NIXL failed: {name}: {error}")

@@ -3,6 +3,7 @@ each ending with a digest (`sealed`) checked before NIXL's own parser sees a byt
 its blobs itself and a damaged one can crash it (fuzzing found segfaults), so damaged bytes are
 InvalidHandleError here. Torch-free and NIXL-free: the cross-host weight publisher reads tokens
 with it too."""
+
 import hashlib
 import hmac
 import struct
@@ -12,8 +13,14 @@ from .._core import _wire
 from .._core._errors import InvalidHandleError
 from ._registry import PAGE_SLOTS
 
-__all__ = ["KINDS", "Remote", "agent_metadata_from_bytes", "agent_metadata_to_bytes", "sealed",
-           "unsealed"]
+__all__ = [
+    "KINDS",
+    "Remote",
+    "agent_metadata_from_bytes",
+    "agent_metadata_to_bytes",
+    "sealed",
+    "unsealed",
+]
 
 KINDS = ("DRAM", "VRAM")
 
@@ -80,8 +87,9 @@ def unsealed(data: bytes | bytearray | memoryview) -> bytes:
     data = bytes(data)
     body = data[:-_SEAL]
     if len(data) <= _SEAL or not hmac.compare_digest(data[-_SEAL:], _seal_of(body)):
-        raise InvalidHandleError("a NIXL part of a descriptor or of metadata is damaged (its "
-                                 "digest does not match)")
+        raise InvalidHandleError(
+            "a NIXL part of a descriptor or of metadata is damaged (its digest does not match)"
+        )
     return body
 
 

@@ -24,6 +24,7 @@ the owner advertises or registers it again, else within a collector round (peers
 RemoteTensorFreedError), and the old memory goes once it ended. Register the storage again for
 its new memory.
 """
+
 import itertools
 import logging
 import os
@@ -39,8 +40,16 @@ from .._core._hooks import hooks_for
 from .._core._memfd import SharedFile, WordTable
 from .._core._memory import TensorOrStorage, untyped
 
-__all__ = ["PAGE_BYTES", "PAGE_LIFELINE", "PAGE_MAGIC", "PAGE_SLOTS", "Registration", "Registry",
-           "registry", "word_offset"]
+__all__ = [
+    "PAGE_BYTES",
+    "PAGE_LIFELINE",
+    "PAGE_MAGIC",
+    "PAGE_SLOTS",
+    "Registration",
+    "Registry",
+    "registry",
+    "word_offset",
+]
 
 _log = logging.getLogger("devipc")
 PAGE_MAGIC = b"P2PR"
@@ -61,8 +70,18 @@ class Registration:
     """One registered storage. `id` is never reused; `base` is the storage's data_ptr, `nbytes`
     its size."""
 
-    __slots__ = ("id", "nbytes", "device", "base", "slot", "_ref", "_key", "_finalizer", "_hold",
-                 "__weakref__")
+    __slots__ = (
+        "id",
+        "nbytes",
+        "device",
+        "base",
+        "slot",
+        "_ref",
+        "_key",
+        "_finalizer",
+        "_hold",
+        "__weakref__",
+    )
 
     def __init__(self, reg_id: int, storage: torch.UntypedStorage, slot: int):
         self.id, self.slot = reg_id, slot
@@ -101,7 +120,8 @@ def check_registrable(storage: torch.UntypedStorage) -> None:
                 "a CPU tensor is registered only in fd-backed shared memory, which peers map "
                 "without a copy: make it with devipc.p2p.create_tensor(..., device='cpu'), or "
                 "call tensor.share_memory_() first (a one-time copy) under torch's "
-                "'file_descriptor' sharing strategy (the Linux default)") from None
+                "'file_descriptor' sharing strategy (the Linux default)"
+            ) from None
         return
     hooks_for(storage.device)  # UnsupportedDeviceError: no hooks, peers could not map it
 
@@ -134,8 +154,11 @@ class Registry:
 
     def is_alive(self, reg: Registration) -> bool:
         page = self._page
-        return page is not None and page.buffer.address != 0 \
+        return (
+            page is not None
+            and page.buffer.address != 0
             and WordTable(page.buffer, 1).load(reg.slot) == reg.id
+        )
 
     # -- registering --
     def register(self, tensor_or_storage: TensorOrStorage) -> Registration:
@@ -191,7 +214,8 @@ class Registry:
                 f"devipc.p2p holds at most {PAGE_SLOTS:,} live registrations in a process (one "
                 f"word each in the registry page peers map), and this process has them all: "
                 f"free_tensor or deregister the tensors peers no longer need, or register fewer, "
-                f"larger tensors and advertise ranges of them")
+                f"larger tensors and advertise ranges of them"
+            )
         self._used_slots += 1
         return self._used_slots - 1
 
@@ -204,8 +228,10 @@ class Registry:
         with self._lock:
             reg = self._find(storage)
         if reg is None:
-            raise NotRegisteredError("this tensor's storage is not registered: call "
-                                     "devipc.p2p.register(tensor) or make it with create_tensor")
+            raise NotRegisteredError(
+                "this tensor's storage is not registered: call "
+                "devipc.p2p.register(tensor) or make it with create_tensor"
+            )
         return reg
 
     def get(self, reg_id: int) -> Registration:
@@ -214,8 +240,10 @@ class Registry:
         with self._lock:
             reg = self._by_id.get(reg_id)
         if reg is None:
-            raise NotRegisteredError(f"tensor id {reg_id} is not registered "
-                                     f"{'any more' if 0 < reg_id < self._next_id else 'here'}")
+            raise NotRegisteredError(
+                f"tensor id {reg_id} is not registered "
+                f"{'any more' if 0 < reg_id < self._next_id else 'here'}"
+            )
         return reg
 
     # -- ending --
@@ -242,8 +270,7 @@ class Registry:
             try:
                 listener.on_deregister(reg)
             except Exception:  # noqa: BLE001 - every listener must hear it
-                _log.exception("devipc.p2p: a deregistration listener "
-                               "failed")
+                _log.exception("devipc.p2p: a deregistration listener failed")
         held, reg._hold = reg._hold, None
         if held is not None:
             _sharing.release_hold(held)  # last: peers and listeners let go first
@@ -257,9 +284,11 @@ class Registry:
             if not reg.moved(storage):
                 return
             self.deregister(reg.id)
-            raise NotRegisteredError(f"tensor id {reg.id} ended: its storage was resized after "
-                                     f"it was registered (peers get RemoteTensorFreedError). "
-                                     f"Register it again for its new memory")
+            raise NotRegisteredError(
+                f"tensor id {reg.id} ended: its storage was resized after "
+                f"it was registered (peers get RemoteTensorFreedError). "
+                f"Register it again for its new memory"
+            )
         raise NotRegisteredError(f"tensor id {reg.id} is not registered any more")
 
     def _collected(self, reg_id: int) -> None:

@@ -8,6 +8,7 @@ released after the device work queued on them; a CPU mapping is unmapped once no
 and the transfer raises RemoteTensorFreedError. Memory the peer maps can never be reused under
 it: a device allocation is held by the slot the peer took, a shared file's pages by the mapping.
 """
+
 import contextlib
 import ctypes
 import errno
@@ -38,8 +39,18 @@ class RemoteEntry:
     """One registration of the peer, opened here: `data` is all of its bytes (uint8); `host`
     their address when they are host memory this process mapped itself (CPU), else None."""
 
-    __slots__ = ("reg_id", "slot", "data", "device", "host", "address", "waited", "dropped",
-                 "_mapping", "_pins")
+    __slots__ = (
+        "reg_id",
+        "slot",
+        "data",
+        "device",
+        "host",
+        "address",
+        "waited",
+        "dropped",
+        "_mapping",
+        "_pins",
+    )
 
     def __init__(self, desc: Descriptor, data: torch.Tensor, mapping: MappedFile | None = None):
         self.reg_id, self.slot, self.device = desc.reg_id, desc.slot, data.device
@@ -47,8 +58,11 @@ class RemoteEntry:
         self.host = None if mapping is None else mapping.address
         # the first byte's address where this process's CPU may copy it directly: CPU memory,
         # or memory of a device whose hooks say it is host-addressable ("DRAM"); else None
-        self.address = self.host if mapping is not None or not host_addressable(data.device) \
+        self.address = (
+            self.host
+            if mapping is not None or not host_addressable(data.device)
             else data.data_ptr()
+        )
         self.waited: set[bytes] = set()  # events of advertisements already waited for
         self._mapping = mapping  # CPU: our mapping of the owner's shared file
         self._pins = 0  # transfers using the memory now: `pin`, `unpin`
@@ -65,8 +79,10 @@ class RemoteEntry:
         (dropped, and no transfer left). An unpin without its pin is a bug: it would unmap
         memory under another thread's copy, so it raises instead."""
         if self._pins <= 0:
-            raise RuntimeError(f"devipc.p2p: registration {self.reg_id}'s entry was unpinned "
-                               f"more often than pinned")
+            raise RuntimeError(
+                f"devipc.p2p: registration {self.reg_id}'s entry was unpinned "
+                f"more often than pinned"
+            )
         self._pins -= 1
         return self.dropped and not self._pins
 
@@ -133,11 +149,13 @@ class Peer:
         page = open_shared_file(meta.page, PAGE_MAGIC)  # PeerGoneError if it exited
         if page.size != PAGE_BYTES:
             page.close()
-            raise InvalidHandleError(f"a registry page has {PAGE_BYTES} bytes, this one "
-                                     f"{page.size}")
+            raise InvalidHandleError(
+                f"a registry page has {PAGE_BYTES} bytes, this one {page.size}"
+            )
         self._page: MappedFile | None = page  # None once closed
-        self._words: ctypes.Array[ctypes.c_int64] | None = \
-            (ctypes.c_int64 * PAGE_SLOTS).from_address(page.address + word_offset(0))
+        self._words: ctypes.Array[ctypes.c_int64] | None = (
+            ctypes.c_int64 * PAGE_SLOTS
+        ).from_address(page.address + word_offset(0))
         self._head = page.words  # the page as int64s (released with it)
         self._lifeline = page.words[PAGE_LIFELINE]  # the owner's lifeline; 0: its pidfd's poll
         self._reads = 0  # of the lifeline, for `_owner_lives`
@@ -162,8 +180,10 @@ class Peer:
     def _closed(self) -> Exception:
         """Why the connection is closed: PeerGoneError once its owner exited, else ValueError."""
         if self._gone:
-            return PeerGoneError(f"peer process {self.pid} has exited: its tensors cannot be "
-                                 f"read or written any more; this connection is closed")
+            return PeerGoneError(
+                f"peer process {self.pid} has exited: its tensors cannot be "
+                f"read or written any more; this connection is closed"
+            )
         return ValueError("this connection is closed: connect again")
 
     def _owner_lives(self) -> bool:
@@ -228,8 +248,11 @@ class Peer:
     def sweep(self) -> int:
         """Drop every cached registration the owner ended; how many."""
         with self._lock:
-            stale = [key for key, entry in self._entries.items()
-                     if not self._live(entry.reg_id, entry.slot)]
+            stale = [
+                key
+                for key, entry in self._entries.items()
+                if not self._live(entry.reg_id, entry.slot)
+            ]
             entries = [self._entries.pop(key) for key in stale]
         for entry in entries:
             self._drop(entry)
@@ -299,7 +322,8 @@ class Peer:
             return self._closed()
         return RemoteTensorFreedError(
             f"remote tensor {reg_id} of process {self.pid} was freed or deregistered by its "
-            f"owner; this process closed its mapping of it. Ask the owner for a new descriptor.")
+            f"owner; this process closed its mapping of it. Ask the owner for a new descriptor."
+        )
 
     def _open_device(self, desc: Descriptor) -> RemoteEntry:
         """Take a slot of our own in the anchor's counter file (the core's forwarding path), then
@@ -315,8 +339,16 @@ class Peer:
         try:
             if not self._is_live(desc.reg_id, desc.slot):
                 raise self._freed(desc.reg_id)
-            storage = _sharing.new_shared_device(desc.device, desc.mem, desc.storage_bytes,
-                                                 desc.mem_offset, desc.counter, index, b"", False)
+            storage = _sharing.new_shared_device(
+                desc.device,
+                desc.mem,
+                desc.storage_bytes,
+                desc.mem_offset,
+                desc.counter,
+                index,
+                b"",
+                False,
+            )
         except BaseException:
             with contextlib.suppress(DevIpcError, OSError):  # never left SENT
                 _sharing.release_ipc_counter_device(desc.counter, index)
@@ -334,8 +366,10 @@ class Peer:
         finally:
             counter.mapping.close()
         if index is None:
-            raise DevIpcError(f"the ref-counter file of process {self.pid} that this descriptor "
-                              f"names is full: ask the owner to advertise the tensor again")
+            raise DevIpcError(
+                f"the ref-counter file of process {self.pid} that this descriptor "
+                f"names is full: ask the owner to advertise the tensor again"
+            )
         return index
 
     def _open_cpu(self, desc: Descriptor) -> RemoteEntry:
@@ -363,8 +397,9 @@ class Peer:
                 raise
             if not self._is_live(desc.reg_id, desc.slot):  # its storage closed the fd
                 raise self._freed(desc.reg_id) from None
-            raise InvalidHandleError(f"{path} cannot be opened ({error.strerror}): the "
-                                     f"descriptor is stale or forged") from None
+            raise InvalidHandleError(
+                f"{path} cannot be opened ({error.strerror}): the descriptor is stale or forged"
+            ) from None
         try:
             stat = os.fstat(fd)
             if stat.st_ino != desc.anchor or stat.st_size != desc.storage_bytes:
@@ -372,8 +407,9 @@ class Peer:
                 # number reused by another file means the registration ended, else a forgery.
                 if not self._is_live(desc.reg_id, desc.slot):
                     raise self._freed(desc.reg_id)
-                raise InvalidHandleError(f"{path} is not the shared file this descriptor names "
-                                         f"(stale or forged)")
+                raise InvalidHandleError(
+                    f"{path} is not the shared file this descriptor names (stale or forged)"
+                )
         except BaseException:
             os.close(fd)
             raise
@@ -397,7 +433,7 @@ class Peer:
                 raise self._freed(desc.reg_id)
             data = torch.empty(0, dtype=torch.uint8)
             data.set_(storage, 0, (desc.storage_bytes,))  # type: ignore[call-overload]
-        return data[desc.offset:desc.offset + desc.nbytes]
+        return data[desc.offset : desc.offset + desc.nbytes]
 
     # -- copies pin the entries they use: a pinned entry is unmapped only once unpinned --
     def pin_live(self, entries: list[RemoteEntry]) -> bool:
@@ -405,15 +441,17 @@ class Peer:
         False, nothing pinned, once one ended (the caller's full path then says why)."""
         with self._lock:
             words = self._words
-            if words is None or any(words[entry.slot] != entry.reg_id or entry.dropped
-                                    for entry in entries):
+            if words is None or any(
+                words[entry.slot] != entry.reg_id or entry.dropped for entry in entries
+            ):
                 return False
             for entry in entries:
                 entry.pin()
         return True
 
-    def move_live(self, words: list[tuple[int, int]],
-                  rows: list[tuple[memoryview, memoryview]]) -> bool:
+    def move_live(
+        self, words: list[tuple[int, int]], rows: list[tuple[memoryview, memoryview]]
+    ) -> bool:
         """Copy each (destination, source) of `rows`, host bytes (`host_bytes`) in mappings
         pinned by the caller, if the owner and every (slot, registration id) of `words` are still
         live; False, nothing copied, once one ended (`check_alive` and `check_live` say which) or
@@ -431,8 +469,12 @@ class Peer:
         unmaps it meanwhile. False, nothing copied, else."""
         with self._lock:
             words = self._words
-            if words is None or words[entry.slot] != entry.reg_id or entry.dropped \
-                    or not self._owner_lives():
+            if (
+                words is None
+                or words[entry.slot] != entry.reg_id
+                or entry.dropped
+                or not self._owner_lives()
+            ):
                 return False
             dst[:] = src
         return True

@@ -1,6 +1,7 @@
 """A transfer in flight: device copies end with events recorded on the streams they were queued
 on, host copies with a future of a small thread pool, network ones with the transport's handle.
 """
+
 import concurrent.futures
 import sys
 import threading
@@ -42,10 +43,14 @@ class Transfer:
 
     __slots__ = ("_events", "_future", "_handle", "_keep", "_finished")
 
-    def __init__(self, events: Iterable[torch.Event] = (),
-                 future: concurrent.futures.Future | None = None,
-                 handle: _Waitable | None = None, keep: tuple[object, ...] = (),
-                 finished: bool = False):
+    def __init__(
+        self,
+        events: Iterable[torch.Event] = (),
+        future: concurrent.futures.Future | None = None,
+        handle: _Waitable | None = None,
+        keep: tuple[object, ...] = (),
+        finished: bool = False,
+    ):
         self._events = list(events)  # torch.Event per device stream the copies were queued on
         self._future = future  # host copies
         self._handle = handle  # a transport's object with done() / wait(timeout)
@@ -74,8 +79,9 @@ class Transfer:
         if self._finished and self._future is None and (timeout is None or timeout >= 0):
             return
         if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout is a non-negative number of seconds or None, "
-                             f"got {timeout!r}")
+            raise ValueError(
+                f"timeout is a non-negative number of seconds or None, got {timeout!r}"
+            )
         backoff = Backoff(timeout)
         if self._future is not None:
             try:

@@ -10,6 +10,7 @@ The Endpoint does what every transport needs: it validates the descriptors and l
 a call, keeps the registry (ids, liveness words, holds), and writes the wire bytes; a transport
 adds only its own part of a descriptor and moves the bytes.
 """
+
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -21,14 +22,22 @@ if TYPE_CHECKING:
     from ._registry import Registration
     from ._transfer import Transfer
 
-__all__ = ["OPERATIONS", "READ", "WRITE", "Link", "LinkExtras", "Prepared", "Reposted", "Transport",
-           "operation"]
+__all__ = [
+    "OPERATIONS",
+    "READ",
+    "WRITE",
+    "Link",
+    "LinkExtras",
+    "Prepared",
+    "Reposted",
+    "Transport",
+    "operation",
+]
 
 # A link's two operations, in NIXL's words: READ copies remote ranges into local tensors, WRITE
 # the other way. Users name them "read" and "write" (`operation`).
 READ, WRITE = "READ", "WRITE"
 OPERATIONS = (READ, WRITE)
-
 
 
 class Prepared(Protocol):
@@ -47,8 +56,9 @@ class Link(Protocol):
     """A transport's connection to one peer endpoint: these members, and any of the optional
     ones `LinkExtras` declares with their defaults."""
 
-    def post(self, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]",
-             wait: bool) -> "Transfer":
+    def post(
+        self, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]", wait: bool
+    ) -> "Transfer":
         """Start `op` ("READ": each remote range into its local tensor, "WRITE": the other way).
         The Endpoint checked that the lists pair up, that each descriptor is this peer's and
         that sizes match. With `wait` the caller waits on the Transfer right after, so the
@@ -117,11 +127,16 @@ class LinkExtras:
     def of(cls, link: Link) -> "LinkExtras":
         """The optional members `link` has, and the defaults of the others."""
         default = cls()
-        return cls(**{member.name: getattr(link, member.name, getattr(default, member.name))
-                      for member in fields(cls)})
+        return cls(
+            **{
+                member.name: getattr(link, member.name, getattr(default, member.name))
+                for member in fields(cls)
+            }
+        )
 
-    def prepared(self, link: Link, op: str, locals_: "list[torch.Tensor]",
-                 descs: "list[Descriptor]") -> Prepared:
+    def prepared(
+        self, link: Link, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]"
+    ) -> Prepared:
         """The link's own prepared transfer, or the default one."""
         own = self.prepare
         return Reposted(link, op, locals_, descs) if own is None else own(op, locals_, descs)
@@ -130,8 +145,9 @@ class LinkExtras:
 class Reposted:
     """The default prepared transfer of a link without `prepare`: each post is a `post`."""
 
-    def __init__(self, link: Link, op: str, locals_: "list[torch.Tensor]",
-                 descs: "list[Descriptor]"):
+    def __init__(
+        self, link: Link, op: str, locals_: "list[torch.Tensor]", descs: "list[Descriptor]"
+    ):
         self._link: Link | None = link
         self._op, self._locals, self._descs = op, locals_, descs
 

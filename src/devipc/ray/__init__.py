@@ -14,6 +14,7 @@ An optional extra (`pip install 'devipc[ray]'`); the core never imports it. docs
 what each path does, and what the lifetimes are.
 Inside devipc it builds on `_core`, `_weights` and `p2p`.
 """
+
 try:
     import ray  # noqa: F401
     from ray.experimental import register_tensor_transport

@@ -16,6 +16,7 @@ receiver of a sender that died gets PeerGoneError, not a hang. A storage's NIXL 
 as long as the storage (the p2p registry ends it then): registering memory costs milliseconds,
 and a sender sends the same weights again and again.
 """
+
 from __future__ import annotations
 
 import threading
@@ -68,7 +69,6 @@ class DevipcCommunicatorMetadata(CommunicatorMetadata):
     """One-sided: nothing is arranged between the two actors."""
 
 
-
 class DevipcTransport(TensorTransportManager):
     """The transport Ray instantiates in each process (`devipc.ray.register_transport`)."""
 
@@ -94,23 +94,29 @@ class DevipcTransport(TensorTransportManager):
     def actor_has_tensor_transport(self, actor: Any) -> bool:
         return True  # asked before each task: blocking on the actor would cost a round trip
 
-    def get_communicator_metadata(self, src_actor: Any, dst_actor: Any,
-                                  backend: str | None = None) -> DevipcCommunicatorMetadata:
+    def get_communicator_metadata(
+        self, src_actor: Any, dst_actor: Any, backend: str | None = None
+    ) -> DevipcCommunicatorMetadata:
         return DevipcCommunicatorMetadata()
 
     # -- the sender --
 
-    def extract_tensor_transport_metadata(self, obj_id: str,
-                                          rdt_object: list[Any]) -> DevipcMetadata:
+    def extract_tensor_transport_metadata(
+        self, obj_id: str, rdt_object: list[Any]
+    ) -> DevipcMetadata:
         tensors = list(rdt_object)
-        meta = DevipcMetadata(tensor_meta=[(t.shape, t.dtype) for t in tensors],
-                              tensor_device=tensors[0].device.type if tensors else None,
-                              host=host_identity())
+        meta = DevipcMetadata(
+            tensor_meta=[(t.shape, t.dtype) for t in tensors],
+            tensor_device=tensors[0].device.type if tensors else None,
+            host=host_identity(),
+        )
         if not tensors:
             return meta
         if len({t.device for t in tensors}) != 1:
-            raise ValueError(f"the tensors of one Ray object must be on one device, got "
-                             f"{sorted({str(t.device) for t in tensors})}")
+            raise ValueError(
+                f"the tensors of one Ray object must be on one device, got "
+                f"{sorted({str(t.device) for t in tensors})}"
+            )
         sent: list[_handles.Handle] = []
         try:
             for indices in _by_storage(tensors).values():
@@ -122,8 +128,13 @@ class DevipcTransport(TensorTransportManager):
             self._sent[obj_id] = sent
         return meta
 
-    def _describe(self, tensors: list[torch.Tensor], indices: list[int],
-                  sent: list[_handles.Handle], meta: DevipcMetadata) -> Group:
+    def _describe(
+        self,
+        tensors: list[torch.Tensor],
+        indices: list[int],
+        sent: list[_handles.Handle],
+        meta: DevipcMetadata,
+    ) -> Group:
         storage = tensors[indices[0]].untyped_storage()
         items = [(str(i), tensors[i]) for i in indices]
         if not storage.nbytes():
@@ -134,8 +145,10 @@ class DevipcTransport(TensorTransportManager):
             handles = [_handles.share_tensors(items, copy=False) for _ in range(READERS)]
             sent += handles
             sends = [bytes(handle) for handle in handles]
-        rows = [(t.dtype, tuple(t.shape), t.stride(),
-                 int(t.storage_offset()) * t.element_size()) for _, t in items]
+        rows = [
+            (t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset()) * t.element_size())
+            for _, t in items
+        ]
         group = Group(indices, rows, storage.nbytes(), sends)
         network = self._network()
         if network is not None and storage.nbytes():
@@ -155,12 +168,12 @@ class DevipcTransport(TensorTransportManager):
                     self._endpoint = False
             return self._endpoint or None
 
-    def send_multiple_tensors(self, tensors: list[Any], tensor_transport_metadata: Any,
-                              communicator_metadata: Any) -> None:
+    def send_multiple_tensors(
+        self, tensors: list[Any], tensor_transport_metadata: Any, communicator_metadata: Any
+    ) -> None:
         raise NotImplementedError("the DEVIPC transport is one-sided: receivers read")
 
-    def garbage_collect(self, obj_id: str, tensor_transport_meta: Any,
-                        tensors: list[Any]) -> None:
+    def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
         """Ray freed the object: handles nobody opened are taken back."""
         with self._lock:
             sent = self._sent.pop(obj_id, [])
@@ -176,19 +189,25 @@ class DevipcTransport(TensorTransportManager):
 
     # -- the receiver --
 
-    def recv_multiple_tensors(self, obj_id: str, tensor_transport_metadata: Any,
-                              communicator_metadata: Any,
-                              target_buffers: list[Any] | None = None) -> list[Any]:
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: Any,
+        communicator_metadata: Any,
+        target_buffers: list[Any] | None = None,
+    ) -> list[Any]:
         meta = tensor_transport_metadata
         if not isinstance(meta, DevipcMetadata):
-            raise TypeError(f"the DEVIPC transport reads DevipcMetadata, not "
-                            f"{type(meta).__name__}")
+            raise TypeError(f"the DEVIPC transport reads DevipcMetadata, not {type(meta).__name__}")
         received: list[torch.Tensor | None] = [None] * len(meta.tensor_meta)
         here = bool(meta.host) and meta.host == host_identity() and not self.network_only
         for group in meta.groups:
             storage = self._storage_of(meta, group, here)
-            table = Table([str(i) for i in group.indices], *zip(*group.rows)) if group.rows \
+            table = (
+                Table([str(i) for i in group.indices], *zip(*group.rows))
+                if group.rows
                 else Table([], [], [], [], [])
+            )
             for i, view in zip(group.indices, table.views(storage).values()):
                 received[i] = view
         tensors = [t for t in received if t is not None]
@@ -198,12 +217,12 @@ class DevipcTransport(TensorTransportManager):
             return list(target_buffers)
         return tensors
 
-    def _storage_of(self, meta: DevipcMetadata, group: Group,
-                    here: bool) -> torch.UntypedStorage:
+    def _storage_of(self, meta: DevipcMetadata, group: Group, here: bool) -> torch.UntypedStorage:
         """The group's storage in this process: mapped where the handles reach, else read."""
         if not group.nbytes:  # nothing to map or read
-            return torch.empty(0, dtype=torch.uint8,
-                               device=_receiving_device(meta)).untyped_storage()
+            return torch.empty(
+                0, dtype=torch.uint8, device=_receiving_device(meta)
+            ).untyped_storage()
         storage = self._map(group) if here else None
         return self._pull(meta, group) if storage is None else storage
 
@@ -219,14 +238,18 @@ class DevipcTransport(TensorTransportManager):
             except SpentHandleError:
                 continue  # another receiver on this host took it
             except PeerGoneError as error:
-                raise PeerGoneError(f"the actor that made this Ray object has exited before "
-                                    f"this one read it ({error})") from None
+                raise PeerGoneError(
+                    f"the actor that made this Ray object has exited before "
+                    f"this one read it ({error})"
+                ) from None
         if group.descriptor:
             return None
-        raise DevIpcError(f"this Ray object was already mapped by {len(group.sends)} receivers "
-                          f"on its sender's host (or Ray freed it); each storage maps zero-copy "
-                          f"into {READERS} processes, and further ones read it over NIXL: "
-                          f"install devipc[nixl] for them")
+        raise DevIpcError(
+            f"this Ray object was already mapped by {len(group.sends)} receivers "
+            f"on its sender's host (or Ray freed it); each storage maps zero-copy "
+            f"into {READERS} processes, and further ones read it over NIXL: "
+            f"install devipc[nixl] for them"
+        )
 
     def _pull(self, meta: DevipcMetadata, group: Group) -> torch.UntypedStorage:
         """A copy of the sender's storage, read over NIXL into this process's memory."""
@@ -236,12 +259,14 @@ class DevipcTransport(TensorTransportManager):
             raise UnsupportedDeviceError(
                 "this Ray object's sender is on another host or PID namespace, and NIXL is not "
                 "installed on both sides (pip install 'devipc[nixl]'): its memory cannot be "
-                "reached from here")
+                "reached from here"
+            )
         with self._lock:
             connection = self._connections.get(meta.endpoint)
             if connection is None:
                 connection = self._connections[meta.endpoint] = self._endpoint.connect(
-                    meta.endpoint)
+                    meta.endpoint
+                )
         local, _ = p2p.create_tensor((group.nbytes,), torch.uint8, _receiving_device(meta))
         connection.read(local, group.descriptor)
         return local.untyped_storage()
@@ -287,6 +312,9 @@ def _receiving_device(meta: DevipcMetadata) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
-    index = torch.accelerator.current_device_index() \
-        if accelerator is not None and accelerator.type == device_type else 0
+    index = (
+        torch.accelerator.current_device_index()
+        if accelerator is not None and accelerator.type == device_type
+        else 0
+    )
     return torch.device(device_type, index)

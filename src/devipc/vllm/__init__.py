@@ -17,6 +17,7 @@ registers the backend; vLLM imports it in each of its processes through the
 docs/vllm.md says what is checked before a generation touches the model, and what is not atomic.
 Inside devipc it builds on `_core` and the weight publisher (`_weights`).
 """
+
 from functools import partial
 
 try:
@@ -40,19 +41,30 @@ from ._engine import (
 from ._in_use import weights_in_use
 from ._trainer import DevipcTrainerInitInfo, DevipcTrainerWeightTransferEngine
 
-__all__ = ["BACKEND", "DevipcInitInfo", "DevipcTrainerInitInfo",
-           "DevipcTrainerWeightTransferEngine", "DevipcUpdateInfo", "DevipcWeightTransferEngine",
-           "LLMClient", "RefusedUpdateError", "manifest_of", "register", "weights_in_use"]
+__all__ = [
+    "BACKEND",
+    "DevipcInitInfo",
+    "DevipcTrainerInitInfo",
+    "DevipcTrainerWeightTransferEngine",
+    "DevipcUpdateInfo",
+    "DevipcWeightTransferEngine",
+    "LLMClient",
+    "RefusedUpdateError",
+    "manifest_of",
+    "register",
+    "weights_in_use",
+]
 
 
 def register() -> None:
     """Register the `devipc` backend with vLLM's engine and trainer factories (the entry point
     vLLM calls in each of its processes; a second call does nothing)."""
     for register_engine in (
-            partial(WeightTransferEngineFactory.register_engine, BACKEND,
-                    DevipcWeightTransferEngine),
-            partial(WeightTransferTrainerFactory.register_engine, BACKEND,
-                    DevipcTrainerWeightTransferEngine)):
+        partial(WeightTransferEngineFactory.register_engine, BACKEND, DevipcWeightTransferEngine),
+        partial(
+            WeightTransferTrainerFactory.register_engine, BACKEND, DevipcTrainerWeightTransferEngine
+        ),
+    ):
         try:
             register_engine()
         except ValueError as error:

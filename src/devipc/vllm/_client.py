@@ -1,6 +1,7 @@
 """vLLM's trainer API drives engines through a client (`VLLMWeightSyncClient`); vLLM ships one
 for its HTTP server and one for Ray actors. This one drives an `LLM` object of this process,
 whose engine core and worker may be processes of their own (vLLM's default)."""
+
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload

@@ -8,6 +8,7 @@ runs vLLM's layerwise reload (set up, `load_weights`, finalize) and acknowledges
 refused, or a trainer gone, raises RefusedUpdateError before anything touched the model, and
 vLLM ends the session: the engine serves the weights it had. `start` and `finish` touch nothing.
 """
+
 import base64
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +67,13 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
     update_info_cls = DevipcUpdateInfo
     supports_draft_weight_update = False  # one manifest: the target model's
 
-    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig,
-                 device: torch.device, model: torch.nn.Module):
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ):
         super().__init__(config, vllm_config, device, model)
         self._subscriber: WeightSubscriber | None = None
         self._manifest: list[tuple[str, str, list[int]]] = []
@@ -79,16 +85,21 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
         parallel = self.parallel_config
         workers = parallel.world_size * parallel.data_parallel_size
         if workers != 1:
-            raise ValueError(f"backend 'devipc' serves engines of one worker; this one has "
-                             f"{workers} (tensor x pipeline x data parallel)")
+            raise ValueError(
+                f"backend 'devipc' serves engines of one worker; this one has "
+                f"{workers} (tensor x pipeline x data parallel)"
+            )
         if not (len(init_info.names) == len(init_info.dtype_names) == len(init_info.shapes)):
             raise ValueError("init_info's names, dtype_names and shapes differ in length")
-        subscriber = WeightSubscriber(base64.b64decode(init_info.token, validate=True),
-                                      device=self.device)
+        subscriber = WeightSubscriber(
+            base64.b64decode(init_info.token, validate=True), device=self.device
+        )
         self.shutdown()
         self._subscriber, self._timeout = subscriber, float(init_info.timeout)
-        self._manifest = [(name, dtype, list(shape)) for name, dtype, shape in zip(
-            init_info.names, init_info.dtype_names, init_info.shapes)]
+        self._manifest = [
+            (name, dtype, list(shape))
+            for name, dtype, shape in zip(init_info.names, init_info.dtype_names, init_info.shapes)
+        ]
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the model is touched only once a generation passed its checks."""
@@ -124,27 +135,37 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
                 subscriber.ack()
                 generation = subscriber.wait(self._timeout)
         except (PeerGoneError, TimeoutError) as error:
-            raise RefusedUpdateError(f"no generation {wanted} from the trainer ({error}); the "
-                                     f"engine keeps generation {held}") from error
+            raise RefusedUpdateError(
+                f"no generation {wanted} from the trainer ({error}); the "
+                f"engine keeps generation {held}"
+            ) from error
         try:
             if generation != wanted:
-                raise ValueError(f"the update asked for generation {wanted}, the trainer "
-                                 f"published {generation} since")
-            found = [(name, str(t.dtype).removeprefix("torch."), list(t.shape))
-                     for name, t in subscriber.tensors().items()]
+                raise ValueError(
+                    f"the update asked for generation {wanted}, the trainer "
+                    f"published {generation} since"
+                )
+            found = [
+                (name, str(t.dtype).removeprefix("torch."), list(t.shape))
+                for name, t in subscriber.tensors().items()
+            ]
             if found != self._manifest:
                 raise ValueError(_difference(self._manifest, found))
             if update_info.checksum:
                 subscriber.verify()
         except (ChecksumError, ValueError) as error:
             subscriber.ack()
-            raise RefusedUpdateError(f"generation {generation} refused before loading: {error}; "
-                                     f"the engine keeps generation {held}") from error
+            raise RefusedUpdateError(
+                f"generation {generation} refused before loading: {error}; "
+                f"the engine keeps generation {held}"
+            ) from error
 
     def _held(self) -> WeightSubscriber:
         if self._subscriber is None:
-            raise RuntimeError("backend 'devipc': call init_weight_transfer_engine with the "
-                               "trainer's init info first")
+            raise RuntimeError(
+                "backend 'devipc': call init_weight_transfer_engine with the "
+                "trainer's init info first"
+            )
         return self._subscriber
 
     def shutdown(self) -> None:
@@ -154,20 +175,26 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
             self._subscriber = None
 
 
-def _difference(expected: list[tuple[str, str, list[int]]],
-                found: list[tuple[str, str, list[int]]]) -> str:
+def _difference(
+    expected: list[tuple[str, str, list[int]]], found: list[tuple[str, str, list[int]]]
+) -> str:
     """What a generation lacks, or holds of another dtype or shape, against the manifest."""
     want, got = {n: rest for n, *rest in expected}, {n: rest for n, *rest in found}
     missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
     if missing or extra:
         return f"tensors missing {missing[:5]}, not in the manifest {extra[:5]}"
-    differ = [f"{n}: {got[n][0]} {got[n][1]}, expected {want[n][0]} {want[n][1]}"
-              for n in want if got[n] != want[n]]
+    differ = [
+        f"{n}: {got[n][0]} {got[n][1]}, expected {want[n][0]} {want[n][1]}"
+        for n in want
+        if got[n] != want[n]
+    ]
     return "; ".join(differ[:5]) or "the tensors come in another order than the manifest's"
 
 
 def manifest_of(weights: dict[str, torch.Tensor]) -> dict[str, list]:
     """The manifest of `weights` as DevipcInitInfo carries it."""
-    return {"names": list(weights),
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in weights.values()],
-            "shapes": [list(t.shape) for t in weights.values()]}
+    return {
+        "names": list(weights),
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in weights.values()],
+        "shapes": [list(t.shape) for t in weights.values()],
+    }

@@ -1,6 +1,7 @@
 """What a vLLM model computes with, to check an update against the trainer's weights: on CPU an
 unquantized linear layer moves its weight into a oneDNN handle once loaded (its parameter then
 reads empty), so reading parameters says nothing about it."""
+
 import torch
 from vllm.model_executor.layers.linear import LinearBase
 

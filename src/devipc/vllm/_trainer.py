@@ -7,6 +7,7 @@ gives one to each further engine, also a late one. `send_weights` drives vLLM's 
 every engine: start, publish a generation (with its CRC-32), update (each engine waits for it,
 checks it whole, loads it, acknowledges), finish.
 """
+
 import base64
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -45,26 +46,41 @@ class DevipcTrainerWeightTransferEngine(TrainerWeightTransferEngine[DevipcTraine
 
     init_info_cls = DevipcTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource,
-                 init_info: DevipcTrainerInitInfo):
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        init_info: DevipcTrainerInitInfo,
+    ):
         super().__init__(client=client, source=source, is_sender=True)
         self.init_info = init_info
         weights = dict(source)
         self._manifest = manifest_of(weights)
-        self.publisher = WeightPublisher(weights, copy=init_info.copy,
-                                         transport=init_info.transport, relay=init_info.relay)
+        self.publisher = WeightPublisher(
+            weights, copy=init_info.copy, transport=init_info.transport, relay=init_info.relay
+        )
         self.clients: list[VLLMWeightSyncClient] = []
 
     @classmethod
-    def trainer_init(cls, init_info: DevipcTrainerInitInfo, *, client: VLLMWeightSyncClient,
-                     source: WeightSource | None = None) -> Self:
+    def trainer_init(
+        cls,
+        init_info: DevipcTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
         """Publish `source`'s tensors and subscribe the engine behind `client`."""
         if source is None:
-            raise ValueError("backend 'devipc' publishes a WeightSource (vLLM's "
-                             "ModuleSource(model)): pass source=")
+            raise ValueError(
+                "backend 'devipc' publishes a WeightSource (vLLM's "
+                "ModuleSource(model)): pass source="
+            )
         if not init_info.is_sender:
-            raise ValueError("backend 'devipc' publishes from one trainer process (rank 0); "
-                             "gather a sharded model there first")
+            raise ValueError(
+                "backend 'devipc' publishes from one trainer process (rank 0); "
+                "gather a sharded model there first"
+            )
         engine = cls(client=client, source=source, init_info=init_info)
         try:
             engine.add_engine(client)
@@ -76,8 +92,11 @@ class DevipcTrainerWeightTransferEngine(TrainerWeightTransferEngine[DevipcTraine
     def add_engine(self, client: VLLMWeightSyncClient) -> None:
         """Subscribe one more engine (a late one too): it takes part from the next
         `send_weights` on."""
-        info = DevipcInitInfo(token=base64.b64encode(self.publisher.token()).decode(),
-                              timeout=self.init_info.timeout, **self._manifest)
+        info = DevipcInitInfo(
+            token=base64.b64encode(self.publisher.token()).decode(),
+            timeout=self.init_info.timeout,
+            **self._manifest,
+        )
         client.init_weight_transfer_engine(asdict(info))
         if client not in self.clients:
             self.clients.append(client)
@@ -89,8 +108,12 @@ class DevipcTrainerWeightTransferEngine(TrainerWeightTransferEngine[DevipcTraine
         `weight_version`: what vLLM's `get_weight_version()` says afterwards (None: unchanged)."""
         failures: list[Exception] = []
         started = _each(self.clients, lambda client: client.start_weight_update(), failures)
-        publish = partial(self.publisher.publish, wait=False, timeout=self.init_info.timeout,
-                          checksum=self.init_info.checksum)
+        publish = partial(
+            self.publisher.publish,
+            wait=False,
+            timeout=self.init_info.timeout,
+            checksum=self.init_info.checksum,
+        )
         try:
             try:
                 generation = publish()
@@ -114,8 +137,11 @@ class DevipcTrainerWeightTransferEngine(TrainerWeightTransferEngine[DevipcTraine
         self.publisher.close()
 
 
-def _each(clients: list[VLLMWeightSyncClient], call: Callable[[VLLMWeightSyncClient], None],
-          failures: list[Exception]) -> list[VLLMWeightSyncClient]:
+def _each(
+    clients: list[VLLMWeightSyncClient],
+    call: Callable[[VLLMWeightSyncClient], None],
+    failures: list[Exception],
+) -> list[VLLMWeightSyncClient]:
     """`call` on each client; the clients it succeeded on (the others' errors in `failures`:
     vLLM ended those engines' update sessions)."""
     done = []

@@ -1,5 +1,6 @@
 """What the benchmarks share: progress on stderr, Markdown tables, the PNG, the doc's sections,
 and processes driven through pipes."""
+
 import contextlib
 import os
 import re
@@ -12,8 +13,16 @@ from typing import Any
 
 from .._common import optional
 
-__all__ = ["Panel", "Piped", "Progress", "human", "markdown", "plot", "replace_section",
-           "require_plotting"]
+__all__ = [
+    "Panel",
+    "Piped",
+    "Progress",
+    "human",
+    "markdown",
+    "plot",
+    "replace_section",
+    "require_plotting",
+]
 
 
 class Progress:
@@ -33,8 +42,9 @@ class Progress:
     def start(self, total: int) -> None:
         self.total, self.done = total, 0
         if not self.lines:
-            self._bar = self._tqdm.tqdm(total=total, desc=self.what, file=sys.stderr,
-                                        dynamic_ncols=True, leave=True)
+            self._bar = self._tqdm.tqdm(
+                total=total, desc=self.what, file=sys.stderr, dynamic_ncols=True, leave=True
+            )
 
     def step(self, text: str) -> None:
         """One step done; `text` says what it measured."""
@@ -55,7 +65,6 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
 
 
 def memcpy_seconds(nbytes: int, rounds: int = 7) -> float:
@@ -94,6 +103,7 @@ def median_seconds(call: Any, rounds: int) -> float:
         call()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
 
 def human(nbytes: int) -> str:
     for unit, shift in (("MiB", 20), ("KiB", 10)):
@@ -134,17 +144,17 @@ def plot(panels: list[Panel], path: str) -> None:
     ticker = optional("matplotlib.ticker", "plot")
     columns = min(2, len(panels))
     rows = -(-len(panels) // columns)
-    figure, axes = pyplot.subplots(rows, columns, figsize=(7 * columns, 4.8 * rows),
-                                   squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    figure, axes = pyplot.subplots(rows, columns, figsize=(7 * columns, 4.8 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, panel in zip(axes.flat, panels):
         if panel.bars:
             width = 0.8 / max(1, len(panel.series))
             for i, (name, values) in enumerate(panel.series.items()):
                 ax.bar([j + i * width for j in range(len(panel.x))], values, width, label=name)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(panel.x))], panel.x,
-                          rotation=30, ha="right")
+            ax.set_xticks(
+                [j + 0.4 - width / 2 for j in range(len(panel.x))], panel.x, rotation=30, ha="right"
+            )
         else:
             for name, values in panel.series.items():
                 ax.plot(panel.x, values, marker="o", label=name)
@@ -175,7 +185,7 @@ def replace_section(path: str, section: str, body: str, notes: str | None = None
         content = doc.read()
     at = content.find(section)
     if at >= 0:
-        following = re.search(r"^## ", content[at + len(section):], re.M)
+        following = re.search(r"^## ", content[at + len(section) :], re.M)
         end = len(content) if following is None else at + len(section) + following.start()
         kept = -1 if notes is None else content.find(notes, at, end)
         if kept >= 0:
@@ -192,13 +202,15 @@ class Piped:
     replies out), driven by tuples: `send`, `reply` (an exception it replies is raised here),
     `ask`, and `stop` ("exit", then a kill after 10 s)."""
 
-    def __init__(self, argv: Sequence[str], name: str, timeout: float,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self, argv: Sequence[str], name: str, timeout: float, env: dict[str, str] | None = None
+    ):
         ours_in, theirs_out = os.pipe()
         theirs_in, ours_out = os.pipe()
         try:
-            self.proc = subprocess.Popen([*argv, str(theirs_in), str(theirs_out)],
-                                         pass_fds=(theirs_in, theirs_out), env=env)
+            self.proc = subprocess.Popen(
+                [*argv, str(theirs_in), str(theirs_out)], pass_fds=(theirs_in, theirs_out), env=env
+            )
         finally:
             os.close(theirs_in)
             os.close(theirs_out)

@@ -22,6 +22,7 @@ the handle), the consumer's unpickling (the open: slot held, memory mapped, stor
 release of the tensor received before, which a drop leaves pending until then), its read of one
 element, and the drop.
 """
+
 import contextlib
 import statistics
 import time
@@ -35,8 +36,17 @@ import torch.multiprocessing as mp
 from .._common import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
-__all__ = ["METHODS", "SIZES", "dataloader", "measure", "panel", "phase_table", "phases",
-           "reduction_floor", "table"]
+__all__ = [
+    "METHODS",
+    "SIZES",
+    "dataloader",
+    "measure",
+    "panel",
+    "phase_table",
+    "phases",
+    "reduction_floor",
+    "table",
+]
 
 TIMEOUT = 120
 WARM_UP = 10  # untimed round trips per mode and size
@@ -79,8 +89,7 @@ def _round_trip(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any]) -> 
     return elapsed
 
 
-def _median_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any],
-               count: int) -> float:
+def _median_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any], count: int) -> float:
     """Median microseconds of one mode. Modes run one after the other, not interleaved: a
     256 MiB copy of via-cpu leaves the caches cold and would slow whatever comes right after."""
     times = [_round_trip(inbox, outbox, mode, make) for _ in range(count + WARM_UP)]
@@ -93,22 +102,29 @@ def _returns(value: Any) -> Callable[[], Any]:
 
 def _new(n: int, device: str) -> Callable[[], torch.Tensor]:
     """A new int32 tensor of `n` elements per call, its last one 7 (what the consumer reads)."""
+
     def make() -> torch.Tensor:
         tensor = torch.empty(n, dtype=torch.int32, device=device)
         tensor[-1] = 7
         return tensor
+
     return make
 
 
-def _paired_medians_us(inbox: Any, outbox: Any, mode: str, make: Callable[[], Any],
-                       count: int) -> tuple[float, float]:
+def _paired_medians_us(
+    inbox: Any, outbox: Any, mode: str, make: Callable[[], Any], count: int
+) -> tuple[float, float]:
     """Median microseconds of `mode` and of the small message, their round trips alternating:
     this machine's speed drifts by 2x over seconds, and a ratio of two blocks measured one after
     the other would carry that drift."""
     times: list[tuple[float, float]] = []
     for _ in range(count + WARM_UP):
-        times.append((_round_trip(inbox, outbox, mode, make),
-                      _round_trip(inbox, outbox, "message", lambda: 7)))
+        times.append(
+            (
+                _round_trip(inbox, outbox, mode, make),
+                _round_trip(inbox, outbox, "message", lambda: 7),
+            )
+        )
     mode_times, message_times = zip(*times[WARM_UP:])
     return statistics.median(mode_times) * 1e6, statistics.median(message_times) * 1e6
 
@@ -165,8 +181,9 @@ def _consumer(device: str) -> Iterator[tuple[Any, Any]]:
             proc.join(TIMEOUT)
 
 
-def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
-            progress: Progress | None = None) -> list[dict]:
+def measure(
+    device: str, sizes: list[int] = SIZES, quick: bool = False, progress: Progress | None = None
+) -> list[dict]:
     """[{"size": bytes, "devipc": us, "devipc-new": us, "cpu-shm": us, "via-cpu": us,
     "message": us, "message-new": us}], medians per size; "message" and "message-new" are the
     small message's round trips, alternating with devipc's and devipc-new's."""
@@ -181,14 +198,19 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
             count = iterations(nbytes, quick)
             row: dict = {"size": nbytes}
             row["devipc"], row["message"] = _paired_medians_us(
-                inbox, outbox, "devipc", _returns(on_device), count)
+                inbox, outbox, "devipc", _returns(on_device), count
+            )
             progress.step(f"{human(nbytes)} devipc {row['devipc']:.0f} us")
             row["devipc-new"], row["message-new"] = _paired_medians_us(
-                inbox, outbox, "devipc", _new(n, device), count)
-            progress.step(f"{human(nbytes)} devipc, a new tensor each send "
-                          f"{row['devipc-new']:.0f} us")
-            for mode, make in (("cpu-shm", lambda t=host: t),
-                               ("via-cpu", lambda t=on_device: t.cpu())):
+                inbox, outbox, "devipc", _new(n, device), count
+            )
+            progress.step(
+                f"{human(nbytes)} devipc, a new tensor each send {row['devipc-new']:.0f} us"
+            )
+            for mode, make in (
+                ("cpu-shm", lambda t=host: t),
+                ("via-cpu", lambda t=on_device: t.cpu()),
+            ):
                 row[mode] = _median_us(inbox, outbox, mode, make, count)
                 progress.step(f"{human(nbytes)} {mode} {row[mode]:.0f} us")
             rows.append(row)
@@ -198,15 +220,34 @@ def measure(device: str, sizes: list[int] = SIZES, quick: bool = False,
 
 def table(rows: list[dict], device: str) -> str:
     return markdown(
-        ["size", "small message (us)", f"devipc {device}, re-sent (us)", "re-sent / message",
-         f"devipc {device}, new each send (us)", "new / its message", "torch CPU shared (us)",
-         "copy via CPU (us)", "cpu-shm / devipc", "via-cpu / devipc"],
-        [[human(r["size"]), f"{r['message']:.0f}", f"{r['devipc']:.0f}",
-          f"{r['devipc'] / r['message']:.2f}x", f"{r['devipc-new']:.0f}",
-          f"{r['devipc-new'] / r['message-new']:.2f}x", f"{r['cpu-shm']:.0f}",
-          f"{r['via-cpu']:.0f}", f"{r['cpu-shm'] / r['devipc']:.2f}x",
-          f"{r['via-cpu'] / r['devipc']:.1f}x"]
-         for r in rows])
+        [
+            "size",
+            "small message (us)",
+            f"devipc {device}, re-sent (us)",
+            "re-sent / message",
+            f"devipc {device}, new each send (us)",
+            "new / its message",
+            "torch CPU shared (us)",
+            "copy via CPU (us)",
+            "cpu-shm / devipc",
+            "via-cpu / devipc",
+        ],
+        [
+            [
+                human(r["size"]),
+                f"{r['message']:.0f}",
+                f"{r['devipc']:.0f}",
+                f"{r['devipc'] / r['message']:.2f}x",
+                f"{r['devipc-new']:.0f}",
+                f"{r['devipc-new'] / r['message-new']:.2f}x",
+                f"{r['cpu-shm']:.0f}",
+                f"{r['via-cpu']:.0f}",
+                f"{r['cpu-shm'] / r['devipc']:.2f}x",
+                f"{r['via-cpu'] / r['devipc']:.1f}x",
+            ]
+            for r in rows
+        ],
+    )
 
 
 BATCH_SHAPE = (64, 3, 32, 32)  # float32: 768 KiB per batch
@@ -243,11 +284,18 @@ def dataloader(device: str, batches: int = 400, workers: int = 2, rounds: int = 
     workers, and over small objects; the consumer reads one element of each device batch. The
     two loaders' passes alternate (their workers persist): this machine's speed drifts."""
     modules = hook_modules([torch.device(device).type])
-    loaders = {name: torch.utils.data.DataLoader(
-        _Batches(batches, where, modules), batch_size=None, num_workers=workers,
-        multiprocessing_context="spawn", worker_init_fn=_load_modules,
-        persistent_workers=True, prefetch_factor=4)
-        for name, where in (("objects", None), ("device", device))}
+    loaders = {
+        name: torch.utils.data.DataLoader(
+            _Batches(batches, where, modules),
+            batch_size=None,
+            num_workers=workers,
+            multiprocessing_context="spawn",
+            worker_init_fn=_load_modules,
+            persistent_workers=True,
+            prefetch_factor=4,
+        )
+        for name, where in (("objects", None), ("device", device))
+    }
     rates = dict.fromkeys(loaders, 0.0)
     for round_ in range(rounds + 1):  # the first pass starts the workers: not timed
         for name, loader in loaders.items():
@@ -271,7 +319,7 @@ def phase_consumer(conn: Any, modules: list[str]) -> None:
     kept = []
     while (data := conn.recv_bytes()) != b"stop":
         if data.startswith(_KEEP):  # received and held, as an engine holds its weights
-            kept.append(ForkingPickler.loads(data[len(_KEEP):]))
+            kept.append(ForkingPickler.loads(data[len(_KEEP) :]))
             conn.send(None)
             continue
         if data == _DROP:
@@ -296,8 +344,9 @@ def phases(device: str, sizes: list[int], count: int = 200, held: int = 0) -> li
     allocations of 64 bytes), as an inference engine holds its weights."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=phase_consumer,
-                       args=(theirs, hook_modules([torch.device(device).type])), daemon=True)
+    proc = ctx.Process(
+        target=phase_consumer, args=(theirs, hook_modules([torch.device(device).type])), daemon=True
+    )
     proc.start()
     rows = []
     weights = [torch.full((16,), 1, dtype=torch.int32, device=device) for _ in range(held)]
@@ -336,15 +385,32 @@ def phases(device: str, sizes: list[int], count: int = 200, held: int = 0) -> li
 
 
 def phase_table(rows: list[dict]) -> str:
-    return markdown(["size", "tensors the consumer holds", "producer: reduce (us)",
-                     "consumer: open, previous release (us)", "consumer: read one element (us)",
-                     "consumer: drop (us)"],
-                    [[human(r["size"]), f"{r.get('held', 0):,}", *(f"{r[p]:.0f}" for p in PHASES)]
-                     for r in rows])
+    return markdown(
+        [
+            "size",
+            "tensors the consumer holds",
+            "producer: reduce (us)",
+            "consumer: open, previous release (us)",
+            "consumer: read one element (us)",
+            "consumer: drop (us)",
+        ],
+        [
+            [human(r["size"]), f"{r.get('held', 0):,}", *(f"{r[p]:.0f}" for p in PHASES)]
+            for r in rows
+        ],
+    )
 
 
 def panel(rows: list[dict], device: str) -> Panel:
-    names = {"devipc": f"devipc ({device}), re-sent", "devipc-new": f"devipc ({device}), new",
-             "cpu-shm": "torch CPU shared", "via-cpu": "copy through CPU"}
-    return Panel("IPC round trip (Queue)", "latency (us)", [r["size"] for r in rows],
-                 {names[m]: [r[m] for r in rows] for m in METHODS})
+    names = {
+        "devipc": f"devipc ({device}), re-sent",
+        "devipc-new": f"devipc ({device}), new",
+        "cpu-shm": "torch CPU shared",
+        "via-cpu": "copy through CPU",
+    }
+    return Panel(
+        "IPC round trip (Queue)",
+        "latency (us)",
+        [r["size"] for r in rows],
+        {names[m]: [r[m] for r in rows] for m in METHODS},
+    )

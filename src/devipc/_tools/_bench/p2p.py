@@ -13,6 +13,7 @@ every transfer is posted by this process. GB/s are 10^9 bytes/s, medians of roun
 interleave the methods. NIXL's path needs device memory that is host memory (`memory_kind`
 "DRAM", as openreg's) or the engine's VRAM.
 """
+
 import contextlib
 import functools
 import os
@@ -30,17 +31,35 @@ from ..._core._errors import DevIpcError
 from .._common import hook_modules, load_modules
 from .common import Panel, Progress, human, markdown
 
-__all__ = ["BATCH", "LATENCY_ROWS", "LATENCY_SIZES", "METHODS", "batch_offsets", "have_nixl",
-           "latency", "latency_table", "measure", "panels", "sizes", "table"]
+__all__ = [
+    "BATCH",
+    "LATENCY_ROWS",
+    "LATENCY_SIZES",
+    "METHODS",
+    "batch_offsets",
+    "have_nixl",
+    "latency",
+    "latency_table",
+    "measure",
+    "panels",
+    "sizes",
+    "table",
+]
 
 TIMEOUT = 300
 BATCH, BATCH_BYTES, BATCH_STRIDE = 1000, 4 << 10, 8 << 10
 METHODS = ("memcpy", "devipc", "devipc-nixl", "nixl")
 BATCH_LABEL = f"{BATCH} x 4 KiB"
 LATENCY_SIZES = (4 << 10, 64 << 10, 1 << 20)
-LATENCY_ROWS = ("sync read", "sync write", "prepared post (read)", "NIXL prepared READ",
-                "sync read over NIXL", "sync read over NIXL, liveness=False",
-                "NIXL prepared READ of 8 B, then READ")
+LATENCY_ROWS = (
+    "sync read",
+    "sync write",
+    "prepared post (read)",
+    "NIXL prepared READ",
+    "sync read over NIXL",
+    "sync read over NIXL, liveness=False",
+    "NIXL prepared READ of 8 B, then READ",
+)
 
 
 def have_nixl(device: str) -> bool:
@@ -70,7 +89,7 @@ def batch_offsets() -> list[int]:
 def _copies(target: torch.Tensor, source: torch.Tensor) -> None:
     """memcpy's batch: one copy_ per range."""
     for o in batch_offsets():
-        target[o:o + BATCH_BYTES].copy_(source[o:o + BATCH_BYTES])
+        target[o : o + BATCH_BYTES].copy_(source[o : o + BATCH_BYTES])
 
 
 def _new_agent(name: str) -> Any:
@@ -79,8 +98,7 @@ def _new_agent(name: str) -> Any:
     return new_agent(name)
 
 
-def owner(conn: Connection, max_bytes: int, device: str, nixl: bool,
-          modules: list[str]) -> None:
+def owner(conn: Connection, max_bytes: int, device: str, nixl: bool, modules: list[str]) -> None:
     """Registers one tensor with the endpoints and the memory of another (no devipc
     registration) with a bare NIXL agent; advertises every range the benchmark uses; then waits
     to be told to exit."""
@@ -102,8 +120,9 @@ def owner(conn: Connection, max_bytes: int, device: str, nixl: bool,
     for name, endpoint in endpoints.items():
         info[name] = endpoint.metadata()
         descs: dict = {size: endpoint.advertise(tensor_id, 0, size) for size in sizes(max_bytes)}
-        descs["batch"] = [endpoint.advertise(tensor_id, offset, BATCH_BYTES)
-                          for offset in batch_offsets()]
+        descs["batch"] = [
+            endpoint.advertise(tensor_id, offset, BATCH_BYTES) for offset in batch_offsets()
+        ]
         info["descs"][name] = descs
     conn.send(info)
     assert conn.poll(TIMEOUT) and conn.recv() == "exit"
@@ -114,8 +133,9 @@ def owner(conn: Connection, max_bytes: int, device: str, nixl: bool,
     conn.send("bye")
 
 
-def rates(steps: dict[str, Callable[[], object]], nbytes: int, seconds: float,
-          rounds: int) -> dict[str, float]:
+def rates(
+    steps: dict[str, Callable[[], object]], nbytes: int, seconds: float, rounds: int
+) -> dict[str, float]:
     """Median GB/s of each step (one transfer of `nbytes`) over `rounds` rounds that interleave
     the methods, so that load from elsewhere on the machine falls on all of them alike; each
     round runs a step for >= seconds / rounds (3 calls at least), after one untimed call."""
@@ -167,8 +187,12 @@ class NixlOwn:
     def step(self, op: str, offsets: list[int], nbytes: int) -> Callable[[], None]:
         local = [(self.address + o, nbytes, 0) for o in offsets]
         remote = [(self.remote + o, nbytes, 0) for o in offsets]
-        handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, "DRAM"),
-                                            self.agent.get_xfer_descs(remote, "DRAM"), self.peer)
+        handle = self.agent.initialize_xfer(
+            op,
+            self.agent.get_xfer_descs(local, "DRAM"),
+            self.agent.get_xfer_descs(remote, "DRAM"),
+            self.peer,
+        )
         self.handles.append(handle)
         return self._run(handle)
 
@@ -184,6 +208,7 @@ class NixlOwn:
 
     def _run(self, handle: Any) -> Callable[[], None]:
         """One transfer of `handle`, polled to DONE."""
+
         def run() -> None:
             state = self.agent.transfer(handle)
             while state == "PROC":
@@ -208,8 +233,9 @@ class _Owner:
         ctx = mp.get_context("spawn")
         self._conn, theirs = ctx.Pipe()
         modules = hook_modules([torch.device(device).type])
-        self._process = ctx.Process(target=owner, args=(theirs, nbytes, device, nixl, modules),
-                                    daemon=True)
+        self._process = ctx.Process(
+            target=owner, args=(theirs, nbytes, device, nixl, modules), daemon=True
+        )
         self._process.start()
 
     def info(self) -> dict:
@@ -227,9 +253,14 @@ class _Owner:
             self._process.join(TIMEOUT)
 
 
-def measure(device: str, max_bytes: int = 256 << 20, seconds: float = 0.8, rounds: int = 9,
-            nixl: bool | None = None,
-            progress: Progress | None = None) -> tuple[list[tuple[str, str]], dict]:
+def measure(
+    device: str,
+    max_bytes: int = 256 << 20,
+    seconds: float = 0.8,
+    rounds: int = 9,
+    nixl: bool | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[tuple[str, str]], dict]:
     """([(op, label)], {(op, label, method): GB/s}); the NIXL methods when `nixl` (default:
     when NIXL is installed)."""
     nixl = have_nixl(device) if nixl is None else nixl
@@ -253,33 +284,42 @@ def measure(device: str, max_bytes: int = 256 << 20, seconds: float = 0.8, round
         connections = {name: endpoints[name].connect(info[name]) for name in endpoints}
         local, _ = p2p.create_tensor((span,), torch.uint8, device)
         source, target = torch.ones(span, dtype=torch.uint8), torch.zeros(span, dtype=torch.uint8)
-        batch_views = [local[o:o + BATCH_BYTES] for o in batch_offsets()]
+        batch_views = [local[o : o + BATCH_BYTES] for o in batch_offsets()]
         for op in ("read", "write"):
             each_size: list[int | str] = [*sizes(max_bytes), BATCH_LABEL]
             for size in each_size:
                 steps: dict[str, Callable[[], object]] = {}
                 if isinstance(size, str):  # the batch
-                    nbytes, label, offsets, each = BATCH * BATCH_BYTES, size, batch_offsets(), \
-                        BATCH_BYTES
+                    nbytes, label, offsets, each = (
+                        BATCH * BATCH_BYTES,
+                        size,
+                        batch_offsets(),
+                        BATCH_BYTES,
+                    )
                     steps["memcpy"] = functools.partial(_copies, target, source)
                     for name, connection in connections.items():
                         call = connection.readv if op == "read" else connection.writev
-                        steps[name] = functools.partial(call, batch_views,
-                                                        info["descs"][name]["batch"])
+                        steps[name] = functools.partial(
+                            call, batch_views, info["descs"][name]["batch"]
+                        )
                 else:
                     nbytes, label, offsets, each = size, human(size), [0], size
                     steps["memcpy"] = functools.partial(target[:size].copy_, source[:size])
                     for name, connection in connections.items():
                         one = connection.read if op == "read" else connection.write
-                        steps[name] = functools.partial(one, local[:size],
-                                                        info["descs"][name][size])
+                        steps[name] = functools.partial(
+                            one, local[:size], info["descs"][name][size]
+                        )
                 if nixl_own is not None:
                     steps["nixl"] = nixl_own.step(op.upper(), offsets, each)
                 got = rates(steps, nbytes, seconds, rounds)
                 for name in methods:
                     results[(op, label, name)] = got[name]
-                progress.step(f"{op} {label}: " + ", ".join(
-                    f"{name} {got[name]:.2f}" for name in methods) + " GB/s")
+                progress.step(
+                    f"{op} {label}: "
+                    + ", ".join(f"{name} {got[name]:.2f}" for name in methods)
+                    + " GB/s"
+                )
                 rows.append((op, label))
     finally:
         progress.close()
@@ -291,8 +331,13 @@ def measure(device: str, max_bytes: int = 256 << 20, seconds: float = 0.8, round
     return rows, results
 
 
-def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | None = None,
-            progress: Progress | None = None) -> dict[tuple[str, int], float]:
+def latency(
+    device: str,
+    seconds: float = 0.5,
+    rounds: int = 9,
+    nixl: bool | None = None,
+    progress: Progress | None = None,
+) -> dict[tuple[str, int], float]:
     """{(row, size): µs per operation}: devipc's synchronous read and write (then
     `torch.accelerator.synchronize()`), a prepared read posted and waited for (then the same),
     and NIXL's own prepared READ (posted, polled to DONE) on the same kind of memory, between
@@ -344,13 +389,17 @@ def latency(device: str, seconds: float = 0.5, rounds: int = 9, nixl: bool | Non
                 for row, over in zip(LATENCY_ROWS[4:6], (checked, unchecked)):
                     steps[row] = functools.partial(_read_synced, over, view, nixl_desc)
                 steps[LATENCY_ROWS[6]] = functools.partial(
-                    _one_then_other, nixl_own.prepped("READ", 8), nixl_own.prepped("READ", size))
+                    _one_then_other, nixl_own.prepped("READ", 8), nixl_own.prepped("READ", size)
+                )
             got = rates(steps, 1, seconds, rounds)  # one "byte" a call: 10^9 calls/s
             for name, rate in got.items():
                 results[(name, size)] = 1e-3 / rate  # µs per call
             prepared.close()
-            progress.step(f"latency {human(size)}: " + ", ".join(
-                f"{name} {results[(name, size)]:.1f}" for name in steps) + " µs")
+            progress.step(
+                f"latency {human(size)}: "
+                + ", ".join(f"{name} {results[(name, size)]:.1f}" for name in steps)
+                + " µs"
+            )
     finally:
         progress.close()
         if nixl_own is not None:
@@ -376,27 +425,57 @@ def latency_table(results: dict[tuple[str, int], float]) -> str:
     """µs per operation, and each row's ratio to NIXL's prepared READ of the same size."""
     rows = [row for row in LATENCY_ROWS if (row, LATENCY_SIZES[0]) in results]
     nixl = LATENCY_ROWS[3] in rows
-    headers = ["operation", *(f"{human(size)} (µs)" for size in LATENCY_SIZES),
-               *((f"{human(size)} / NIXL" for size in LATENCY_SIZES) if nixl else ())]
-    body = [[row, *(f"{results[(row, size)]:.1f}" for size in LATENCY_SIZES),
-             *((f"{results[(row, size)] / results[(LATENCY_ROWS[3], size)]:.2f}"
-                for size in LATENCY_SIZES) if nixl else ())] for row in rows]
+    headers = [
+        "operation",
+        *(f"{human(size)} (µs)" for size in LATENCY_SIZES),
+        *((f"{human(size)} / NIXL" for size in LATENCY_SIZES) if nixl else ()),
+    ]
+    body = [
+        [
+            row,
+            *(f"{results[(row, size)]:.1f}" for size in LATENCY_SIZES),
+            *(
+                (
+                    f"{results[(row, size)] / results[(LATENCY_ROWS[3], size)]:.2f}"
+                    for size in LATENCY_SIZES
+                )
+                if nixl
+                else ()
+            ),
+        ]
+        for row in rows
+    ]
     return markdown(headers, body)
 
 
 def table(rows: list, results: dict) -> str:
     """The methods measured, GB/s, and devipc's ratios to the others."""
     methods = [m for m in METHODS if (*rows[0], m) in results]
-    names = {"memcpy": "memcpy", "devipc": "devipc", "devipc-nixl": "devipc over NIXL",
-             "nixl": "NIXL"}
-    ratios = [("devipc", "memcpy")] + ([("devipc", "nixl"), ("devipc-nixl", "nixl")]
-                                       if "nixl" in methods else [])
-    headers = ["op", "size", *(names[m] for m in methods),
-               *(f"{names[a]} / {names[b]}" for a, b in ratios)]
+    names = {
+        "memcpy": "memcpy",
+        "devipc": "devipc",
+        "devipc-nixl": "devipc over NIXL",
+        "nixl": "NIXL",
+    }
+    ratios = [("devipc", "memcpy")] + (
+        [("devipc", "nixl"), ("devipc-nixl", "nixl")] if "nixl" in methods else []
+    )
+    headers = [
+        "op",
+        "size",
+        *(names[m] for m in methods),
+        *(f"{names[a]} / {names[b]}" for a, b in ratios),
+    ]
     headers[2] = "memcpy (1 thread)"
-    body = [[op, label, *(f"{results[(op, label, m)]:.2f}" for m in methods),
-             *(f"{results[(op, label, a)] / results[(op, label, b)]:.2f}" for a, b in ratios)]
-            for op, label in rows]
+    body = [
+        [
+            op,
+            label,
+            *(f"{results[(op, label, m)]:.2f}" for m in methods),
+            *(f"{results[(op, label, a)] / results[(op, label, b)]:.2f}" for a, b in ratios),
+        ]
+        for op, label in rows
+    ]
     return markdown(headers, body)
 
 
@@ -405,9 +484,16 @@ def panels(rows: list, results: dict) -> list[Panel]:
     for op in ("read", "write"):
         labels = [label for o, label in rows if o == op and label != BATCH_LABEL]
         x = [int(label.split()[0]) << (20 if label.endswith("MiB") else 10) for label in labels]
-        names = {"memcpy": "memcpy (1 thread)", "devipc": "devipc",
-                 "devipc-nixl": "devipc over NIXL", "nixl": "NIXL (its own API)"}
-        series = {names[m]: [results[(op, label, m)] for label in labels]
-                  for m in METHODS if (op, labels[0], m) in results}
+        names = {
+            "memcpy": "memcpy (1 thread)",
+            "devipc": "devipc",
+            "devipc-nixl": "devipc over NIXL",
+            "nixl": "NIXL (its own API)",
+        }
+        series = {
+            names[m]: [results[(op, label, m)] for label in labels]
+            for m in METHODS
+            if (op, labels[0], m) in results
+        }
         out.append(Panel(f"p2p {op}, same host", "bandwidth (GB/s)", x, series))
     return out

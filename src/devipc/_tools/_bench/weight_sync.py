@@ -13,6 +13,7 @@ device, seven ways, one run:
 
 Then the arena's device memory across >= 50 chunks (when the device module counts its memory).
 """
+
 import statistics
 import time
 from collections.abc import Iterable, Iterator
@@ -33,28 +34,46 @@ TIMEOUT = 600
 COUNT = 1000
 MODES = ("torch-cpu", "per-tensor", "bucket", "packed", "arena", "arena-1", "via-cpu")
 # What a plot calls each mode: what a user would write to sync that way
-LABELS = {"torch-cpu": "torch CPU shared, per tensor", "per-tensor": "devipc, per tensor",
-          "bucket": "share_state_dict (copy)", "packed": "pack + share_state_dict",
-          "arena": "Arena, 2 buffers", "arena-1": "Arena, 1 buffer",
-          "via-cpu": "copy through CPU"}
+LABELS = {
+    "torch-cpu": "torch CPU shared, per tensor",
+    "per-tensor": "devipc, per tensor",
+    "bucket": "share_state_dict (copy)",
+    "packed": "pack + share_state_dict",
+    "arena": "Arena, 2 buffers",
+    "arena-1": "Arena, 1 buffer",
+    "via-cpu": "copy through CPU",
+}
 
 
 def transformer_shapes(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     """COUNT float32 parameter shapes of a GPT-like model whose size is about `total_bytes`."""
     layers = -(-(COUNT - 4) // 16)  # the last layer is cut at COUNT tensors
     hidden = max(8, int((total_bytes / 4 / (12 * layers + 40)) ** 0.5) // 8 * 8)
-    shapes = [("wte.weight", (8 * hidden, hidden)), ("wpe.weight", (2 * hidden, hidden)),
-              ("ln_f.weight", (hidden,)), ("ln_f.bias", (hidden,))]
+    shapes = [
+        ("wte.weight", (8 * hidden, hidden)),
+        ("wpe.weight", (2 * hidden, hidden)),
+        ("ln_f.weight", (hidden,)),
+        ("ln_f.bias", (hidden,)),
+    ]
     for i in range(layers):
-        for name, shape in [("ln_1.weight", (hidden,)), ("ln_1.bias", (hidden,)),
-                            ("attn.q.weight", (hidden, hidden)), ("attn.q.bias", (hidden,)),
-                            ("attn.k.weight", (hidden, hidden)), ("attn.k.bias", (hidden,)),
-                            ("attn.v.weight", (hidden, hidden)), ("attn.v.bias", (hidden,)),
-                            ("attn.o.weight", (hidden, hidden)), ("attn.o.bias", (hidden,)),
-                            ("ln_2.weight", (hidden,)), ("ln_2.bias", (hidden,)),
-                            ("mlp.up.weight", (4 * hidden, hidden)), ("mlp.up.bias", (4 * hidden,)),
-                            ("mlp.down.weight", (hidden, 4 * hidden)),
-                            ("mlp.down.bias", (hidden,))]:
+        for name, shape in [
+            ("ln_1.weight", (hidden,)),
+            ("ln_1.bias", (hidden,)),
+            ("attn.q.weight", (hidden, hidden)),
+            ("attn.q.bias", (hidden,)),
+            ("attn.k.weight", (hidden, hidden)),
+            ("attn.k.bias", (hidden,)),
+            ("attn.v.weight", (hidden, hidden)),
+            ("attn.v.bias", (hidden,)),
+            ("attn.o.weight", (hidden, hidden)),
+            ("attn.o.bias", (hidden,)),
+            ("ln_2.weight", (hidden,)),
+            ("ln_2.bias", (hidden,)),
+            ("mlp.up.weight", (4 * hidden, hidden)),
+            ("mlp.up.bias", (4 * hidden,)),
+            ("mlp.down.weight", (hidden, 4 * hidden)),
+            ("mlp.down.bias", (hidden,)),
+        ]:
             shapes.append((f"h.{i}.{name}", shape))
     return shapes[:COUNT]
 
@@ -88,8 +107,9 @@ def settle() -> None:
         time.sleep(0.001)
 
 
-def consumer(inbox: Any, outbox: Any, settle_between: bool, device: str,
-             modules: list[str]) -> None:
+def consumer(
+    inbox: Any, outbox: Any, settle_between: bool, device: str, modules: list[str]
+) -> None:
     load_modules(modules)
     readers: dict[str, ArenaReader] = {}
     while (message := inbox.get(timeout=TIMEOUT)) is not None:
@@ -133,8 +153,15 @@ def receive(outbox: Any) -> Any:
     return outbox.recv()
 
 
-def sync(mode: str, state: dict, cpu_state: dict, packed: dict, arenas: dict[str, Arena],
-         inbox: Any, outbox: Any) -> tuple[float, int]:
+def sync(
+    mode: str,
+    state: dict,
+    cpu_state: dict,
+    packed: dict,
+    arenas: dict[str, Arena],
+    inbox: Any,
+    outbox: Any,
+) -> tuple[float, int]:
     """Seconds until the consumer holds every tensor; handles opened in the consumer."""
     start = time.perf_counter()
     if mode in ("torch-cpu", "per-tensor", "via-cpu"):
@@ -164,8 +191,9 @@ def sync(mode: str, state: dict, cpu_state: dict, packed: dict, arenas: dict[str
     return elapsed, opened
 
 
-def arena_memory(state: dict, arena: Arena, inbox: Any, outbox: Any, rounds: int,
-                 memory: Any) -> tuple[int, list[int], int]:
+def arena_memory(
+    state: dict, arena: Arena, inbox: Any, outbox: Any, rounds: int, memory: Any
+) -> tuple[int, list[int], int]:
     """memory_allocated after each put of `rounds` syncs, relative to before the first."""
     before = memory.memory_allocated()
     memory.reset_peak_memory_stats()
@@ -180,8 +208,13 @@ def arena_memory(state: dict, arena: Arena, inbox: Any, outbox: Any, rounds: int
     return before, seen, memory.max_memory_allocated() - before
 
 
-def measure(device: str, mib: int = 256, steps: int = 5, tight_loop: bool = False,
-            progress: Progress | None = None) -> dict:
+def measure(
+    device: str,
+    mib: int = 256,
+    steps: int = 5,
+    tight_loop: bool = False,
+    progress: Progress | None = None,
+) -> dict:
     """{"results": {mode: (first sync s, later syncs s median, handles opened)}, "nbytes",
     "tensors", "arena": what arena_memory saw, or None where the device counts no memory}."""
     progress = progress or Progress("weight-sync", lines=True)
@@ -194,23 +227,30 @@ def measure(device: str, mib: int = 256, steps: int = 5, tight_loop: bool = Fals
         tensor.share_memory_()
     nbytes = sum(t.nbytes for t in state.values())
     module = torch.get_device_module(torch.device(device).type)
-    counts_memory = all(hasattr(module, name) for name in (
-        "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"))
-    progress.note(f"state_dict: {len(state)} tensors, {nbytes / 2**20:.0f} MiB; the consumer's "
-                  f"releases run {'in the next sync' if tight_loop else 'between syncs'}")
+    counts_memory = all(
+        hasattr(module, name)
+        for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats")
+    )
+    progress.note(
+        f"state_dict: {len(state)} tensors, {nbytes / 2**20:.0f} MiB; the consumer's "
+        f"releases run {'in the next sync' if tight_loop else 'between syncs'}"
+    )
     progress.start(len(MODES) * (1 + steps) + counts_memory)
     ctx = mp.get_context("spawn")
     inbox = ctx.Queue()
     outbox, replies = ctx.Pipe(duplex=False)
     modules = hook_modules([torch.device(device).type])
-    proc = ctx.Process(target=consumer, args=(inbox, replies, not tight_loop, device, modules),
-                       daemon=True)
+    proc = ctx.Process(
+        target=consumer, args=(inbox, replies, not tight_loop, device, modules), daemon=True
+    )
     proc.start()
     arena_seen: dict | None = None
     try:
         biggest = max(-(-t.nbytes // 256) * 256 for t in state.values())
-        arenas = {"arena": Arena(max(nbytes // 8, biggest), device, buffers=2),
-                  "arena-1": Arena(max(nbytes // 8, biggest), device, buffers=1)}
+        arenas = {
+            "arena": Arena(max(nbytes // 8, biggest), device, buffers=2),
+            "arena-1": Arena(max(nbytes // 8, biggest), device, buffers=1),
+        }
         for name, one in arenas.items():
             inbox.put(("attach", (name, one.attach())))
             assert receive(outbox) == "attached"
@@ -235,14 +275,21 @@ def measure(device: str, mib: int = 256, steps: int = 5, tight_loop: bool = Fals
         proc.join(TIMEOUT)
         torch.accelerator.synchronize()
         deadline = time.monotonic() + 30
-        while _sharing.ipc_collect() is not None and _sharing.stats()["sent"] \
-                and time.monotonic() < deadline:
+        while (
+            _sharing.ipc_collect() is not None
+            and _sharing.stats()["sent"]
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         if counts_memory:
             arena_bytes = sum(one.buffers * one.nbytes for one in arenas.values())
-            arena_seen = {"buffers": arena.buffers, "nbytes": arena.nbytes, "seen": seen,
-                          "peak": peak, "after_close": module.memory_allocated() - before
-                          + arena_bytes}
+            arena_seen = {
+                "buffers": arena.buffers,
+                "nbytes": arena.nbytes,
+                "seen": seen,
+                "peak": peak,
+                "after_close": module.memory_allocated() - before + arena_bytes,
+            }
     finally:
         progress.close()
         if proc.is_alive():
@@ -253,16 +300,24 @@ def measure(device: str, mib: int = 256, steps: int = 5, tight_loop: bool = Fals
 
 def table(measured: dict) -> str:
     nbytes = measured["nbytes"]
-    return markdown(["mode", "first sync s", "later syncs s (median)", "GB/s (later)",
-                     "handles opened"],
-                    [[mode, f"{first:.3f}", f"{later:.3f}", f"{nbytes / later / 1e9:.2f}", opened]
-                     for mode, (first, later, opened) in measured["results"].items()])
+    return markdown(
+        ["mode", "first sync s", "later syncs s (median)", "GB/s (later)", "handles opened"],
+        [
+            [mode, f"{first:.3f}", f"{later:.3f}", f"{nbytes / later / 1e9:.2f}", opened]
+            for mode, (first, later, opened) in measured["results"].items()
+        ],
+    )
 
 
 def panel(measured: dict) -> Panel:
     results = measured["results"]
-    return Panel(f"weight sync, {measured['nbytes'] / 2**20:.0f} MiB state_dict", "seconds",
-                 [LABELS[mode] for mode in results],
-                 {"first sync": [r[0] for r in results.values()],
-                  "later syncs (median)": [r[1] for r in results.values()]},
-                 bars=True)
+    return Panel(
+        f"weight sync, {measured['nbytes'] / 2**20:.0f} MiB state_dict",
+        "seconds",
+        [LABELS[mode] for mode in results],
+        {
+            "first sync": [r[0] for r in results.values()],
+            "later syncs (median)": [r[1] for r in results.values()],
+        },
+        bars=True,
+    )
