@@ -161,9 +161,10 @@ class Cluster:
 
 
 class Process(Piped):
-    """This script in another role, in a namespace, driven through two pipes."""
+    """A script (this one unless named) in a role, on an emulated host, driven through two
+    pipes."""
 
-    def __init__(self, cluster: Cluster, host: str, role: str):
+    def __init__(self, cluster: Cluster, host: str, role: str, script: str = __file__):
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "OMP_NUM_THREADS": "1"}
         super().__init__(
             [
@@ -172,7 +173,7 @@ class Process(Piped):
                 "exec",
                 cluster.ns(host),
                 sys.executable,
-                os.path.abspath(__file__),
+                os.path.abspath(script),
                 "--role",
                 role,
                 "--fds",

@@ -41,10 +41,10 @@ import torch
 import torch.multiprocessing as mp
 
 import devipc
-from devipc._tools._bench.common import Piped, markdown, replace_section
+from devipc._tools._bench.common import markdown, replace_section
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fleet_relay import Cluster  # its namespaces and rate-limited links
+from fleet_relay import Cluster, Process  # its namespaces, links and hosts
 
 RANKS = TP = 4
 TIMEOUT = 600
@@ -153,30 +153,6 @@ def engine(conn, way, layout, tokens, tp_rank):
         conn.send("taken")
     subscriber.close()
     conn.send(pulled)
-
-
-class Host(Piped):
-    """This script in a role, on an emulated host, driven through two pipes."""
-
-    def __init__(self, cluster: Cluster, host: str, role: str):
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "OMP_NUM_THREADS": "1"}
-        super().__init__(
-            [
-                "ip",
-                "netns",
-                "exec",
-                cluster.ns(host),
-                sys.executable,
-                os.path.abspath(__file__),
-                "--role",
-                role,
-                "--fds",
-            ],
-            host,
-            TIMEOUT,
-            env,
-        )
-        self.host = host
 
 
 def rank_role(commands: Connection, replies: Connection) -> None:
@@ -316,8 +292,8 @@ def run_cluster(layout, generations, mbit, model, check=False, ways=("sharded", 
     engines_at = ["h4", "h5", "h6", "h7"]
     results = {}
     with Cluster(7, mbit) as cluster:
-        procs = [Host(cluster, host, "rank") for host in ranks] + [
-            Host(cluster, host, "engine") for host in engines_at
+        procs = [Process(cluster, host, "rank", __file__) for host in ranks] + [
+            Process(cluster, host, "engine", __file__) for host in engines_at
         ]
         try:
             for way in ways:

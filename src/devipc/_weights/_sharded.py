@@ -1,7 +1,7 @@
 """Weight sync from a sharded trainer: each of N trainer ranks publishes its own local shards
 with a `WeightPublisher`, and an engine subscribes to all N, takes a generation only once every
-rank published it, and reads only the slices it serves (`_layout` says from which rank each part
-comes).
+rank published it, and reads only the slices it serves (`_shard_layout` says from which rank
+each part comes).
 
 Nothing new crosses between processes: each rank's publisher keeps its guarantees (a copy=False
 rank writes again only once every engine acknowledged; dead engines named once), and the engine
