@@ -12,12 +12,13 @@ subscribe, each acknowledges what it used.
 
 Both objects hold a backend: on one host an arena (`_publisher_local`), across hosts NIXL's
 one-sided transfers (`_remote_publisher`, `_remote_subscriber`, `transport="nixl"`, imported only
-then); a subscriber takes the one its token names. What the two share lives below both, in
-`_weights`.
+then); a subscriber takes the one its token names (`subscriber_backend`). What the two share
+lives below both, in `_common`.
 """
 
 import asyncio
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +27,10 @@ from .._core._errors import AckTimeoutError, ConsumerDiedError
 from ._common import ATTACH_TIMEOUT, Names, copy_into, token_reader
 from ._publisher_local import LocalPublisher, LocalSubscriber
 
-__all__ = ["WeightPublisher", "WeightSubscriber"]
+if TYPE_CHECKING:
+    from ._remote_subscriber import NixlSubscriber
+
+__all__ = ["WeightPublisher", "WeightSubscriber", "subscriber_backend"]
 
 TRANSPORTS = ("ipc", "nixl")
 _LOOK = 1e-9  # a wait_acks timeout that looks once: the acknowledgements as they are now
@@ -205,15 +209,7 @@ class WeightSubscriber:
         generation is pulled, and passed on down a relay's chain, in the background as soon as
         it is published; `wait()` then returns it at once. On one host there is nothing to
         pull: `wait()` returns as soon as a generation is published either way."""
-        transport, _ = token_reader(token)
-        if transport == "nixl":
-            from ._remote_subscriber import NixlSubscriber
-
-            self._backend: LocalSubscriber | NixlSubscriber = NixlSubscriber(
-                token, device, share, prefetch
-            )
-        else:
-            self._backend = LocalSubscriber(token, device)
+        self._backend = subscriber_backend(token, device, share=share, prefetch=prefetch)
 
     device = property(lambda self: self._backend.device, doc="Where the tensors are read.")
     generation = property(
@@ -299,3 +295,19 @@ class WeightSubscriber:
             f"<devipc.WeightSubscriber {len(self._backend)} tensors on {self.device}, "
             f"generation {self.generation}>"
         )
+
+
+def subscriber_backend(
+    token: bytes | bytearray | memoryview,
+    device: torch.device | str | int | None,
+    **across_hosts: Any,
+) -> "LocalSubscriber | NixlSubscriber":
+    """The subscriber a token names: across hosts a `NixlSubscriber` given `across_hosts` (its
+    share, prefetch, parts), imported only then; on one host a `LocalSubscriber`, which has
+    nothing to pull and takes none of them."""
+    transport, _ = token_reader(token)
+    if transport == "nixl":
+        from ._remote_subscriber import NixlSubscriber
+
+        return NixlSubscriber(token, device, **across_hosts)
+    return LocalSubscriber(token, device)

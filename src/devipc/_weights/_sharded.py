@@ -21,7 +21,7 @@ import torch
 from .._core._copies import copy_pairs
 from .._core._errors import PeerGoneError
 from ._common import Names, copy_into, named_weights, token_reader
-from ._publisher import WeightPublisher
+from ._publisher import WeightPublisher, subscriber_backend
 from ._publisher_local import LocalSubscriber
 from ._shard_layout import Layout, ParamLayout, Slice, layout_of, plan, world_of
 
@@ -335,17 +335,12 @@ def _subscriber(
 ) -> "LocalSubscriber | NixlSubscriber":
     """One rank's subscriber, as `WeightSubscriber` makes it; across hosts it pulls only
     `parts` of each generation (on one host nothing is pulled: the rank's memory is mapped)."""
-    transport, _ = token_reader(token)
-    if transport == "nixl":
-        from ._remote_subscriber import NixlSubscriber
-
-        return NixlSubscriber(token, device, parts=parts, **options)
-    if options:
+    if options and token_reader(token)[0] != "nixl":
         raise ValueError(
             f"{sorted(options)}: options of subscribers across hosts "
             f"(transport='nixl'); on one host there is nothing to pull"
         )
-    return LocalSubscriber(token, device)
+    return subscriber_backend(token, device, parts=parts, **options)
 
 
 def _caught(call: "Callable[..., None]", *args: object) -> BaseException | None:
