@@ -160,3 +160,51 @@ class EngineClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.call("finish_weight_update", weight_version)
+
+
+def sharded_trainer(conn, rank: int, world: int, port: int, model_dir: str, steps: int, timeout):
+    """Rank `rank` of an FSDP2 trainer (`fully_shard` over gloo, CPU) feeding the test's engine
+    through backend "devipc": every rank publishes its own shards (`ShardedSource`), rank 0
+    hands the engine client's calls to the test over `conn`. After each of `steps` updates rank
+    0 sends ("holds", the full weights); then ("published", n) once it published generation n
+    alone (the test kills rank 1), and ("done", the elements each rank published) when told."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from devipc.vllm import DevipcTrainerInitInfo, ShardedSource
+
+    class Relay:  # the test process holds the engine's client: hand each call to it
+        def __getattr__(self, method):
+            return lambda *args: (conn.send((method, args)), conn.recv())[1]
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sync = WeightTransferTrainerFactory.trainer_init(
+        DevipcTrainerInitInfo(rank=rank, copy=True, timeout=timeout),
+        client=Relay(),
+        source=ShardedSource(model),
+    )
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        with torch.no_grad():
+            for param in model.parameters():  # a step: each rank moves its own shards
+                local = param.to_local()
+                local.add_(torch.randn(local.shape, generator=generator) * 0.02)
+        sync.send_weights(weight_version=f"step {step}")
+        full = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
+        if rank == 0:
+            conn.send(("holds", full))
+    if rank == 0:  # generation `steps`, from rank 0 only
+        conn.send(("published", sync.publisher.publish(wait=False)))
+    conn.recv()
+    sync.shutdown()
+    conn.send(("done", sum(shard.numel() for shard in sync.publisher.shards.values())))

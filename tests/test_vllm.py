@@ -25,7 +25,7 @@ except ImportError:
         allow_module_level=True,
     )
 
-from _vllm_workers import EngineClient, engine, fused, make_model
+from _vllm_workers import EngineClient, engine, fused, make_model, sharded_trainer
 from vllm.distributed.weight_transfer.base import ModuleSource
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -102,7 +102,9 @@ def greedy(model, prompt=PROMPT, tokens=TOKENS) -> list[int]:
 
 
 def assert_engine_holds(client: EngineClient, model) -> None:
-    expected = fused({name: p.detach().cpu() for name, p in model.named_parameters()})
+    """The engine's weights are `model`'s (a module, or its state dict), fused as vLLM's."""
+    weights = model if isinstance(model, dict) else dict(model.named_parameters())
+    expected = fused({name: p.detach().cpu() for name, p in weights.items()})
     found = client.call("weights")
     assert sorted(found) == sorted(expected)
     different = [name for name in expected if not torch.equal(found[name], expected[name])]
@@ -379,6 +381,77 @@ def test_over_nixl_the_engine_holds_the_trainers_weights(llm, model_dir, relay):
             assert_engine_holds(llm, model)
     finally:
         sync.shutdown()
+
+
+def test_a_sharded_trainer_feeds_the_engine_from_every_rank_without_a_gather(llm, model_dir):
+    from transformers import LlamaForCausalLM
+
+    children, world, steps = Children(), 2, 2
+    try:
+        port = free_port()
+        conns = [
+            children.start_piped(sharded_trainer, rank, world, port, model_dir, steps, TIMEOUT)[1]
+            for rank in range(world)
+        ]
+        held = []
+        while (message := recv(conns[0], FRESH_TIMEOUT))[0] != "published":
+            if message[0] == "holds":  # after an update: the engine computes with the weights
+                held.append(message[1])
+                assert_engine_holds(llm, held[-1])
+                model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+                model.load_state_dict(held[-1])
+                assert llm.call("generate", PROMPT, TOKENS) == greedy(model)
+            else:  # rank 0's call of the engine's client
+                conns[0].send(getattr(llm, message[0])(*message[1]))
+        assert len(held) == steps and llm.call("version") == f"step {steps - 1}"
+
+        # rank 1 dies before publishing generation `steps`: the engine keeps the last one
+        children.procs[1].kill()
+        children.procs[1].join(TIMEOUT)
+        llm.call("start_weight_update")
+        with pytest.raises(
+            RuntimeError,
+            match=rf"RefusedUpdateError: no generation {steps} from the trainer "
+            rf"\(trainer rank 1 of 2 is gone .* keeps generation {steps - 1}",
+        ):
+            llm.call("update_weights", {"generation": steps})
+        assert_engine_holds(llm, held[-1])
+
+        conns[0].send(None)
+        _, published = recv(conns[0])
+        full = sum(tensor.numel() for tensor in held[-1].values())
+        assert published < full  # rank 0 published its shards, not a gathered model
+    finally:
+        children.reap()
+
+
+def test_a_sharded_source_is_published_by_every_rank_and_nothing_else_is():
+    from devipc.vllm import DevipcTrainerWeightTransferEngine, ShardedSource
+
+    layout = {"w": devipc.ParamLayout((4, 2), (2,), [0])}  # rows 0-1 on rank 0, 2-3 on rank 1
+    shards = {"w": torch.zeros(2, 2)}
+    with pytest.raises(ValueError, match=r"rank 1: .*ShardedSource\(model\)"):
+        DevipcTrainerWeightTransferEngine.trainer_init(
+            DevipcTrainerInitInfo(rank=1),
+            client=StandIn(),
+            source=ModuleSource(torch.nn.Linear(2, 4)),
+        )
+    with pytest.raises(ValueError, match="relay=True with a sharded trainer"):
+        DevipcTrainerWeightTransferEngine.trainer_init(
+            DevipcTrainerInitInfo(rank=0, transport="nixl", relay=True),
+            client=StandIn(),
+            source=ShardedSource(shards, layout),
+        )
+    with pytest.raises(RuntimeError, match="init_process_group with world_size=2"):
+        DevipcTrainerWeightTransferEngine.trainer_init(
+            DevipcTrainerInitInfo(rank=0, copy=True),
+            client=StandIn(),
+            source=ShardedSource(shards, layout),
+        )
+    source = ShardedSource(shards, layout)
+    assert [(m.name, m.shape) for m in source.metadata()] == [("w", (4, 2))]
+    with pytest.raises(TypeError, match="'w' is a local shard"):
+        list(source)  # (for other backends: plain local shards cannot gather)
 
 
 def free_port() -> int:

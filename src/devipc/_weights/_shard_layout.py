@@ -116,6 +116,11 @@ class ParamLayout:
                 box[code] = _chunk(*box[code], pieces, index)
         return tuple(box)
 
+    def to_json(self) -> list[list[int]]:
+        """The layout as plain lists (shape, mesh shape, placement codes, owners), for a JSON
+        message; `ParamLayout(*those)` makes it again."""
+        return [list(self.shape), list(self.mesh_shape), list(self.placements), list(self.owners)]
+
     def local_shape(self, rank: int) -> tuple[int, ...] | None:
         """The shape of `rank`'s local shard (None: it is no owner)."""
         box = self.box(rank)

@@ -75,6 +75,7 @@ class ShardedPublisher:
             )
         if not local:
             raise ValueError(f"rank {rank} owns no part of any weight: it has nothing to publish")
+        self.shards = local  # (this rank's local shards, by name)
         self._publisher = WeightPublisher(
             local, copy=copy, transport=transport, block_checksums=transport == "nixl"
         )

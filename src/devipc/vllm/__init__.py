@@ -39,7 +39,7 @@ from ._engine import (
     manifest_of,
 )
 from ._in_use import weights_in_use
-from ._trainer import DevipcTrainerInitInfo, DevipcTrainerWeightTransferEngine
+from ._trainer import DevipcTrainerInitInfo, DevipcTrainerWeightTransferEngine, ShardedSource
 
 __all__ = [
     "BACKEND",
@@ -50,6 +50,7 @@ __all__ = [
     "DevipcWeightTransferEngine",
     "LLMClient",
     "RefusedUpdateError",
+    "ShardedSource",
     "manifest_of",
     "register",
     "weights_in_use",

@@ -28,6 +28,8 @@ from vllm.model_executor.model_loader.reload import (
 
 from .._core._errors import ChecksumError, DevIpcError, PeerGoneError
 from .._weights._publisher import WeightSubscriber
+from .._weights._shard_layout import ParamLayout
+from .._weights._sharded import ShardedSubscriber
 
 BACKEND = "devipc"
 
@@ -41,13 +43,16 @@ class RefusedUpdateError(DevIpcError):
 @dataclass
 class DevipcInitInfo(WeightTransferInitInfo):
     """What a worker needs (plain JSON, for vLLM's HTTP route too): its publisher token
-    (base64) and the manifest every generation must match, by the trainer's names."""
+    (base64) and the manifest every generation must match, by the trainer's names. From a
+    sharded trainer, `sharded` instead of the token: {"tokens": one per trainer rank, in rank
+    order, "layout": {name: ParamLayout.to_json()}}."""
 
     token: str
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     timeout: float = 60.0  # seconds a worker waits for the generation an update names
+    sharded: dict[str, Any] | None = None
 
 
 @dataclass
@@ -75,7 +80,7 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
         model: torch.nn.Module,
     ):
         super().__init__(config, vllm_config, device, model)
-        self._subscriber: WeightSubscriber | None = None
+        self._subscriber: WeightSubscriber | ShardedSubscriber | None = None
         self._manifest: list[tuple[str, str, list[int]]] = []
         self._timeout = 60.0
         self.loaded = -1  # the generation the model holds (-1: the one it started with)
@@ -91,9 +96,7 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
             )
         if not (len(init_info.names) == len(init_info.dtype_names) == len(init_info.shapes)):
             raise ValueError("init_info's names, dtype_names and shapes differ in length")
-        subscriber = WeightSubscriber(
-            base64.b64decode(init_info.token, validate=True), device=self.device
-        )
+        subscriber = _subscriber(init_info, self.device)
         self.shutdown()
         self._subscriber, self._timeout = subscriber, float(init_info.timeout)
         self._manifest = [
@@ -125,7 +128,9 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
         finally:
             subscriber.ack()
 
-    def _check(self, subscriber: WeightSubscriber, update_info: DevipcUpdateInfo) -> None:
+    def _check(
+        self, subscriber: WeightSubscriber | ShardedSubscriber, update_info: DevipcUpdateInfo
+    ) -> None:
         """RefusedUpdateError unless the generation asked for is held whole, as the manifest
         says; a refused generation is acknowledged (the trainer may go on) and not loaded."""
         held, wanted = self.loaded, update_info.generation
@@ -160,7 +165,7 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
                 f"the engine keeps generation {held}"
             ) from error
 
-    def _held(self) -> WeightSubscriber:
+    def _held(self) -> WeightSubscriber | ShardedSubscriber:
         if self._subscriber is None:
             raise RuntimeError(
                 "backend 'devipc': call init_weight_transfer_engine with the "
@@ -173,6 +178,26 @@ class DevipcWeightTransferEngine(WeightTransferEngine[DevipcInitInfo, DevipcUpda
         if self._subscriber is not None:
             self._subscriber.close()
             self._subscriber = None
+
+
+def _subscriber(
+    init_info: DevipcInitInfo, device: torch.device
+) -> WeightSubscriber | ShardedSubscriber:
+    """The trainer's subscriber: one publisher's, or every rank's of a sharded trainer (each
+    tensor whole, assembled from the ranks that hold it)."""
+    if init_info.sharded is None:
+        return WeightSubscriber(base64.b64decode(init_info.token, validate=True), device=device)
+    try:
+        tokens = [base64.b64decode(token, validate=True) for token in init_info.sharded["tokens"]]
+        layout = {
+            name: ParamLayout(*fields) for name, fields in init_info.sharded["layout"].items()
+        }
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"init_info's sharded is {{'tokens': [...], 'layout': {{...}}}} as "
+            f"DevipcTrainerWeightTransferEngine makes it ({error})"
+        ) from error
+    return ShardedSubscriber(tokens, layout, device=device)
 
 
 def _difference(
