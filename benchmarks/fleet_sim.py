@@ -138,8 +138,10 @@ class _Pull:
 
 
 class _Simulation:
+    """One generation's events: each engine's pulls, the links, the stall rule."""
+
     def __init__(self, engines, nbytes, chunk, topology, fanout, costs, rules, stragglers):
-        self.costs, self.rules, self.nbytes, self.chunk = costs, rules, nbytes, chunk
+        self.costs, self.rules = costs, rules
         self.parents = layout(topology, engines, fanout)
         count = max(1, -(-nbytes // chunk))
         stripes = len(self.parents)
@@ -360,6 +362,7 @@ def simulate(
         raise ValueError(f"no stall policy {rules.policy!r}: 'trainer' or 'ahead'")
     sim = _Simulation(engines, nbytes, chunk, topology, fanout, costs, rules, stragglers)
     sim.run()
+    assert all(sim.finished[1:]), "an engine never held the generation"
     slow = {*sim.late, sim.frozen[0]}
     on_time = [sim.finished[e] for e in range(1, engines + 1) if e not in slow]
     return Result(
