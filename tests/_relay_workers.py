@@ -3,6 +3,7 @@ commands through a pipe; each replies to each command, an error as its exception
 
 import hashlib
 import os
+import time
 
 import torch
 
@@ -19,10 +20,12 @@ def _digest(tensors) -> str:
 
 
 def engine(conn) -> None:
-    """An engine: ("open", token, share[, prefetch]) subscribes, ("stall", seconds) sets
-    RELAY_STALL, ("take",) waits for, checks and acknowledges the next generation, ("hold",)
-    waits for it without acknowledging, ("copy",) copies the held one out and acknowledges,
-    ("close",) closes the subscription and replies how many fds are open; ("exit",) ends."""
+    """An engine: ("open", token, share[, prefetch]) subscribes, ("stall", seconds[, lag]) sets
+    RELAY_STALL (and RELAY_LAG), ("slow", chunk, seconds) makes its pull of that chunk from the
+    trainer take `seconds` more (a slow link: the engine still moves), ("take",) waits for,
+    checks and acknowledges the next generation, ("hold",) waits for it without acknowledging,
+    ("copy",) copies the held one out and acknowledges, ("close",) closes the subscription and
+    replies how many fds are open; ("exit",) ends."""
     import devipc_openreg  # noqa: F401 - the device of the weights
 
     p2p.Endpoint(transport="nixl").close()  # NIXL's first use keeps some fds
@@ -35,6 +38,10 @@ def engine(conn) -> None:
                 conn.send(os.getpid())
             elif command == "stall":
                 _relay.RELAY_STALL = args[0]
+                _relay.RELAY_LAG = args[1] if len(args) > 1 else _relay.RELAY_LAG
+                conn.send(None)
+            elif command == "slow":
+                _slow(*args)
                 conn.send(None)
             elif command == "take":
                 generation = sub.wait(timeout=60)
@@ -59,6 +66,18 @@ def engine(conn) -> None:
                 break
         except Exception as error:  # noqa: BLE001 - replied: the test raises it
             conn.send(error)
+
+
+def _slow(chunk: int, seconds: float) -> None:
+    """This engine's chunk `chunk` from the trainer comes `seconds` late, as over a slow link."""
+    commit = _relay.Relay.commit
+
+    def late(self, generation, buffer, index, staged, source):
+        if source == "trainer" and index == chunk:
+            time.sleep(seconds)
+        commit(self, generation, buffer, index, staged, source)
+
+    _relay.Relay.commit = late
 
 
 def trainer(conn) -> None:

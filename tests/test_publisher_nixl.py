@@ -635,9 +635,10 @@ def test_a_token_says_its_transport_first_and_reads_back_as_a_named_record(loopb
         record = RemoteToken.from_bytes(token)
         assert record.to_bytes() == token
         # the header, the record whole, its claim, its ack, its heartbeat, the relay's cards,
-        # the block sums
-        assert (record.device, len(record.control), len(record.data)) == (publisher.device, 7, 1)
-        assert (record.record, record.chunk, record.control[5]) == (0, 0, b"")  # no relay
+        # the block sums, every record (the relay's chain)
+        assert (record.device, len(record.control), len(record.data)) == (publisher.device, 8, 1)
+        control = record.control
+        assert (record.record, record.chunk, control[5], control[7]) == (0, 0, b"", b"")  # no relay
         assert len(record.table) == len(publisher._backend)
         with pytest.raises(devipc.InvalidHandleError, match="transport 'nixl', not 'ipc'"):
             token_reader(token, "ipc")

@@ -153,7 +153,7 @@ def _open(publisher, engines, share=False) -> list[int]:
     """The engines subscribe; without `share` each holds a copy of its own, as engines of
     distinct hosts do."""
     for engine in engines:  # none goes around an engine that is only slow on a busy machine
-        engine.ask("stall", 30.0)
+        engine.ask("stall", 30.0, 30.0)
     pids = [engine.ask("open", publisher.token(), share) for engine in engines]
     publisher.wait_subscribers(len(engines), timeout=TIMEOUT)
     return pids
@@ -219,10 +219,11 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet, monkeypatch, how):
     """B holds a generation when it is killed (SIGKILL) or frozen (SIGSTOP); C, downstream of
-    it, then takes that generation from the trainer (around a killed B at once: its reads of B
-    fail; around a frozen one after RELAY_STALL, 1 s here) with every byte exact. The
-    publisher names B once (ConsumerDiedError, after LIVENESS) and the next chain leaves it
-    out: C then relays from A."""
+    it, then takes that generation from A, the engine ahead of B, not from the trainer (around
+    a killed B at once: its reads of B fail; around a frozen one once A held a chunk that B
+    did not pass on for RELAY_LAG) with every byte exact. The publisher names B once
+    (ConsumerDiedError, after LIVENESS) and the next chain leaves it out: C then relays from
+    A."""
     monkeypatch.setattr(_remote_token, "LIVENESS", 2.0)
     a, b, c = fleet(3)
     weights = _weights(copy=False)
@@ -230,16 +231,17 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
         pids = _open(publisher, [a, b, c])
         digest = _step(weights, 10)
         publisher.publish(wait=False)
-        _take([a, b, c], 0, digest)
+        first = _take([a, b, c], 0, digest)[2]
         publisher.wait_acks(0, timeout=TIMEOUT)
         digest = _step(weights, 11)
         publisher.publish(wait=False)
         _take([a, b], 1, digest)
-        c.ask("stall", 1.0)  # once B is stopped: around it after 1 s
+        c.ask("stall", 1.0, 0.5)  # once B is stopped: around it
         _stop(fleet, b, how)
         [counts] = _take([c], 1, digest)
-        assert counts["bypassed"] == 1 and counts["trainer"] > 0
-        c.ask("stall", 30.0)  # B stays bypassed: no wait on it again
+        assert counts["bypassed"] == 1 and counts["trainer"] == first["trainer"] == 0
+        assert counts["upstream"] == 2 * first["upstream"]  # the rest from A
+        c.ask("stall", 30.0, 30.0)  # B stays bypassed: no wait on it again
         publisher.wait_acks(1, timeout=TIMEOUT)  # B acknowledged before it stopped
         digest = _step(weights, 12)
         publisher.publish(wait=False)
@@ -257,6 +259,68 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
         assert publisher.subscribers()[2]["upstream"] == 0  # C relays from A now
         assert counts[1][2]["upstream"] > before
         for engine in (a, c):
+            engine.ask("close")
+
+
+@pytest.mark.parametrize("how", ["frozen", "late"])
+def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead(fleet, how):
+    """A -> B -> C -> D, B frozen (SIGSTOP) or late to wait() when a generation comes: C goes
+    around it to A, the nearest engine ahead that holds the chunks (once A held one that B did
+    not pass on for RELAY_LAG, 0.3 s here), not to the trainer (RELAY_STALL is 5 s, and C does
+    not wait for it); D stays on C. The trainer's memory is read once for that generation, by
+    A, and every engine's bytes are exact (B's too, once it takes the generation late)."""
+    a, b, c, d = fleet(4)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        _open(publisher, [a, b, c, d])
+        digest = _step(weights, 70)
+        publisher.publish(wait=False)
+        before = _take([a, b, c, d], 0, digest)
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        for engine in (c, d):
+            engine.ask("stall", 5.0, 0.3)
+        if how == "frozen":
+            _stop(fleet, b, how)
+        digest = _step(weights, 71)
+        publisher.publish(wait=False)
+        after = _take([a, c, d], 1, digest)
+        padded = publisher._backend._nbytes
+        served = [x["trainer"] - y["trainer"] for x, y in zip(after, [before[0], *before[2:]])]
+        assert served == [padded, 0, 0]  # one copy through the trainer's link
+        assert [x["bypassed"] for x in after] == [0, 1, 0]
+        assert after[1]["upstream"] - before[2]["upstream"] == padded  # what B had not: from A
+        assert after[2]["upstream"] - before[3]["upstream"] == padded  # from C
+        if how == "late":
+            [late] = _take([b], 1, digest)
+            assert late["trainer"] == 0 and late["upstream"] - before[1]["upstream"] == padded
+        for engine in (a, c, d) if how == "frozen" else (a, b, c, d):
+            engine.ask("close")
+
+
+def test_an_upstream_as_slow_as_the_engine_ahead_of_it_is_not_gone_around(fleet):
+    """A -> B -> C, A slow (its fourth chunk from the trainer comes 2.5 s late, as over a slow
+    link: B passes each chunk on as it comes, and brings none meanwhile). C waits for B past
+    its RELAY_STALL of 1 s: B is as slow as its own source, not a straggler (A holds no chunk
+    that B did not take). Nobody but A reads the trainer's memory, every byte exact."""
+    a, b, c = fleet(3)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        _open(publisher, [a, b, c])
+        digest = _step(weights, 80)
+        publisher.publish(wait=False)
+        before = _take([a, b, c], 0, digest)
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        a.ask("slow", 3, 2.5)
+        c.ask("stall", 1.0, 0.5)
+        fleet.frozen.add(a.proc.pid)  # slowed for good: the fleet replaces it afterwards
+        digest = _step(weights, 81)
+        publisher.publish(wait=False)
+        after = _take([a, b, c], 1, digest)
+        padded = publisher._backend._nbytes
+        assert [x["trainer"] - y["trainer"] for x, y in zip(after, before)] == [padded, 0, 0]
+        assert [x["upstream"] - y["upstream"] for x, y in zip(after, before)] == [0, padded, padded]
+        assert [x["bypassed"] for x in after] == [0, 0, 0]
+        for engine in (a, b, c):
             engine.ask("close")
 
 

@@ -15,11 +15,16 @@ generation (an upstream overwrites a buffer only for a newer generation, and say
 pull is then dropped, as a torn one would be). A read that did not end (an upstream frozen,
 Ctrl-C) may land later: its staging area is set aside for good, never reused.
 
-An upstream whose connection fails (it died or closed), that brings no new chunk for
-RELAY_STALL seconds (frozen, or not pulling), or whose card cannot be read is bypassed: the
-rest of the generation comes from the trainer, and that upstream is not used again until the
-publisher names another. Whichever way the chunks came, the subscriber's own look at the
-trainer's header after the pull says whether the trainer overwrote the generation meanwhile.
+An upstream whose connection fails (it died or closed), or whose card cannot be read, is
+bypassed at once; one that brings no new chunk is judged against the engine ahead of it in the
+chain (`_Watch`): it is a straggler once that engine has held a chunk it did not pass on for
+RELAY_LAG seconds, and is bypassed then; an upstream whose own source holds no more is as slow
+as the chain and is waited for. The rest of the generation comes from the nearest engine ahead
+that answers (the publisher's records name each one's upstream), and from the trainer only when
+none does: after RELAY_STALL seconds without a new chunk for each hop to the trainer. A
+bypassed upstream is not used again until the publisher names another. Whichever way the chunks
+came, the subscriber's own look at the trainer's header after the pull says whether the trainer
+overwrote the generation meanwhile.
 
 Engines of one host and device (`share_key`) hold one copy: the first of them in the chain
 pulls (its leader), the others (`Follower`) map its buffers through devipc's same-host path and
@@ -42,7 +47,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
@@ -58,6 +63,7 @@ from .._core._memfd import host_identity
 
 __all__ = [
     "CARD_BYTES",
+    "RELAY_LAG",
     "RELAY_STALL",
     "Card",
     "Follower",
@@ -74,12 +80,19 @@ __all__ = [
     "written",
 ]
 
-RELAY_STALL = 2.0  # seconds without a new chunk from an upstream, after which it is gone around
+# seconds an upstream may leave untaken a chunk that the engine ahead of it holds: then it is a
+# straggler, gone around to that engine (and an engine ahead that does not answer a read of
+# its progress word for as long is passed over)
+RELAY_LAG = 0.5
+# seconds without a new chunk, for each hop to the trainer, after which an engine whose every
+# engine ahead is silent goes to the trainer (a leader's followers leave it after this too)
+RELAY_STALL = 2.0
 CARD_BYTES = 16 << 10  # a card's slot in the publisher's memory
 DEPTH = 4  # chunks in flight from the trainer (and staging slots)
 # chunks in flight from an upstream: one; two in parallel share the link and each lands later
 # (measured: 8 engines on 8 emulated hosts, 1.85 s a generation with one, 1.98 with three)
 AHEAD = 1
+_NEWER = b"newer"  # `Relay._follow`: an engine ahead holds a newer generation
 _CHUNKS = 1 << 24  # a progress word is (generation + 1) * _CHUNKS + the chunks held; 0: none
 
 
@@ -268,16 +281,16 @@ class _ByCard(Generic[_P]):
     not opened again until the publisher names another. (The opener is not kept: its owner
     would be in a reference cycle, its memory freed only by the garbage collector.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, avoided: set[bytes] | None = None) -> None:
         self.held: _P | None = None
-        self._avoided: set[bytes] = set()
+        self._avoided: set[bytes] = set() if avoided is None else avoided  # may be shared
 
     def get(self, slot: bytes, open_: Callable[[bytes], _P]) -> _P | None:
         if self.held is not None and self.held.slot == slot:
             return self.held
-        self.drop()
         if slot in self._avoided:
             return None
+        self.drop()
         try:
             self.held = open_(slot)
         except Exception:  # noqa: BLE001 - a card unreadable, a peer unreachable: avoided
@@ -289,6 +302,15 @@ class _ByCard(Generic[_P]):
         """The peer of `slot` failed: let go of it, and do not open it again."""
         self._avoided.add(slot)
         self.drop()
+
+    def abandon(self, slot: bytes, avoid: bool) -> None:
+        """Let go of the peer of `slot` without closing its connection (a read of it may still
+        be in flight; its endpoint's end closes it); with `avoid` (it does not answer), it is
+        not opened again."""
+        if avoid:
+            self._avoided.add(slot)
+        if self.held is not None and self.held.slot == slot:
+            self.held = None
 
     def drop(self) -> None:
         """Let go of the peer held now (its connection closed)."""
@@ -314,13 +336,19 @@ class _Upstream:
     over."""
 
     def __init__(
-        self, relay: "Relay", connection: p2p.Connection, card: Card, generation: int, buffer: int
+        self,
+        relay: "Relay",
+        connection: p2p.Connection,
+        card: Card,
+        generation: int,
+        buffer: int,
+        start: int,
     ):
         self._relay, self._connection, self._card = relay, connection, card
         self._generation, self._buffer = generation, buffer
         self._staging, self._word = relay.staging()  # set aside by the relay if abandoned
         self.lock = threading.Lock()
-        self.done = 0  # chunks committed
+        self.done = start  # chunks committed (those before `start` came from elsewhere)
         self.news = time.monotonic()  # when the last chunk came (or the pull began)
         self.stopped = self.moved = self.ended = False
         self.endpoint: p2p.Endpoint | None = None  # handed over: closed when the thread ends
@@ -345,7 +373,7 @@ class _Upstream:
         committed once a progress word read after it still names the generation."""
         relay, card, buffer, generation = self._relay, self._card, self._buffer, self._generation
         in_flight: deque = deque()  # the reads, in chunk order
-        landed = after = 0  # chunks landed and not yet committed; the next chunk to read
+        landed, after = 0, self.done  # chunks landed and not yet committed; the next to read
         backoff = polling()
         while not self.stopped:
             while in_flight and in_flight[0].done():
@@ -405,6 +433,47 @@ class _Upstream:
             return True
 
 
+class _Watch:
+    """The progress word of an engine ahead of the upstream, read over and over in a thread of
+    its own (a read of a frozen engine never ends): what it holds of the generation pulled, to
+    judge the upstream against."""
+
+    def __init__(
+        self, slot: bytes, peer: "_Source", word: torch.Tensor, generation: int, buffer: int
+    ):
+        self.slot, self._peer, self._word = slot, peer, word
+        self._generation, self._buffer = generation, buffer
+        self.chunks = -1  # of the generation, that engine holds (-1: not read yet)
+        self.newer = False  # it holds a newer generation there
+        self.answered = time.monotonic()  # when a read of it last ended (or the watch began)
+        self.stopped = self.failed = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="devipc-relay-watch")
+        self.thread.start()
+
+    def _run(self) -> None:
+        backoff = Backoff(None, first=0.001, longest=0.005)
+        try:
+            while not self.stopped:
+                self._peer.connection.read(self._word, self._peer.card.progress, self._buffer * 8)
+                held, chunks = divmod(int(self._word[0]), _CHUNKS)
+                self.newer = held - 1 > self._generation
+                self.chunks = chunks if held - 1 == self._generation else 0
+                self.answered = time.monotonic()
+                backoff.pause()
+        except Exception:  # noqa: BLE001 - it died or closed: passed over
+            self.failed = True
+
+    def silent(self) -> bool:
+        """Whether it failed, or a read of it has not ended for RELAY_LAG seconds."""
+        return self.failed or time.monotonic() - self.answered > RELAY_LAG
+
+    def stop(self) -> bool:
+        """Stop it; True if its thread still runs (a read into its word may still land)."""
+        self.stopped = True
+        self.thread.join(SLICE)
+        return self.thread.is_alive()
+
+
 class Relay:
     """A subscriber's part in the relay: it pulls each generation in chunks, from its upstream
     or the trainer, into `buffers` (registered, `count` of `nbytes` bytes) and says how far it
@@ -435,7 +504,7 @@ class Relay:
         ids.append(buffers_id)
         self.progress = self._tensor((count,), torch.int64, "cpu").zero_()
         self._staging, self._word = self._new_staging()
-        self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # reads may land there
+        self._set_aside: list[torch.Tensor] = []  # reads may land there: never used again
         self.card = Card(
             endpoint.metadata(),
             endpoint.advertise(self.progress),
@@ -453,7 +522,10 @@ class Relay:
         self._reader: p2p.Endpoint | None = None  # reads from the trainer and upstreams
         self._trainer: p2p.Connection | None = None
         self._fresh_reader()
-        self._upstream: _ByCard[_Source] = _ByCard()  # and those bypassed
+        avoided: set[bytes] = set()  # the cards of peers bypassed or silent
+        self._upstream: _ByCard[_Source] = _ByCard(avoided)  # the engine pulled from now
+        self._ahead: _ByCard[_Source] = _ByCard(avoided)  # the engine ahead of it, watched
+        self._watch_word = self._tensor((1,), torch.int64, "cpu")
         # what this process pulled: bytes from the trainer, from upstreams; upstreams bypassed
         self.counts = {"trainer": 0, "upstream": 0, "bypassed": 0}
 
@@ -494,37 +566,38 @@ class Relay:
 
     def _aside(self) -> None:
         """Reads into the staging area may still land: it is never used again."""
-        self._set_aside.append((self._staging, self._word))
+        self._set_aside += [self._staging, self._word]
         self._staging, self._word = self._new_staging()
 
     def pull(
         self,
         generation: int,
         trainer_buffer: bytes,
-        upstream_slot: bytes | None,
+        sources: Iterator[bytes],
         check: Callable[[], None],
     ) -> bool:
-        """Pull `generation` into its buffer, from the upstream whose card slot is given (None:
-        the trainer) and from the trainer once the upstream failed or stalled. False if the
-        upstream moved on to a newer generation (this one is no longer the newest). `check()`
-        runs between waits (it raises once the subscriber closes)."""
+        """Pull `generation` into its buffer from the engines whose card slots `sources` gives
+        (its upstream, then the engines ahead of it, nearest first; none: the trainer), each
+        left when it fails or is a straggler for the next that answers, and from the trainer
+        once none is left. False if an engine pulled from or watched holds a newer generation
+        (this one is no longer the newest). `check()` runs between waits (it raises once the
+        subscriber closes)."""
         buffer = generation % self.count
         self.progress[buffer] = progress_word(generation, 0)  # before the buffer is written
-        done = 0
-        upstream = (
-            None if upstream_slot is None else self._upstream.get(upstream_slot, self._connect)
-        )
-        if upstream is not None:
-            job = _Upstream(self, upstream.connection, upstream.card, generation, buffer)
+        done, slot = 0, next(sources, None)
+        while slot is not None and done < self.chunks:
+            upstream = self._upstream.get(slot, self._connect)
+            if upstream is None:
+                slot = next(sources, None)
+                continue
+            job = _Upstream(self, upstream.connection, upstream.card, generation, buffer, done)
             try:
-                while job.thread.is_alive() and time.monotonic() - job.news <= RELAY_STALL:
-                    job.thread.join(SLICE)
-                    check()
+                slot = self._follow(job, generation, buffer, sources, check)
             finally:
                 if job.stop(self._reader):  # still waiting on the upstream: reads may land
                     self._aside()
-                    self._reader = self._trainer = self._upstream.held = None
-            if job.moved:  # so is its downstream's, which reads this word
+                    self._reader = self._trainer = self._upstream.held = self._ahead.held = None
+            if job.moved or slot is _NEWER:  # so is its downstream's, which reads this word
                 self.progress[buffer] = progress_word(generation + self.count, 0)
                 return False
             done = job.done
@@ -534,6 +607,73 @@ class Relay:
         if done < self.chunks:
             self._from_trainer(trainer_buffer, generation, buffer, done, check)
         return True
+
+    def _follow(
+        self,
+        job: _Upstream,
+        generation: int,
+        buffer: int,
+        sources: Iterator[bytes],
+        check: Callable[[], None],
+    ) -> bytes | None:
+        """Wait for `job` to end, or for its upstream to prove a straggler: quiet for RELAY_LAG
+        while the nearest engine ahead that answers (watched) held a chunk it did not pass on
+        for RELAY_LAG for each hop between them (an upstream whose own source is silent may be
+        going around it: it is given that much longer). The card slot to pull the rest from:
+        that engine's, or the next of `sources` once the upstream failed; None (the trainer)
+        once no engine ahead answers and the upstream stayed quiet RELAY_STALL for each hop to
+        the trainer; _NEWER if the watched engine holds a newer generation."""
+        watch: _Watch | None = None
+        hops, behind, last = 1, None, job.done  # behind: since when the watched one held more
+        try:
+            while job.thread.is_alive():
+                job.thread.join(SLICE)
+                check()
+                if job.done != last:
+                    last, behind = job.done, None
+                if time.monotonic() - job.news <= RELAY_LAG:
+                    continue
+                if watch is not None and watch.silent():
+                    self._unwatch(watch, silent=True)
+                    watch, hops = None, hops + 1
+                if watch is None:
+                    watch = self._watch(sources, generation, buffer)
+                    if watch is None:  # none ahead answers: the trainer, after RELAY_STALL a hop
+                        if time.monotonic() - job.news > hops * RELAY_STALL:
+                            return None
+                        continue
+                if watch.newer:
+                    return _NEWER
+                if watch.chunks <= job.done:
+                    behind = None
+                elif behind is None:
+                    behind = time.monotonic()
+                elif time.monotonic() - behind > hops * RELAY_LAG:
+                    return watch.slot
+            if job.moved or job.done == self.chunks:
+                return None
+            return watch.slot if watch is not None else next(sources, None)  # it failed
+        finally:
+            if watch is not None:
+                self._unwatch(watch, silent=False)
+
+    def _watch(self, sources: Iterator[bytes], generation: int, buffer: int) -> "_Watch | None":
+        """A watch of the next engine of `sources` that can be reached; None once none is
+        left."""
+        for slot in sources:
+            peer = self._ahead.get(slot, self._connect)
+            if peer is not None:
+                return _Watch(slot, peer, self._watch_word, generation, buffer)
+        return None
+
+    def _unwatch(self, watch: _Watch, silent: bool) -> None:
+        """Stop `watch`; an engine that did not answer is not watched or pulled from again."""
+        running = watch.stop()
+        if running:  # a read of it may still land: its word is never used again
+            self._set_aside.append(self._watch_word)
+            self._watch_word = self._tensor((1,), torch.int64, "cpu")
+        if running or silent:
+            self._ahead.abandon(watch.slot, avoid=silent)
 
     def _connect(self, slot: bytes) -> _Source:
         """A connection to the upstream whose card `slot` holds (`_ByCard` keeps it)."""

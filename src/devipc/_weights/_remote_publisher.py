@@ -170,6 +170,8 @@ class NixlPublisher:
             self._blocks_desc = self._endpoint.advertise(blocks)
             self._chunk = chunk_size(self._nbytes) if self.relay else 0
             self._cards, self._cards_desc = torch.empty(0, dtype=torch.uint8), b""
+            # every record, where a subscriber reads the chain ahead of its upstream
+            self._records_desc = self._control(HEADER, MAX_READERS * FIELDS) if self.relay else b""
             if self.relay:  # one slot per record, where its subscriber writes its card
                 self._cards, cards = p2p.create_tensor((CARDS_BYTES,), torch.uint8, "cpu")
                 self._ids.append(cards)  # new fd-backed memory: zeros, untouched until a
@@ -231,6 +233,7 @@ class NixlPublisher:
             self._control(word(index, BEAT), 1),
             self._cards_desc,
             self._blocks_desc,
+            self._records_desc,
         )
         return RemoteToken(
             self._endpoint.metadata(),

@@ -19,7 +19,7 @@ from another thread ends a wait under way there with ValueError.
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -68,6 +68,7 @@ _T = TypeVar("_T")
 _HEAD, _RECORD = slice(0, HEADER), slice(HEADER, HEADER + FIELDS)
 _CLAIM = slice(HEADER + FIELDS, HEADER + FIELDS + CLAIMED)  # state, pid, host and share keys
 _ACKED, _BEATS = slice(_CLAIM.stop, _CLAIM.stop + 1), slice(_CLAIM.stop + 1, _CLAIM.stop + 2)
+_UP_OF = slice(_BEATS.stop, _BEATS.stop + 1)  # another record's upstream (the chain ahead)
 
 
 class _Polled(NamedTuple):
@@ -168,7 +169,7 @@ class NixlSubscriber:
         )  # dropped unclosed: its agents go too
         try:
             self._connection, beats = (_connect(self._endpoints, metadata) for _ in range(2))
-            self._words, words_id = p2p.create_tensor((_BEATS.stop,), torch.int64, "cpu")
+            self._words, words_id = p2p.create_tensor((_UP_OF.stop,), torch.int64, "cpu")
             self._ids.append(words_id)
             if self._runs is not None:  # a row of the block sums, read with each pull
                 self._sums, sums_id = p2p.create_tensor((block_words(nbytes),), torch.int64, "cpu")
@@ -351,8 +352,8 @@ class NixlSubscriber:
                     return True
             upstream = -1  # the leader was left: this generation from the trainer
         relay = self._own_relay()
-        slot = self._card_of(upstream) if self._other(upstream) else None
-        if not self._remote(lambda: relay.pull(generation, data, slot, self._calls.check)):
+        sources = self._chain_from(upstream)
+        if not self._remote(lambda: relay.pull(generation, data, sources, self._calls.check)):
             return False
         buffer = generation % self._buffers
         self._held_at = relay.buffers[buffer * self._nbytes : (buffer + 1) * self._nbytes]
@@ -363,10 +364,30 @@ class NixlSubscriber:
         """Whether `record` names another subscriber's record."""
         return 0 <= record < MAX_READERS and record != self._index
 
-    def _card_of(self, record: int) -> bytes | None:
+    def _chain_from(self, upstream: int) -> Iterator[bytes]:
+        """The card slots of `upstream` and of the engines ahead of it in the chain, nearest
+        first (each record's upstream as the publisher wrote it), read as they are asked for;
+        an engine ahead whose card is not written yet is passed over."""
+        seen, record, within = {self._index}, upstream, _relay.RELAY_STALL
+        while self._other(record) and record not in seen:
+            seen.add(record)
+            slot = self._card_of(record, within)
+            if slot is not None:
+                yield slot
+            within = 0.0
+            record = self._upstream_of(record)
+
+    def _upstream_of(self, record: int) -> int:
+        """`record`'s upstream as the publisher wrote it in that record."""
+        word, offset = self._words[_UP_OF], (record * FIELDS + UP) * 8
+        self._remote(lambda: self._connection.read(word, self._control.records, offset))
+        return int(word[0])
+
+    def _card_of(self, record: int, within: float | None = None) -> bytes | None:
         """The card in `record`'s slot, once its subscriber wrote it (it does before it first
-        pulls); None if it did not within RELAY_STALL seconds."""
-        card, backoff = self._card, polling(_relay.RELAY_STALL)
+        pulls); None if it did not `within` seconds (RELAY_STALL)."""
+        within = _relay.RELAY_STALL if within is None else within
+        card, backoff = self._card, polling(within)
         while True:
             self._remote(
                 lambda: self._connection.read(card, self._control.cards, record * CARD_BYTES)

@@ -77,6 +77,7 @@ FIELDS = 9
 CLAIMED = SHARE + 1  # a claim's words: state, pid, host and share keys
 CONTROL_WORDS = HEADER + MAX_READERS * FIELDS
 CARDS_BYTES = MAX_READERS * CARD_BYTES  # the relay's card slots, one per record
+RECORDS_BYTES = MAX_READERS * FIELDS * _WORD_BYTES  # every record
 
 
 def word(index: int, field: int) -> int:
@@ -96,8 +97,9 @@ def count(words: list[int]) -> int:
 
 class Control(NamedTuple):
     """A subscriber's descriptors of the publisher's control block: the header, its record
-    whole, its claim, its ack, its heartbeat; the relay's cards (empty without relay); and
-    the block sums, both rows."""
+    whole, its claim, its ack, its heartbeat; the relay's cards (empty without relay); the
+    block sums, both rows; and every record (the relay's chain, read to find the engines ahead
+    of an upstream; empty without relay)."""
 
     header: bytes
     record: bytes
@@ -106,6 +108,7 @@ class Control(NamedTuple):
     beat: bytes
     cards: bytes
     blocks: bytes
+    records: bytes
 
     def sizes(self, relay: bool, nbytes: int) -> list[tuple[bytes, int]]:
         """Each descriptor with the bytes it must span (the cards' only with `relay`), for
@@ -120,7 +123,7 @@ class Control(NamedTuple):
         )
         sizes = [(desc, length * _WORD_BYTES) for desc, length in words]
         if relay:
-            sizes.append((self.cards, CARDS_BYTES))
+            sizes += [(self.cards, CARDS_BYTES), (self.records, RECORDS_BYTES)]
         return sizes
 
 
