@@ -45,7 +45,8 @@ def subscribers(conn, tokens, generations, share):
     """Opens every token, then takes each generation on each subscriber in turn."""
     from devipc._weights import _relay
 
-    _relay.RELAY_STALL = TIMEOUT  # a busy machine's engines are slow, not stalled
+    # a busy machine's engines are slow, not stalled
+    _relay.RELAY_STALL = _relay.RELAY_LAG = TIMEOUT
     subs = [
         devipc.WeightSubscriber(token, **({} if share is None else {"share": share}))
         for token in tokens

@@ -502,12 +502,12 @@ def digest(tensors) -> str:
 def weight_subscribers(conn, tokens, generations, stall=None, options=None):
     """Subscribes once per token, with `options` (a dict: several engines in one process, as a fleet
     larger than its processes), then for each generation each engine in turn waits, reports the
-    digest of what it holds, and acknowledges. `stall`: the relay's RELAY_STALL here (a busy
-    machine's engines are slow, not stalled)."""
+    digest of what it holds, and acknowledges. `stall`: the relay's RELAY_STALL and RELAY_LAG
+    here (a busy machine's engines are slow, not stalled)."""
     if stall is not None:
         from devipc._weights import _relay
 
-        _relay.RELAY_STALL = stall
+        _relay.RELAY_STALL = _relay.RELAY_LAG = stall
     subscribers = [devipc.WeightSubscriber(token, **(options or {})) for token in tokens]
     conn.send("subscribed")
     for _ in range(generations):
