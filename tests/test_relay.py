@@ -266,8 +266,9 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
 def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead(fleet, how):
     """A -> B -> C -> D, B frozen (SIGSTOP) or late to wait() when a generation comes: C goes
     around it to A, the nearest engine ahead that holds the chunks (once A held one that B did
-    not pass on for RELAY_LAG, 0.3 s here), not to the trainer (RELAY_STALL is 5 s, and C does
-    not wait for it); D stays on C. The trainer's memory is read once for that generation, by
+    not pass on for RELAY_LAG, 1 s here), not to the trainer (RELAY_STALL is 8 s, and C does
+    not wait for it); D stays on C (it gives C a RELAY_LAG more, as C's own upstream is
+    silent or holds nothing). The trainer's memory is read once for that generation, by
     A, and every engine's bytes are exact (B's too, once it takes the generation late)."""
     a, b, c, d = fleet(4)
     weights = _weights(copy=False)
@@ -278,7 +279,7 @@ def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead
         before = _take([a, b, c, d], 0, digest)
         publisher.wait_acks(0, timeout=TIMEOUT)
         for engine in (c, d):
-            engine.ask("stall", 5.0, 0.3)
+            engine.ask("stall", 8.0, 1.0)
         if how == "frozen":
             _stop(fleet, b, how)
         digest = _step(weights, 71)
@@ -298,10 +299,11 @@ def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead
 
 
 def test_an_upstream_as_slow_as_the_engine_ahead_of_it_is_not_gone_around(fleet):
-    """A -> B -> C, A slow (its fourth chunk from the trainer comes 2.5 s late, as over a slow
+    """A -> B -> C, A slow (its fourth chunk from the trainer comes 5 s late, as over a slow
     link: B passes each chunk on as it comes, and brings none meanwhile). C waits for B past
-    its RELAY_STALL of 1 s: B is as slow as its own source, not a straggler (A holds no chunk
-    that B did not take). Nobody but A reads the trainer's memory, every byte exact."""
+    its RELAY_STALL of 1 s and its RELAY_LAG of 1.5 s: B is as slow as its own source, not a
+    straggler (A holds no chunk that B did not take). Nobody but A reads the trainer's memory,
+    every byte exact."""
     a, b, c = fleet(3)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
@@ -310,8 +312,8 @@ def test_an_upstream_as_slow_as_the_engine_ahead_of_it_is_not_gone_around(fleet)
         publisher.publish(wait=False)
         before = _take([a, b, c], 0, digest)
         publisher.wait_acks(0, timeout=TIMEOUT)
-        a.ask("slow", 3, 2.5)
-        c.ask("stall", 1.0, 0.5)
+        a.ask("slow", 3, 5.0)
+        c.ask("stall", 1.0, 1.5)
         fleet.frozen.add(a.proc.pid)  # slowed for good: the fleet replaces it afterwards
         digest = _step(weights, 81)
         publisher.publish(wait=False)
