@@ -63,7 +63,7 @@ def test_storage_handle_wrap_round_trips():
         ("not bytes", "is bytes"),
         (b"DVI", "truncated"),
         (_message(magic=b"PKL\x80"), "magic"),
-        (_message(version=1), "version 1; this devipc reads version 5"),
+        (_message(version=1), "version 1; this devipc reads version 6"),
         (_message(kind=99), "unknown kind 99"),
         (_message(kind=_wire.BUCKET), "expected a tensor handle, got a bucket handle"),
         (_message(), "missing"),

@@ -23,9 +23,10 @@ import torch
 from ._errors import InvalidHandleError
 
 MAGIC = b"DVIP"
-VERSION = 5  # 2: a bucket's table as columns; 3: an arena attachment names its record's serial;
+VERSION = 6  # 2: a bucket's table as columns; 3: an arena attachment names its record's serial;
 # 4: a publisher's records number 1,024, not 64 (a token's record index, the relay's cards)
 # 5: a token across hosts names the publisher's block sums (`_remote_token`)
+# 6: and every record (the relay's chain, read to go around a straggler)
 _HEADER = struct.Struct("<4sHH")
 _LENGTH = struct.Struct("<I")
 _INT = struct.Struct("<q")
