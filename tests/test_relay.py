@@ -453,6 +453,41 @@ def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(
             engine.ask("close")
 
 
+def test_followers_of_a_frozen_leader_take_the_generation_from_the_engine_ahead_of_it(fleet):
+    """X -> A, A leading B and C (one host, one device; X keeps a copy of its own, as on
+    another host). Once A is frozen (no progress for RELAY_STALL, 1 s here), B and C leave it
+    and pull the generation from X, the engine ahead of A, not from the trainer: the trainer's
+    memory is read once for it, by X, and every byte is exact."""
+    x, a, b, c = fleet(4)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        _open(publisher, [x])
+        _open(publisher, [a, b, c], share=True)
+        digest = _step(weights, 55)
+        publisher.publish(wait=False)
+        before = _take([x, a, b, c], 0, digest)
+        places = publisher.subscribers()
+        assert [(places[i]["upstream"], places[i]["leader"]) for i in range(4)] == [
+            (-1, -1),
+            (0, -1),
+            (-1, 1),
+            (-1, 1),
+        ]
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        for engine in (b, c):
+            engine.ask("stall", 1.0, 30.0)  # once A is stopped: leave it after 1 s
+        _stop(fleet, a, "frozen")
+        digest = _step(weights, 56)
+        publisher.publish(wait=False)
+        after = _take([x, b, c], 1, digest)
+        padded = publisher._backend._nbytes
+        served = [n["trainer"] - o["trainer"] for n, o in zip(after, [before[0], *before[2:]])]
+        assert served == [padded, 0, 0]  # one copy through the trainer's link
+        assert [(n["left"], n["upstream"]) for n in after[1:]] == [(1, padded)] * 2  # from X
+        for engine in (x, b, c):
+            engine.ask("close")
+
+
 def test_a_follower_reads_its_leaders_memory_and_drops_a_generation_it_overwrites(fleet):
     """In this process, B follows A: B's tensors are A's memory (a write into one shows in the
     other), B holds no buffer of its own, and B does not take a generation whose buffer A

@@ -350,7 +350,8 @@ class NixlSubscriber:
                 if held is not None:
                     self._held_at, self._in_leader = held, True
                     return True
-            upstream = -1  # the leader was left: this generation from the trainer
+            # the leader was left: this generation from the engine ahead of it, or the trainer
+            upstream = self._upstream_of(leader)
         relay = self._own_relay()
         sources = self._chain_from(upstream)
         if not self._remote(lambda: relay.pull(generation, data, sources, self._calls.check)):
