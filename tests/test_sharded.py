@@ -26,7 +26,7 @@ from _support import (
 )
 
 import devipc
-from devipc import ParamLayout
+from devipc import ParamLayout, p2p
 
 Shard = pytest.importorskip("torch.distributed.tensor").Shard
 Replicate = pytest.importorskip("torch.distributed.tensor").Replicate
@@ -257,7 +257,15 @@ def test_across_hosts_an_engine_pulls_only_the_blocks_of_its_slices_and_verifies
         served = sum(tensor.nbytes for tensor in expected_slices(layout, slices, 0).values())
         assert partial.pull_bytes < whole.pull_bytes / 1.5
         assert partial.pull_bytes == served  # without a checksum: exactly the slices' bytes
-        for generation in range(2):
+        prepared = []  # each rank's read of the engine's runs is described once, then reposted
+        real_prepare = p2p.Connection.prepare
+        monkeypatch.setattr(
+            p2p.Connection,
+            "prepare",
+            lambda *args, **kwargs: prepared.append(1) or real_prepare(*args, **kwargs),
+        )
+        made = []
+        for generation in range(3):
             for conn in conns:
                 conn.send("publish")
             for subscriber, asked in ((partial, slices), (whole, dict.fromkeys(layout))):
@@ -284,6 +292,8 @@ def test_across_hosts_an_engine_pulls_only_the_blocks_of_its_slices_and_verifies
                 subscriber.ack()
             for conn in conns:
                 assert recv(conn) == ("published", generation)
+            made.append(len(prepared))
+        assert made[0] > 0 and made[2] == made[1]  # (a publisher has one or two buffers)
         # with a checksum, the slices' bytes rounded out to whole blocks (of 64 bytes here),
         # each replicated tensor from one rank
         for subscriber, nbytes in (

@@ -122,6 +122,8 @@ class NixlSubscriber:
             self._runs = _runs_of(self._table, parts, 1, nbytes)
             self._checked_runs = _runs_of(self._table, parts, block_size(nbytes), nbytes)
         self._pulled_runs = self._runs  # those of the last pull
+        # their reads, prepared once per published buffer (and checked or not: `_partial`)
+        self._prepared: dict[tuple[bytes, bool], p2p.PreparedTransfer] = {}
         _check_descriptors(
             metadata,
             [
@@ -286,6 +288,7 @@ class NixlSubscriber:
             self._torn = False
             return pulled
         if self._torn and not self._cut_ended():
+            self._unprepare()  # (they read into the local buffer let go of here)
             p2p.deregister(self._ids.pop())  # the local buffer's registration is the last
             self._views.clear()
             self._local, local_id = p2p.create_tensor(self._local.shape, torch.uint8, self.device)
@@ -298,13 +301,7 @@ class NixlSubscriber:
                 lambda: self._connection.read_async(self._local, data)
             )
         elif runs:  # only the engine's parts, each run into its own place
-            self._cut = transfer = self._remote(
-                lambda: self._connection.readv_async(
-                    [self._local[start : start + length] for start, length in runs],
-                    [data] * len(runs),
-                    [start for start, _ in runs],
-                )
-            )
+            self._cut = transfer = self._remote(self._partial(data, checked, runs).post)
         else:
             self._torn, self._held_at = False, self._local
             return True
@@ -317,6 +314,29 @@ class NixlSubscriber:
         self._torn, self._cut = False, None
         self._held_at = self._local
         return True
+
+    def _partial(
+        self, data: bytes, checked: bool, runs: list[tuple[int, int]]
+    ) -> p2p.PreparedTransfer:
+        """The read of a partial pull's runs of `data`, each into its own place, prepared once
+        (thousands of runs cost more to describe than to read over a fast link); the
+        parts stand for the subscriber's life."""
+        prepared = self._prepared.get((data, checked))
+        if prepared is None:
+            prepared = self._prepared[data, checked] = self._remote(
+                lambda: self._connection.prepare(
+                    "read",
+                    [self._local[start : start + length] for start, length in runs],
+                    [data] * len(runs),
+                    [start for start, _ in runs],
+                )
+            )
+        return prepared
+
+    def _unprepare(self) -> None:
+        for prepared in self._prepared.values():
+            prepared.close()
+        self._prepared.clear()
 
     def _cut_ended(self) -> bool:
         """Whether the read of the pull cut short ended (waited for here, in slices): False
@@ -690,6 +710,7 @@ class NixlSubscriber:
         self._release()
 
     def _release(self) -> None:
+        self._unprepare()
         self._let_go()
         self._views.clear()
         self._words = self._local = self._held_at = self._sums = torch.empty(0)  # the memory
