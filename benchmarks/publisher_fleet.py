@@ -10,7 +10,9 @@ machine) and take each generation (wait, tensors, ack) as engines do; per N subs
   acks cpu     the publisher's CPU time while wait_acks() waits for the N acknowledgements (it
                looks at the records each time some land; across hosts it polls its own words
                for as long as the engines take), median of the generations
-and what one more engine adds to each, from the fewest engines to the most.
+and what one more engine adds to each, from the fewest engines to the most. Every subscriber
+checks every generation's bytes (each generation's weights hold its own number); one that held
+other bytes ends the run with an error.
 
 Weights: 64 KiB packed on openreg (copy=False), so that what is measured is the bookkeeping,
 not the bytes. NIXL: UCX over TCP loopback, relay=True, each subscriber with buffers of its own.
@@ -52,14 +54,15 @@ def subscribers(conn, tokens, generations, share):
         for token in tokens
     ]
     conn.send("ready")
+    wrong = 0  # subscriber-generations whose bytes are not those published
     for _ in range(generations):
         for sub in subs:
-            sub.wait(timeout=TIMEOUT)
-            sub.tensors()
+            generation = sub.wait(timeout=TIMEOUT)
+            wrong += not bool((sub.tensors()["w"] == generation + 1.0).all())
             sub.ack()
     for sub in subs:
         sub.close()
-    conn.send("closed")
+    conn.send(("closed", wrong))
 
 
 def resident() -> int:
@@ -93,14 +96,22 @@ def measure(transport: str, count: int, processes: int, generations: int) -> dic
         grown = resident() - before
         publish, acks = [], []
         for _ in range(generations):
+            weights["w"].fill_(publisher.generation + 2.0)  # each generation's own bytes
             start = time.perf_counter()
             generation = publisher.publish(wait=False, timeout=TIMEOUT)
             publish.append(time.perf_counter() - start)
             cpu = time.process_time()
             publisher.wait_acks(generation, timeout=TIMEOUT)
             acks.append(time.process_time() - cpu)
+        wrong = 0
         for conn in groups:
-            assert receive(conn) == "closed"
+            closed, found = receive(conn)
+            assert closed == "closed"
+            wrong += found
+    if wrong:
+        raise RuntimeError(
+            f"{transport}, {count} engines: {wrong} subscriber-generations held other bytes"
+        )
     return {
         "transport": transport,
         "engines": count,
