@@ -262,6 +262,11 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
             engine.ask("close")
 
 
+def _from_trainer(after: list[dict], before: list[dict]) -> list[int]:
+    """The bytes each engine pulled from the trainer between two looks at its counts."""
+    return [n["trainer"] - o["trainer"] for n, o in zip(after, before)]
+
+
 @pytest.mark.parametrize("how", ["frozen", "late"])
 def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead(fleet, how):
     """A -> B -> C -> D, B frozen (SIGSTOP) or late to wait() when a generation comes: C goes
@@ -286,8 +291,7 @@ def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead
         publisher.publish(wait=False)
         after = _take([a, c, d], 1, digest)
         padded = publisher._backend._nbytes
-        served = [x["trainer"] - y["trainer"] for x, y in zip(after, [before[0], *before[2:]])]
-        assert served == [padded, 0, 0]  # one copy through the trainer's link
+        assert _from_trainer(after, [before[0], *before[2:]]) == [padded, 0, 0]  # one copy
         assert [x["bypassed"] for x in after] == [0, 1, 0]
         assert after[1]["upstream"] - before[2]["upstream"] == padded  # what B had not: from A
         assert after[2]["upstream"] - before[3]["upstream"] == padded  # from C
@@ -481,8 +485,7 @@ def test_followers_of_a_frozen_leader_take_the_generation_from_the_engine_ahead_
         publisher.publish(wait=False)
         after = _take([x, b, c], 1, digest)
         padded = publisher._backend._nbytes
-        served = [n["trainer"] - o["trainer"] for n, o in zip(after, [before[0], *before[2:]])]
-        assert served == [padded, 0, 0]  # one copy through the trainer's link
+        assert _from_trainer(after, [before[0], *before[2:]]) == [padded, 0, 0]  # one copy
         assert [(n["left"], n["upstream"]) for n in after[1:]] == [(1, padded)] * 2  # from X
         for engine in (x, b, c):
             engine.ask("close")
