@@ -302,6 +302,33 @@ def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead
             engine.ask("close")
 
 
+def test_an_engine_whose_engines_ahead_do_not_pull_the_generation_takes_it_from_the_trainer(
+    fleet,
+):
+    """A -> B -> C, and only C takes generation 1 (A and B late to wait()): B brings nothing,
+    and A, watched, does not pull it either, so it measures nothing; C passes over it after
+    RELAY_STALL (1 s here) and, with no engine ahead left, takes the generation from the
+    trainer (it waited for it for good before). A and B take it afterwards, every byte exact."""
+    a, b, c = fleet(3)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        _open(publisher, [a, b, c])
+        digest = _step(weights, 90)
+        publisher.publish(wait=False)
+        before = _take([a, b, c], 0, digest)
+        publisher.wait_acks(0, timeout=TIMEOUT)
+        c.ask("stall", 1.0, 0.5)
+        digest = _step(weights, 91)
+        publisher.publish(wait=False)
+        [after] = _take([c], 1, digest)
+        padded = publisher._backend._nbytes
+        assert after["trainer"] - before[2]["trainer"] == padded and after["bypassed"] == 1
+        late = _take([a, b], 1, digest)
+        assert _from_trainer(late, before[:2]) == [padded, 0]  # B from A
+        for engine in (a, b, c):
+            engine.ask("close")
+
+
 def test_an_upstream_as_slow_as_the_engine_ahead_of_it_is_not_gone_around(fleet):
     """A -> B -> C, A slow (its fourth chunk from the trainer comes 5 s late, as over a slow
     link: B passes each chunk on as it comes, and brings none meanwhile). C waits for B past

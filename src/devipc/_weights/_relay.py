@@ -445,6 +445,7 @@ class _Watch:
         self._generation, self._buffer = generation, buffer
         self.chunks = -1  # of the generation, that engine holds (-1: not read yet)
         self.newer = False  # it holds a newer generation there
+        self.pulling = False  # its word names the generation (it pulls it, or holds it)
         self.answered = time.monotonic()  # when a read of it last ended (or the watch began)
         self.stopped = self.failed = False
         self.thread = threading.Thread(target=self._run, daemon=True, name="devipc-relay-watch")
@@ -457,7 +458,8 @@ class _Watch:
                 self._peer.connection.read(self._word, self._peer.card.progress, self._buffer * 8)
                 held, chunks = divmod(int(self._word[0]), _CHUNKS)
                 self.newer = held - 1 > self._generation
-                self.chunks = chunks if held - 1 == self._generation else 0
+                self.pulling = held - 1 == self._generation
+                self.chunks = chunks if self.pulling else 0
                 self.answered = time.monotonic()
                 backoff.pause()
         except Exception:  # noqa: BLE001 - it died or closed: passed over
@@ -622,7 +624,9 @@ class Relay:
         going around it: it is given that much longer). The card slot to pull the rest from:
         that engine's, or the next of `sources` once the upstream failed; None (the trainer)
         once no engine ahead answers and the upstream stayed quiet RELAY_STALL for each hop to
-        the trainer; _NEWER if the watched engine holds a newer generation."""
+        the trainer; _NEWER if the watched engine holds a newer generation. A watched engine
+        whose word does not name the generation once the upstream was quiet RELAY_STALL a hop
+        (late, or past it) measures nothing: the next one ahead is watched instead."""
         watch: _Watch | None = None
         hops, behind, last = 1, None, job.done  # behind: since when the watched one held more
         try:
@@ -644,6 +648,12 @@ class Relay:
                         continue
                 if watch.newer:
                     return _NEWER
+                if not watch.pulling and time.monotonic() - job.news > hops * RELAY_STALL:
+                    # it does not pull this generation (late, or it took a newer one only
+                    # where the relay's buffer holds another): no measure, the next one ahead
+                    self._unwatch(watch, silent=False)
+                    watch, hops = None, hops + 1
+                    continue
                 if watch.chunks <= job.done:
                     behind = None
                 elif behind is None:
@@ -652,7 +662,9 @@ class Relay:
                     return watch.slot
             if job.moved or job.done == self.chunks:
                 return None
-            return watch.slot if watch is not None else next(sources, None)  # it failed
+            if watch is None or watch.silent():  # it failed: the next one ahead that answers
+                return next(sources, None)
+            return watch.slot
         finally:
             if watch is not None:
                 self._unwatch(watch, silent=False)
