@@ -446,7 +446,7 @@ class _Watch:
         self.chunks = -1  # of the generation, that engine holds (-1: not read yet)
         self.newer = False  # it holds a newer generation there
         self.pulling = False  # its word names the generation (it pulls it, or holds it)
-        self.answered = time.monotonic()  # when a read of it last ended (or the watch began)
+        self.began = self.answered = time.monotonic()  # (answered: when a read last ended)
         self.stopped = self.failed = False
         self.thread = threading.Thread(target=self._run, daemon=True, name="devipc-relay-watch")
         self.thread.start()
@@ -625,7 +625,7 @@ class Relay:
         that engine's, or the next of `sources` once the upstream failed; None (the trainer)
         once no engine ahead answers and the upstream stayed quiet RELAY_STALL for each hop to
         the trainer; _NEWER if the watched engine holds a newer generation. A watched engine
-        whose word does not name the generation once the upstream was quiet RELAY_STALL a hop
+        whose word does not name the generation RELAY_STALL a hop after it was first watched
         (late, or past it) measures nothing: the next one ahead is watched instead."""
         watch: _Watch | None = None
         hops, behind, last = 1, None, job.done  # behind: since when the watched one held more
@@ -648,7 +648,11 @@ class Relay:
                         continue
                 if watch.newer:
                     return _NEWER
-                if not watch.pulling and time.monotonic() - job.news > hops * RELAY_STALL:
+                if (
+                    watch.chunks >= 0  # (read: not pulling it, not merely not read yet)
+                    and not watch.pulling
+                    and time.monotonic() - watch.began > hops * RELAY_STALL
+                ):
                     # it does not pull this generation (late, or it took a newer one only
                     # where the relay's buffer holds another): no measure, the next one ahead
                     self._unwatch(watch, silent=False)
