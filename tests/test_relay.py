@@ -262,6 +262,16 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
             engine.ask("close")
 
 
+def _first_generation(publisher, weights, engines, seed: int) -> list[dict]:
+    """The engines subscribe and take generation 0, acknowledged: what each pulled from where."""
+    _open(publisher, engines)
+    digest = _step(weights, seed)
+    publisher.publish(wait=False)
+    before = _take(engines, 0, digest)
+    publisher.wait_acks(0, timeout=TIMEOUT)
+    return before
+
+
 def _from_trainer(after: list[dict], before: list[dict]) -> list[int]:
     """The bytes each engine pulled from the trainer between two looks at its counts."""
     return [n["trainer"] - o["trainer"] for n, o in zip(after, before)]
@@ -278,11 +288,7 @@ def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead
     a, b, c, d = fleet(4)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
-        _open(publisher, [a, b, c, d])
-        digest = _step(weights, 70)
-        publisher.publish(wait=False)
-        before = _take([a, b, c, d], 0, digest)
-        publisher.wait_acks(0, timeout=TIMEOUT)
+        before = _first_generation(publisher, weights, [a, b, c, d], 70)
         for engine in (c, d):
             engine.ask("stall", 8.0, 1.0)
         if how == "frozen":
@@ -312,11 +318,7 @@ def test_an_engine_whose_engines_ahead_do_not_pull_the_generation_takes_it_from_
     a, b, c = fleet(3)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
-        _open(publisher, [a, b, c])
-        digest = _step(weights, 90)
-        publisher.publish(wait=False)
-        before = _take([a, b, c], 0, digest)
-        publisher.wait_acks(0, timeout=TIMEOUT)
+        before = _first_generation(publisher, weights, [a, b, c], 90)
         c.ask("stall", 1.0, 0.5)
         digest = _step(weights, 91)
         publisher.publish(wait=False)
@@ -338,11 +340,7 @@ def test_an_upstream_as_slow_as_the_engine_ahead_of_it_is_not_gone_around(fleet)
     a, b, c = fleet(3)
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
-        _open(publisher, [a, b, c])
-        digest = _step(weights, 80)
-        publisher.publish(wait=False)
-        before = _take([a, b, c], 0, digest)
-        publisher.wait_acks(0, timeout=TIMEOUT)
+        before = _first_generation(publisher, weights, [a, b, c], 80)
         a.ask("slow", 3, 5.0)
         c.ask("stall", 1.0, 1.5)
         fleet.frozen.add(a.proc.pid)  # slowed for good: the fleet replaces it afterwards
