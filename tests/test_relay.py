@@ -12,6 +12,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import _relay_workers
 import _workers
@@ -328,6 +331,75 @@ def test_an_engine_whose_engines_ahead_do_not_pull_the_generation_takes_it_from_
         late = _take([a, b], 1, digest)
         assert _from_trainer(late, before[:2]) == [padded, 0]  # B from A
         for engine in (a, b, c):
+            engine.ask("close")
+
+
+@contextlib.contextmanager
+def _frozen_for(fleet, engine: Driven) -> Iterator[None]:
+    """SIGSTOP `engine` until the `with` ends (SIGCONT then, also on failure)."""
+    os.kill(engine.proc.pid, signal.SIGSTOP)
+    fleet.frozen.add(engine.proc.pid)  # replaced by the fleet if it stays stopped
+    try:
+        yield
+    finally:
+        os.kill(engine.proc.pid, signal.SIGCONT)
+        fleet.frozen.discard(engine.proc.pid)
+
+
+def test_a_straggler_is_gone_around_for_its_generation_only(fleet):
+    """A -> B -> C. Generation 1: B late to wait(), C goes around it to A. Generation 2: B on
+    time and A frozen: C pulls from B again (B takes it from the trainer once A proved silent,
+    within B's RELAY_STALL of 1 s, C's being 2 s), so the trainer's memory is read once. (C
+    went around B for good before: it pulled from the frozen A, and then from the trainer.)"""
+    a, b, c = fleet(3)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        before = _first_generation(publisher, weights, [a, b, c], 100)
+        b.ask("stall", 1.0, 0.5)
+        c.ask("stall", 2.0, 0.5)
+        digest = _step(weights, 101)
+        publisher.publish(wait=False)
+        head, went_around = _take([a, c], 1, digest)
+        assert went_around["bypassed"] - before[2]["bypassed"] == 1
+        [late] = _take([b], 1, digest)
+        publisher.wait_acks(1, timeout=TIMEOUT)
+        padded = publisher._backend._nbytes
+        assert _from_trainer([head, late, went_around], before) == [padded, 0, 0]
+        with _frozen_for(fleet, a):
+            digest = _step(weights, 102)
+            publisher.publish(wait=False)
+            after = _take([b, c], 2, digest)
+        assert _from_trainer(after, [late, went_around]) == [padded, 0]  # C from B
+        for engine in (a, b, c):
+            engine.ask("close")
+
+
+def test_an_engine_ahead_silent_once_is_watched_again_in_the_next_generation(fleet):
+    """A -> B -> C. Generation 1: B late to wait() and A frozen: C, watching A, finds it silent
+    and takes the generation from the trainer; A is let run again. Generation 2: B frozen: C
+    watches A again, and goes around B to it, so the trainer's memory is read once, by A. (C
+    passed A over for good before, and took generation 2 from the trainer too.)"""
+    a, b, c = fleet(3)
+    weights = _weights(copy=False)
+    with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
+        before = _first_generation(publisher, weights, [a, b, c], 110)
+        c.ask("stall", 1.0, 0.5)
+        digest = _step(weights, 111)
+        publisher.publish(wait=False)
+        with _frozen_for(fleet, a):
+            [alone] = _take([c], 1, digest)
+        padded = publisher._backend._nbytes
+        assert alone["trainer"] - before[2]["trainer"] == padded
+        middle = _take([a, b], 1, digest)
+        publisher.wait_acks(1, timeout=TIMEOUT)
+        c.ask("stall", 30.0, 0.5)  # the trainer only after a minute: A is to answer
+        _stop(fleet, b, "frozen")
+        digest = _step(weights, 112)
+        publisher.publish(wait=False)
+        after = _take([a, c], 2, digest)
+        assert _from_trainer(after, [middle[0], alone]) == [padded, 0]  # C from A
+        assert after[1]["bypassed"] - alone["bypassed"] == 1
+        for engine in (a, c):
             engine.ask("close")
 
 
@@ -758,9 +830,61 @@ def test_the_chain_groups_engines_by_host_and_shares_within_a_device():
 
 def test_a_chunk_is_a_fraction_of_a_generation_within_bounds():
     assert chunk_size(64 << 20) == 512 << 10
-    assert chunk_size(1 << 20) == 256 << 10
+    assert chunk_size(1 << 20) == 128 << 10
+    assert chunk_size(16 << 20) == 128 << 10  # 1/128
     assert chunk_size(100) == 100  # one chunk
     assert chunk_size(1 << 40) == 16 << 20
+
+
+class _Progress:
+    """A peer's progress word as a watch reads it: each read answers at once, or, while
+    `answer` is clear, not until it is set (a frozen engine)."""
+
+    def __init__(self, word: int):
+        self.word, self.reads = word, 0
+        self.answer, self.asked = threading.Event(), threading.Event()
+        self.answer.set()
+
+    def read(self, local: torch.Tensor, desc: bytes, offset: int) -> None:
+        self.reads += 1
+        self.asked.set()
+        assert self.answer.wait(TIMEOUT)
+        local[0] = self.word
+
+
+def _watch_of(progress: _Progress) -> "_relay._Watch":
+    peer = SimpleNamespace(connection=progress, card=SimpleNamespace(progress=b""))
+    return _relay._Watch(b"slot", peer, torch.zeros(1, dtype=torch.int64), 3, 1)
+
+
+def test_a_watch_stopped_between_reads_says_none_is_under_way(monkeypatch):
+    """A watch whose thread sleeps between two reads when it is stopped (long, as a thread
+    waits to run on a loaded host) reads no more and says no read is under way, so its word is
+    used again (a 10 ms join took it for one under way: a word set aside and a connection made
+    anew each time). One stopped in a read that has not ended says so until the read ends."""
+    resting = threading.Event()
+
+    class Slow(_relay.Backoff):
+        def pause(self) -> None:
+            resting.set()
+            threading.Event().wait(0.5)
+
+    monkeypatch.setattr(_relay, "Backoff", Slow)
+    progress = _Progress(_relay.progress_word(3, 7))
+    watch = _watch_of(progress)
+    assert resting.wait(TIMEOUT) and watch.chunks == 7 and watch.pulling
+    assert watch.stop() is False and not watch.busy()
+    watch.thread.join(TIMEOUT)
+    assert progress.reads == 1
+
+    frozen = _Progress(_relay.progress_word(3, 0))
+    frozen.answer.clear()
+    watch = _watch_of(frozen)
+    assert frozen.asked.wait(TIMEOUT)
+    assert watch.stop() is True and watch.busy()
+    frozen.answer.set()
+    watch.thread.join(TIMEOUT)
+    assert not watch.busy() and frozen.reads == 1
 
 
 def test_a_card_reads_back_from_its_slot_and_damage_is_refused():

@@ -21,10 +21,11 @@ chain (`_Watch`): it is a straggler once that engine has held a chunk it did not
 RELAY_LAG seconds, and is bypassed then; an upstream whose own source holds no more is as slow
 as the chain and is waited for. The rest of the generation comes from the nearest engine ahead
 that answers (the publisher's records name each one's upstream), and from the trainer only when
-none does: after RELAY_STALL seconds without a new chunk for each hop to the trainer. A
-bypassed upstream is not used again until the publisher names another. Whichever way the chunks
-came, the subscriber's own look at the trainer's header after the pull says whether the trainer
-overwrote the generation meanwhile.
+none does: after RELAY_STALL seconds without a new chunk for each hop to the trainer. An
+upstream that failed is not used again until the publisher names another; a straggler, or an
+engine ahead that did not answer, is gone around in that pull, and in later ones only while a
+read of it has not ended. Whichever way the chunks came, the subscriber's own look at the
+trainer's header after the pull says whether the trainer overwrote the generation meanwhile.
 
 Engines of one host and device (`share_key`) hold one copy: the first of them in the chain
 pulls (its leader), the others (`Follower`) map its buffers through devipc's same-host path and
@@ -131,8 +132,8 @@ def share_key(device: torch.device) -> int:
 
 def chunk_size(nbytes: int) -> int:
     """The relay's chunk for a generation of `nbytes`: about 1/128 of it (each hop of a chain
-    adds about a chunk's time, and a little per chunk), 256 KiB to 16 MiB, in whole pages."""
-    chunk = min(16 << 20, max(256 << 10, nbytes // 128))
+    adds about a chunk's time, and a little per chunk), 128 KiB to 16 MiB, in whole pages."""
+    chunk = min(16 << 20, max(128 << 10, nbytes // 128))
     return min(-(-chunk // 4096) * 4096, max(nbytes, 1))
 
 
@@ -303,12 +304,9 @@ class _ByCard(Generic[_P]):
         self._avoided.add(slot)
         self.drop()
 
-    def abandon(self, slot: bytes, avoid: bool) -> None:
+    def abandon(self, slot: bytes) -> None:
         """Let go of the peer of `slot` without closing its connection (a read of it may still
-        be in flight; its endpoint's end closes it); with `avoid` (it does not answer), it is
-        not opened again."""
-        if avoid:
-            self._avoided.add(slot)
+        be in flight; its endpoint's end closes it)."""
         if self.held is not None and self.held.slot == slot:
             self.held = None
 
@@ -350,7 +348,7 @@ class _Upstream:
         self.lock = threading.Lock()
         self.done = start  # chunks committed (those before `start` came from elsewhere)
         self.news = time.monotonic()  # when the last chunk came (or the pull began)
-        self.stopped = self.moved = self.ended = False
+        self.stopped = self.moved = self.ended = self.failed = False
         self.endpoint: p2p.Endpoint | None = None  # handed over: closed when the thread ends
         self.thread = threading.Thread(target=self._run, daemon=True, name="devipc-relay-upstream")
         self.thread.start()
@@ -360,8 +358,10 @@ class _Upstream:
             self._pull()
         except Moved:
             self.moved = True
-        except Exception:  # noqa: BLE001 - the upstream failed (died, closed): bypassed
+        except _Stopped:
             pass
+        except Exception:  # noqa: BLE001 - the upstream failed (died, closed): bypassed
+            self.failed = True
         finally:
             with self.lock:
                 self.ended, endpoint = True, self.endpoint
@@ -447,15 +447,26 @@ class _Watch:
         self.newer = False  # it holds a newer generation there
         self.pulling = False  # its word names the generation (it pulls it, or holds it)
         self.began = self.answered = time.monotonic()  # (answered: when a read last ended)
-        self.stopped = self.failed = False
+        self.stopped = self.failed = self.reading = False
+        self._lock = threading.Lock()  # `stopped` and `reading` change together
         self.thread = threading.Thread(target=self._run, daemon=True, name="devipc-relay-watch")
         self.thread.start()
 
     def _run(self) -> None:
         backoff = Backoff(None, first=0.001, longest=0.005)
         try:
-            while not self.stopped:
-                self._peer.connection.read(self._word, self._peer.card.progress, self._buffer * 8)
+            while True:
+                with self._lock:
+                    if self.stopped:
+                        return
+                    self.reading = True
+                try:
+                    self._peer.connection.read(
+                        self._word, self._peer.card.progress, self._buffer * 8
+                    )
+                finally:
+                    with self._lock:
+                        self.reading = False
                 held, chunks = divmod(int(self._word[0]), _CHUNKS)
                 self.newer = held - 1 > self._generation
                 self.pulling = held - 1 == self._generation
@@ -470,10 +481,16 @@ class _Watch:
         return self.failed or time.monotonic() - self.answered > RELAY_LAG
 
     def stop(self) -> bool:
-        """Stop it; True if its thread still runs (a read into its word may still land)."""
-        self.stopped = True
-        self.thread.join(SLICE)
-        return self.thread.is_alive()
+        """Stop it; True if a read into its word is under way (it may still land). A thread
+        between reads (asleep, or not yet run on a busy host) reads no more."""
+        with self._lock:
+            self.stopped = True
+            return self.reading
+
+    def busy(self) -> bool:
+        """Whether a read of it is still under way (it has not answered since it was stopped)."""
+        with self._lock:
+            return self.reading
 
 
 class Relay:
@@ -524,9 +541,12 @@ class Relay:
         self._reader: p2p.Endpoint | None = None  # reads from the trainer and upstreams
         self._trainer: p2p.Connection | None = None
         self._fresh_reader()
-        avoided: set[bytes] = set()  # the cards of peers bypassed or silent
+        avoided: set[bytes] = set()  # the cards of peers that failed (died, closed)
         self._upstream: _ByCard[_Source] = _ByCard(avoided)  # the engine pulled from now
         self._ahead: _ByCard[_Source] = _ByCard(avoided)  # the engine ahead of it, watched
+        # the cards of peers gone around in this pull (a straggler, one silent), and of those
+        # a read of which has not ended since: whether it still has not
+        self._passed: dict[bytes, Callable[[], bool]] = {}
         self._watch_word = self._tensor((1,), torch.int64, "cpu")
         # what this process pulled: bytes from the trainer, from upstreams; upstreams bypassed
         self.counts = {"trainer": 0, "upstream": 0, "bypassed": 0}
@@ -586,9 +606,10 @@ class Relay:
         subscriber closes)."""
         buffer = generation % self.count
         self.progress[buffer] = progress_word(generation, 0)  # before the buffer is written
+        self._passed = {slot: busy for slot, busy in self._passed.items() if busy()}
         done, slot = 0, next(sources, None)
         while slot is not None and done < self.chunks:
-            upstream = self._upstream.get(slot, self._connect)
+            upstream = None if slot in self._passed else self._upstream.get(slot, self._connect)
             if upstream is None:
                 slot = next(sources, None)
                 continue
@@ -605,7 +626,10 @@ class Relay:
             done = job.done
             if done < self.chunks:
                 self.counts["bypassed"] += 1
-                self._upstream.avoid(upstream.slot)
+                if job.failed:  # not used again until the publisher names another
+                    self._upstream.avoid(upstream.slot)
+                else:  # a straggler: gone around in this pull, and while its read hangs
+                    self._passed[upstream.slot] = job.thread.is_alive
         if done < self.chunks:
             self._from_trainer(trainer_buffer, generation, buffer, done, check)
         return True
@@ -677,19 +701,24 @@ class Relay:
         """A watch of the next engine of `sources` that can be reached; None once none is
         left."""
         for slot in sources:
-            peer = self._ahead.get(slot, self._connect)
+            peer = None if slot in self._passed else self._ahead.get(slot, self._connect)
             if peer is not None:
                 return _Watch(slot, peer, self._watch_word, generation, buffer)
         return None
 
     def _unwatch(self, watch: _Watch, silent: bool) -> None:
-        """Stop `watch`; an engine that did not answer is not watched or pulled from again."""
-        running = watch.stop()
-        if running:  # a read of it may still land: its word is never used again
+        """Stop `watch`. An engine that failed is not watched or pulled from again until the
+        publisher names another; one that did not answer (`silent`) is passed over in this
+        pull, and in later ones while that read has not ended."""
+        reading = watch.stop()
+        if reading:  # it may still land: the word is never used again
             self._set_aside.append(self._watch_word)
             self._watch_word = self._tensor((1,), torch.int64, "cpu")
-        if running or silent:
-            self._ahead.abandon(watch.slot, avoid=silent)
+            self._ahead.abandon(watch.slot)
+        if watch.failed:
+            self._ahead.avoid(watch.slot)
+        elif silent:
+            self._passed[watch.slot] = watch.busy
 
     def _connect(self, slot: bytes) -> _Source:
         """A connection to the upstream whose card `slot` holds (`_ByCard` keeps it)."""

@@ -313,7 +313,9 @@ class NixlPublisher:
             self._words[FILLING] = generation + 1
 
     def _wait(self, generation: int, timeout: float | None) -> None:
-        backoff = Backoff(timeout, first=0.00005, longest=0.001)
+        """Polls the records until every attached subscriber acknowledged `generation`, paced:
+        its polls cost the trainer's CPU for as long as the engines take."""
+        backoff = Backoff(timeout, first=0.00005, longest=0.001, pace=0.01)
         while True:
             self._calls.check()
             records = self._records(self._adopt(), mark=True)

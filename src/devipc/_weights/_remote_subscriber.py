@@ -477,7 +477,7 @@ class NixlSubscriber:
             self.generation, self._checksum, self._block_sums = self._prefetched
             self._prefetched = None
             return self.generation
-        backoff = polling(timeout)
+        backoff = polling(timeout, paced=True)  # an engine may wait long: its polls cost two hosts
         while True:
             self._calls.check()
             fetched = self._fetch()
@@ -796,14 +796,14 @@ def _prefetching(subscriber: "weakref.ref[NixlSubscriber]", stop: threading.Even
     pulled (and passed on down the relay's chain) as soon as it is published, whether or not
     the engine is in `wait()`, which then hands it over at once. Polls as `wait()` does, until
     the subscriber closes or is dropped."""
-    backoff = polling()
+    backoff = polling(paced=True)
     while not stop.wait(backoff.next_pause()):
         found = (sub := subscriber()) and sub._prefetch()
         del sub  # a subscriber dropped unclosed goes (its finalizer stops this thread)
         if found is None:
             return
         if found:
-            backoff = polling()
+            backoff = polling(paced=True)
 
 
 def _heartbeat(

@@ -77,7 +77,7 @@ LIVENESS_TIMEOUT = 30.0  # seconds a peer may take to answer the liveness read
 _SCRATCH_WORDS = 4096  # liveness words read per NIXL request
 _DECODED_MAX = 1 << 16
 _AGAIN_KEPT = 64  # prepared pairs kept per transport for synchronous copies (`NixlLink.again`)
-PROGRESS_DELAY_US = 100
+PROGRESS_DELAY_US = 100_000
 WATCHED_FROM = 4 << 20  # bytes: transfers this large are polled by the watcher thread
 _SLICE = 0.02  # seconds a caller waits on a watched transfer between looks at its signals
 _api: types.ModuleType | None = None
@@ -114,8 +114,10 @@ def load_nixl() -> types.ModuleType:
 def new_agent(name: str) -> Any:
     """A NIXL agent with the UCX backend whose progress thread waits for events: NIXL's Python API
     asks for a poll delay of 0, a busy loop that keeps one core spinning for as long as the agent
-    lives; any delay makes the thread sleep in poll() on UCX's event fd (waking at least every
-    millisecond), and transfers posted here progress in the calling thread anyway.
+    lives; any delay makes the thread sleep in poll() on UCX's event fd, woken by what arrives,
+    and transfers posted here progress in the calling thread anyway. The delay only bounds that
+    sleep when nothing comes: at 0.1 ms an idle agent took 1.3% of a core, at 100 ms 0.04%
+    (a relay's fleet runs 2 to 3 agents an engine), with no change in a read's round trip.
 
     The delay cannot be set through NIXL's configuration: `nixl_agent_config` has no field for it
     and `nixl_agent.__init__` writes `pthrDelay = 0` into the bind config it builds (nixl 1.5.1).
