@@ -206,7 +206,9 @@ class Card(NamedTuple):
             raise ValueError(
                 f"this subscriber's relay card takes {len(data)} bytes, more than "
                 f"the {CARD_BYTES - 8} of its slot (its NIXL endpoint's metadata "
-                f"is that large): subscribe without relay"
+                f"is that large: it lists every devipc registration of this process, "
+                f"and each subscriber adds a few): subscribe without relay, or hold "
+                f"fewer subscribers in one process (about 50 fit)"
             )
         return len(data).to_bytes(8, "little") + data
 
