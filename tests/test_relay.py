@@ -142,6 +142,13 @@ def _step(weights: dict[str, torch.Tensor], seed: int) -> str:
     return digest.hexdigest()
 
 
+def _publish(publisher, weights: dict[str, torch.Tensor], seed: int) -> str:
+    """New values (`_step`), published without waiting for the engines: their digest."""
+    digest = _step(weights, seed)
+    publisher.publish(wait=False)
+    return digest
+
+
 def _stop(fleet, engine: Driven, how: str) -> None:
     """Kill the engine (SIGKILL) or freeze it (SIGSTOP: the fleet replaces it later)."""
     if how == "killed":
@@ -213,8 +220,7 @@ def test_every_engine_of_a_chain_holds_each_generation_exactly(fleet, copy):
         _open(publisher, engines)  # once more: nothing grows from one subscription to the next
         if copy:  # late subscribers take the newest generation at once
             _take(engines, 2, digest)
-        digest = _step(weights, 3)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 3)
         _take(engines, 3, digest)
         assert [engine.ask("close") for engine in engines] == fds_there
 
@@ -232,12 +238,10 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         pids = _open(publisher, [a, b, c])
-        digest = _step(weights, 10)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 10)
         first = _take([a, b, c], 0, digest)[2]
         publisher.wait_acks(0, timeout=TIMEOUT)
-        digest = _step(weights, 11)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 11)
         _take([a, b], 1, digest)
         c.ask("stall", 1.0, 0.5)  # once B is stopped: around it
         _stop(fleet, b, how)
@@ -246,8 +250,7 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
         assert counts["upstream"] == 2 * first["upstream"]  # the rest from A
         c.ask("stall", 30.0, 30.0)  # B stays bypassed: no wait on it again
         publisher.wait_acks(1, timeout=TIMEOUT)  # B acknowledged before it stopped
-        digest = _step(weights, 12)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 12)
         _take([a, c], 2, digest)  # B is still in this chain: C goes around it
         with pytest.raises(devipc.ConsumerDiedError, match=f"pid {pids[1]}\\)") as dead:
             publisher.wait_acks(2, timeout=TIMEOUT)
@@ -268,8 +271,7 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
 def _first_generation(publisher, weights, engines, seed: int) -> list[dict]:
     """The engines subscribe and take generation 0, acknowledged: what each pulled from where."""
     _open(publisher, engines)
-    digest = _step(weights, seed)
-    publisher.publish(wait=False)
+    digest = _publish(publisher, weights, seed)
     before = _take(engines, 0, digest)
     publisher.wait_acks(0, timeout=TIMEOUT)
     return before
@@ -296,8 +298,7 @@ def test_engines_behind_a_frozen_or_late_one_take_the_rest_from_the_engine_ahead
             engine.ask("stall", 8.0, 1.0)
         if how == "frozen":
             _stop(fleet, b, how)
-        digest = _step(weights, 71)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 71)
         after = _take([a, c, d], 1, digest)
         padded = publisher._backend._nbytes
         assert _from_trainer(after, [before[0], *before[2:]]) == [padded, 0, 0]  # one copy
@@ -323,8 +324,7 @@ def test_an_engine_whose_engines_ahead_do_not_pull_the_generation_takes_it_from_
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         before = _first_generation(publisher, weights, [a, b, c], 90)
         c.ask("stall", 1.0, 0.5)
-        digest = _step(weights, 91)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 91)
         [after] = _take([c], 1, digest)
         padded = publisher._backend._nbytes
         assert after["trainer"] - before[2]["trainer"] == padded and after["bypassed"] == 1
@@ -357,8 +357,7 @@ def test_a_straggler_is_gone_around_for_its_generation_only(fleet):
         before = _first_generation(publisher, weights, [a, b, c], 100)
         b.ask("stall", 1.0, 0.5)
         c.ask("stall", 2.0, 0.5)
-        digest = _step(weights, 101)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 101)
         head, went_around = _take([a, c], 1, digest)
         assert went_around["bypassed"] - before[2]["bypassed"] == 1
         [late] = _take([b], 1, digest)
@@ -366,8 +365,7 @@ def test_a_straggler_is_gone_around_for_its_generation_only(fleet):
         padded = publisher._backend._nbytes
         assert _from_trainer([head, late, went_around], before) == [padded, 0, 0]
         with _frozen_for(fleet, a):
-            digest = _step(weights, 102)
-            publisher.publish(wait=False)
+            digest = _publish(publisher, weights, 102)
             after = _take([b, c], 2, digest)
         assert _from_trainer(after, [late, went_around]) == [padded, 0]  # C from B
         for engine in (a, b, c):
@@ -384,8 +382,7 @@ def test_an_engine_ahead_silent_once_is_watched_again_in_the_next_generation(fle
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         before = _first_generation(publisher, weights, [a, b, c], 110)
         c.ask("stall", 1.0, 0.5)
-        digest = _step(weights, 111)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 111)
         with _frozen_for(fleet, a):
             [alone] = _take([c], 1, digest)
         padded = publisher._backend._nbytes
@@ -394,8 +391,7 @@ def test_an_engine_ahead_silent_once_is_watched_again_in_the_next_generation(fle
         publisher.wait_acks(1, timeout=TIMEOUT)
         c.ask("stall", 30.0, 0.5)  # the trainer only after a minute: A is to answer
         _stop(fleet, b, "frozen")
-        digest = _step(weights, 112)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 112)
         after = _take([a, c], 2, digest)
         assert _from_trainer(after, [middle[0], alone]) == [padded, 0]  # C from A
         assert after[1]["bypassed"] - alone["bypassed"] == 1
@@ -416,8 +412,7 @@ def test_an_upstream_as_slow_as_the_engine_ahead_of_it_is_not_gone_around(fleet)
         a.ask("slow", 3, 5.0)
         c.ask("stall", 1.0, 1.5)
         fleet.frozen.add(a.proc.pid)  # slowed for good: the fleet replaces it afterwards
-        digest = _step(weights, 81)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 81)
         after = _take([a, b, c], 1, digest)
         padded = publisher._backend._nbytes
         assert [x["trainer"] - y["trainer"] for x, y in zip(after, before)] == [padded, 0, 0]
@@ -507,8 +502,7 @@ def test_engines_of_one_host_map_the_buffers_of_the_one_that_pulls(fleet, copy):
             _open(publisher, engines, share=True)
             if copy:  # late subscribers take the newest generation at once, each its own
                 _take(engines, 2 + again, digest)
-            digest = _step(weights, 43 + again)
-            publisher.publish(wait=False)
+            digest = _publish(publisher, weights, 43 + again)
             _take(engines, 3 + again, digest)
             publisher.wait_acks(3 + again, timeout=TIMEOUT)
         assert [engine.ask("close") for engine in engines] == fds_there[1]
@@ -526,15 +520,13 @@ def test_followers_leave_a_killed_or_frozen_leader_and_the_next_engine_leads(
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         pids = _open(publisher, [a, b, c], share=True)
-        digest = _step(weights, 50)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 50)
         _take([a, b, c], 0, digest)
         publisher.wait_acks(0, timeout=TIMEOUT)
         for engine in (b, c):
             engine.ask("stall", 1.0)  # once A is stopped: leave it after 1 s
         _stop(fleet, a, how)
-        digest = _step(weights, 51)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 51)
         counts = _take([b, c], 1, digest)
         assert all(n["left"] == 1 and n["trainer"] > 0 for n in counts), counts
         for engine in (b, c):
@@ -564,8 +556,7 @@ def test_followers_of_a_frozen_leader_take_the_generation_from_the_engine_ahead_
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         _open(publisher, [x])
         _open(publisher, [a, b, c], share=True)
-        digest = _step(weights, 55)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 55)
         before = _take([x, a, b, c], 0, digest)
         places = publisher.subscribers()
         assert [(places[i]["upstream"], places[i]["leader"]) for i in range(4)] == [
@@ -578,8 +569,7 @@ def test_followers_of_a_frozen_leader_take_the_generation_from_the_engine_ahead_
         for engine in (b, c):
             engine.ask("stall", 1.0, 30.0)  # once A is stopped: leave it after 1 s
         _stop(fleet, a, "frozen")
-        digest = _step(weights, 56)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 56)
         after = _take([x, b, c], 1, digest)
         padded = publisher._backend._nbytes
         assert _from_trainer(after, [before[0], *before[2:]]) == [padded, 0, 0]  # one copy
@@ -620,16 +610,14 @@ def test_a_follower_paused_past_liveness_refuses_the_bytes_its_leader_overwrote(
     weights = _weights(copy=False)
     with devipc.WeightPublisher(weights, transport="nixl", relay=True) as publisher:
         pids = _open(publisher, [a, f], share=True)
-        digest = _step(weights, 70)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 70)
         _take([a], 0, digest)
         assert f.ask("hold") == 0
         _stop(fleet, f, "frozen")
         with pytest.raises(devipc.ConsumerDiedError, match=f"pid {pids[1]}\\)"):
             publisher.wait_acks(0, timeout=TIMEOUT)
         publisher.wait_acks(0, timeout=TIMEOUT)  # named once: the trainer may write
-        digest = _step(weights, 71)
-        publisher.publish(wait=False)
+        digest = _publish(publisher, weights, 71)
         [counts] = _take([a], 1, digest)
         assert counts["trainer"] > 0  # A pulled 1 into its one buffer (copy=False)
         os.kill(f.proc.pid, signal.SIGCONT)
@@ -787,8 +775,7 @@ def _b_waits_while_a_overwrites(publisher, weights, a, b) -> str:
     """Generation 0 published and taken by A; B does not take it while A's progress word says
     A overwrites that buffer with generation 1; then A holds 0 whole again. Its digest."""
     publisher.wait_subscribers(2, timeout=TIMEOUT)
-    digest = _step(weights, 30)
-    publisher.publish(wait=False)
+    digest = _publish(publisher, weights, 30)
     assert a.wait(timeout=TIMEOUT) == 0
     relay = a._backend._relay
     held = int(relay.progress[0])
