@@ -22,11 +22,10 @@ RELAY_LAG seconds, and is bypassed then; an upstream whose own source holds no m
 as the chain and is waited for. The rest of the generation comes from the nearest engine ahead
 that answers (the publisher's records name each one's upstream), and from the trainer only when
 none does: after RELAY_STALL seconds without a new chunk for each hop to the trainer. An
-upstream that failed or stopped answering (frozen) is not used again until the publisher names
-another; a straggler that answers (late, slow) is gone around in that pull only, and an engine
-ahead whose watch got no answer in that pull and in later ones while that read has not ended.
-Whichever way the chunks came, the subscriber's own look at the trainer's header after the pull
-says whether the trainer overwrote the generation meanwhile.
+upstream that failed is not used again until the publisher names another; a straggler, or an
+engine ahead that did not answer, is gone around in that pull, and in later ones only while a
+read of it has not ended. Whichever way the chunks came, the subscriber's own look at the
+trainer's header after the pull says whether the trainer overwrote the generation meanwhile.
 
 Engines of one host and device (`share_key`) hold one copy: the first of them in the chain
 pulls (its leader), the others (`Follower`) map its buffers through devipc's same-host path and
@@ -351,7 +350,6 @@ class _Upstream:
         self.lock = threading.Lock()
         self.done = start  # chunks committed (those before `start` came from elsewhere)
         self.news = time.monotonic()  # when the last chunk came (or the pull began)
-        self.answered = self.news  # when a read of the upstream last ended
         self.stopped = self.moved = self.ended = self.failed = False
         self.endpoint: p2p.Endpoint | None = None  # handed over: closed when the thread ends
         self.thread = threading.Thread(target=self._run, daemon=True, name="devipc-relay-upstream")
@@ -385,7 +383,6 @@ class _Upstream:
                 landed += 1
             known = landed  # these landed before the word below is read
             self._read(self._word, card.progress, buffer * 8)
-            self.answered = time.monotonic()
             held, chunks = divmod(int(self._word[0]), _CHUNKS)
             if held - 1 > generation:
                 raise Moved
@@ -549,9 +546,8 @@ class Relay:
         avoided: set[bytes] = set()  # the cards of peers that failed (died, closed)
         self._upstream: _ByCard[_Source] = _ByCard(avoided)  # the engine pulled from now
         self._ahead: _ByCard[_Source] = _ByCard(avoided)  # the engine ahead of it, watched
-        # the cards of peers gone around in this pull (a straggler that answers, an engine
-        # ahead silent), and of those a read of which has not ended since: whether it still
-        # has not
+        # the cards of peers gone around in this pull (a straggler, one silent), and of those
+        # a read of which has not ended since: whether it still has not
         self._passed: dict[bytes, Callable[[], bool]] = {}
         self._watch_word = self._tensor((1,), torch.int64, "cpu")
         # what this process pulled: bytes from the trainer, from upstreams; upstreams bypassed
@@ -632,12 +628,10 @@ class Relay:
             done = job.done
             if done < self.chunks:
                 self.counts["bypassed"] += 1
-                if job.failed or time.monotonic() - job.answered > RELAY_LAG:
-                    # dead, closed, or it stopped answering (frozen): not used again until
-                    # the publisher names another (it names a frozen engine dead in time)
+                if job.failed:  # not used again until the publisher names another
                     self._upstream.avoid(upstream.slot)
-                else:  # it answers, late or slow: gone around in this pull only
-                    self._passed[upstream.slot] = _no
+                else:  # a straggler: gone around in this pull, and while its read hangs
+                    self._passed[upstream.slot] = job.thread.is_alive
         if done < self.chunks:
             self._from_trainer(trainer_buffer, generation, buffer, done, check)
         return True
@@ -878,10 +872,6 @@ class Follower:
         """Let go of the leader followed now (views handed out keep what they map)."""
         self._leader.drop()
         self._held = None
-
-
-def _no() -> bool:
-    return False
 
 
 def _finish(transfer: p2p.Transfer, check: Callable[[], object]) -> None:
