@@ -248,7 +248,7 @@ def test_an_engine_killed_or_frozen_mid_chain_is_bypassed_then_named_once(fleet,
         [counts] = _take([c], 1, digest)
         assert counts["bypassed"] == 1 and counts["trainer"] == first["trainer"] == 0
         assert counts["upstream"] == 2 * first["upstream"]  # the rest from A
-        c.ask("stall", 30.0, 30.0)  # B stays bypassed: no wait on it again
+        c.ask("stall", 30.0, 1.0)  # B, still frozen, is tried again and gone around once more
         publisher.wait_acks(1, timeout=TIMEOUT)  # B acknowledged before it stopped
         digest = _publish(publisher, weights, 12)
         _take([a, c], 2, digest)  # B is still in this chain: C goes around it
