@@ -630,7 +630,8 @@ class Relay:
                 self.counts["bypassed"] += 1
                 if job.failed:  # not used again until the publisher names another
                     self._upstream.avoid(upstream.slot)
-                else:  # a straggler: gone around in this pull, and while its read hangs
+                else:  # a straggler: gone around in this pull, and while its pull's thread
+                    # runs (it ends once its reads did, as it closes their endpoint)
                     self._passed[upstream.slot] = job.thread.is_alive
         if done < self.chunks:
             self._from_trainer(trainer_buffer, generation, buffer, done, check)
