@@ -57,7 +57,12 @@ class Driven:
         return self.proc.is_alive()
 
     def send(self, *command) -> None:
-        self.conn.send(command)
+        try:
+            self.conn.send(command)
+        except OSError as error:  # it died: say how
+            self.proc.join(TIMEOUT)
+            code = self.proc.exitcode
+            raise AssertionError(f"engine {self.proc.pid} is gone (exit code {code})") from error
 
     def reply(self):
         answer = recv(self.conn, FRESH_TIMEOUT)
@@ -73,7 +78,7 @@ class Driven:
         with contextlib.suppress(OSError):
             os.kill(self.proc.pid, signal.SIGCONT)  # a frozen one must hear "exit"
         with contextlib.suppress(OSError):
-            self.send("exit")
+            self.conn.send(("exit",))
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()

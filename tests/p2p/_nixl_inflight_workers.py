@@ -181,3 +181,43 @@ def ctrl_c_in_a_long_poll(conn, nbytes: int) -> None:
     _report(conn, peer, connection, desc, nbytes, ranges, [], latency=latency, **seen)
     peer.close()
     owner.close()
+
+
+def owner_of_a_word(conn) -> None:
+    """An endpoint of one registered word of 7 in a process the test may freeze, as a relay's
+    progress word: sends its metadata and the word's descriptor, then waits for "exit"."""
+    owner, word = p2p.Endpoint(transport="nixl"), p2p.create_tensor((1,), torch.int64, "cpu")[0]
+    word.fill_(7)
+    conn.send((owner.metadata(), owner.advertise(word)))
+    conn.recv()
+    owner.close()
+
+
+def dropped_with_a_read_of_a_frozen_peer(conn, metadata: bytes, desc: bytes) -> None:
+    """Connects and reads the word once; once the test froze the owner, posts a read into a
+    new registered word (memory of its own, unmapped once freed), closes the connection, drops
+    the transfer and the word and closes the endpoint (in a thread: it waits for the read);
+    once the owner runs again, reads its word through a new endpoint (the owner answered what
+    came before). An answer written into the word once unmapped: SIGSEGV. Sent back: whether
+    the read was in flight when dropped, whether the endpoint closed, what the new read got."""
+    peer = p2p.Endpoint(transport="nixl")
+    connection = peer.connect(metadata, liveness=False)
+    word = p2p.create_tensor((1,), torch.int64, "cpu")[0]
+    connection.read(word, desc)
+    conn.send(int(word[0]))
+    conn.recv()  # the owner is frozen
+    local = p2p.create_tensor((1,), torch.int64, "cpu")[0]
+    transfer = connection.read_async(local, desc)
+    in_flight = not transfer.done()
+    connection.close()
+    p2p.free_tensor(local)
+    del transfer, local, connection
+    gc.collect()
+    closing = threading.Thread(target=peer.close)
+    closing.start()
+    conn.send(in_flight)
+    conn.recv()  # the owner runs again: its answer lands in the memory kept for it
+    closing.join(WAIT)
+    with p2p.Endpoint(transport="nixl") as again:
+        again.connect(metadata).read(word, desc)
+    conn.send({"closed": not closing.is_alive(), "read_again": int(word[0])})

@@ -2,9 +2,12 @@
 memory lives until NIXL is done with its request, and then goes. Each case runs in a spawned child
 (a crash is its exit code), with transfers large enough to be in flight when dropped."""
 
+import os
+import signal
+
 import _nixl_inflight_workers as workers
 import pytest
-from _support import nixl_missing, slowdown_now, use_ucx_loopback
+from _support import TIMEOUT, nixl_missing, recv, slowdown_now, use_ucx_loopback, wait_until
 
 NIXL = nixl_missing()
 pytestmark = pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})")
@@ -46,3 +49,40 @@ def test_ctrl_c_lands_at_once_while_a_nixl_poll_sits_in_c(children, loopback):
     assert not got["main thread"], "the waiting thread polled the large transfer itself"
     assert got["settled"], "the interrupted read's memory was not let go of once done"
     assert got["read_again"]
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0]
+
+
+def test_a_connection_closed_with_a_read_of_a_frozen_peer_in_flight_keeps_its_memory(
+    children, loopback
+):
+    """A relay's upstream froze (SIGSTOP) with a read of its progress word in flight, and the
+    connection and its endpoint were closed: NIXL failed the read at once as the peer's agent
+    was unloaded, the word's memory went, and once the peer ran again UCX wrote its answer
+    there (the engine's SIGSEGV: 3 of 4 runs here). The agent now stays loaded while a request
+    to it is in flight: the endpoint's close waits for it (LIVENESS_TIMEOUT at most, then its
+    memory is kept for good), the answer lands in memory still kept for it."""
+    owner, owner_conn = children.start_piped(workers.owner_of_a_word)
+    metadata, desc = recv(owner_conn)
+    reader, reader_conn = children.start_piped(
+        workers.dropped_with_a_read_of_a_frozen_peer, metadata, desc
+    )
+    assert recv(reader_conn) == 7  # the first read, while the owner runs
+    os.kill(owner.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: _state(owner.pid) == "T", "the owner stopped")
+        reader_conn.send("frozen")
+        in_flight = recv(reader_conn)
+    finally:
+        os.kill(owner.pid, signal.SIGCONT)
+    assert in_flight, "the read ended while its peer was frozen"
+    reader_conn.send("running")
+    got = recv(reader_conn)
+    assert got == {"closed": True, "read_again": 7}
+    owner_conn.send("exit")
+    for proc in (reader, owner):
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0, f"{proc.name} exited with {proc.exitcode}"

@@ -177,9 +177,10 @@ class _Pending:
     """Posted NIXL requests (`handles`, their `states`) and what must live until NIXL is done with
     every one of them: what `release` lets go of."""
 
-    __slots__ = ("handles", "states", "owned", "dlists", "temps", "keep", "ended")
+    __slots__ = ("handles", "states", "owned", "dlists", "temps", "keep", "ended", "agent")
 
     def __init__(self, owned: Sequence[object] = (), keep: object = None):
+        self.agent: str | None = None  # the peer its requests went to, once posted
         self.handles: list = []
         self.states: list[str] = []
         self.owned = list(owned)  # handles released with it
@@ -191,6 +192,7 @@ class _Pending:
     def post(self, transport: "NixlTransport", handle: object, agent: str) -> None:
         """Post `handle` (a request of this one, released with it when `owned`). Until NIXL
         said otherwise it may be in flight (Ctrl-C may cut the call short after it posted)."""
+        self.agent = agent
         self.handles.append(handle)
         self.states.append("PROC")
         self.states[-1] = transport.post_handle(handle, agent)
@@ -307,6 +309,10 @@ class NixlTransport:
         self._ranges: list[_Local] = []
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
         self._links: dict[str, int] = {}  # agent -> connections to it
+        # agents whose last connection closed while requests to them were in flight, unloaded
+        # once those ended: NIXL fails the requests of an agent it unloads at once, while UCX
+        # may still write their replies (a frozen peer's, once it runs again) into their memory
+        self._unload_later: set[str] = set()
         self._decoded = _wire.Decoded(Remote.from_bytes, _DECODED_MAX)
         self.in_flight: set[_Pending] = set()  # posted, not let go of yet
         # (agent, op, local address, id(descriptor), liveness) -> (descriptor, local range,
@@ -421,6 +427,7 @@ class NixlTransport:
                 )
             self._peers.setdefault(agent, set())
             self._links[agent] = self._links.get(agent, 0) + 1
+            self._unload_later.discard(agent)
         return agent
 
     def disconnect(self, agent: str) -> None:
@@ -429,9 +436,16 @@ class NixlTransport:
             links = self._links.pop(agent, 0) - 1
             if links > 0:
                 self._links[agent] = links
-            elif self._peers.pop(agent, None) is not None and not self._closed:
+            elif agent in self._peers and not self._closed:
                 self._forget_again(lambda entry: entry[2].agent == agent)
-                self.agent.remove_remote_agent(agent)
+                if any(pending.agent == agent for pending in self.in_flight):
+                    self._unload_later.add(agent)
+                else:
+                    self._unload(agent)
+
+    def _unload(self, agent: str) -> None:
+        del self._peers[agent]
+        self.agent.remove_remote_agent(agent)
 
     # -- synchronous copies of one pair, prepared once (under the lock) --
     def again(self, link: "NixlLink", op: str, local: torch.Tensor, desc: Descriptor) -> bool:
@@ -691,6 +705,14 @@ class NixlTransport:
 
     def settle(self, pending: _Pending) -> Exception | None:
         self.in_flight.discard(pending)
+        agent = pending.agent
+        if (
+            agent in self._unload_later
+            and not self._closed
+            and all(other.agent != agent for other in self.in_flight)
+        ):
+            self._unload_later.discard(agent)
+            self._unload(agent)
         return pending.release(self)
 
     def _drain(self) -> None:
@@ -729,6 +751,7 @@ class NixlTransport:
                 self.deregister_range(local)
             self._peers.clear()
             self._links.clear()
+            self._unload_later.clear()
             self._regs.clear()
             self.agent = None
 
