@@ -7,7 +7,15 @@ import signal
 
 import _nixl_inflight_workers as workers
 import pytest
-from _support import TIMEOUT, nixl_missing, recv, slowdown_now, use_ucx_loopback, wait_until
+from _support import (
+    TIMEOUT,
+    nixl_missing,
+    process_state,
+    recv,
+    slowdown_now,
+    use_ucx_loopback,
+    wait_until,
+)
 
 NIXL = nixl_missing()
 pytestmark = pytest.mark.skipif(NIXL is not None, reason=f"NIXL is not installed ({NIXL})")
@@ -51,11 +59,6 @@ def test_ctrl_c_lands_at_once_while_a_nixl_poll_sits_in_c(children, loopback):
     assert got["read_again"]
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rpartition(")")[2].split()[0]
-
-
 def test_a_connection_closed_with_a_read_of_a_frozen_peer_in_flight_keeps_its_memory(
     children, loopback
 ):
@@ -73,7 +76,7 @@ def test_a_connection_closed_with_a_read_of_a_frozen_peer_in_flight_keeps_its_me
     assert recv(reader_conn) == 7  # the first read, while the owner runs
     os.kill(owner.pid, signal.SIGSTOP)
     try:
-        wait_until(lambda: _state(owner.pid) == "T", "the owner stopped")
+        wait_until(lambda: process_state(owner.pid) == "T", "the owner stopped")
         reader_conn.send("frozen")
         in_flight = recv(reader_conn)
     finally:

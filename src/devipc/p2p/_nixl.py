@@ -308,11 +308,11 @@ class NixlTransport:
         self._bases: list[int] = []  # sorted bases of self._ranges
         self._ranges: list[_Local] = []
         self._peers: dict[str, set[int]] = {}  # agent -> registration ids whose metadata is loaded
-        self._links: dict[str, int] = {}  # agent -> connections to it
-        # agents whose last connection closed while requests to them were in flight, unloaded
-        # once those ended: NIXL fails the requests of an agent it unloads at once, while UCX
-        # may still write their replies (a frozen peer's, once it runs again) into their memory
-        self._unload_later: set[str] = set()
+        # agent -> connections to it. An agent loaded without one had requests in flight when
+        # its last connection closed: unloaded once they ended, as NIXL fails the requests of
+        # an agent it unloads at once while UCX may still write their replies (a frozen peer's,
+        # once it runs again) into their memory
+        self._links: dict[str, int] = {}
         self._decoded = _wire.Decoded(Remote.from_bytes, _DECODED_MAX)
         self.in_flight: set[_Pending] = set()  # posted, not let go of yet
         # (agent, op, local address, id(descriptor), liveness) -> (descriptor, local range,
@@ -427,7 +427,6 @@ class NixlTransport:
                 )
             self._peers.setdefault(agent, set())
             self._links[agent] = self._links.get(agent, 0) + 1
-            self._unload_later.discard(agent)
         return agent
 
     def disconnect(self, agent: str) -> None:
@@ -438,9 +437,7 @@ class NixlTransport:
                 self._links[agent] = links
             elif agent in self._peers and not self._closed:
                 self._forget_again(lambda entry: entry[2].agent == agent)
-                if any(pending.agent == agent for pending in self.in_flight):
-                    self._unload_later.add(agent)
-                else:
+                if all(pending.agent != agent for pending in self.in_flight):
                     self._unload(agent)
 
     def _unload(self, agent: str) -> None:
@@ -707,11 +704,11 @@ class NixlTransport:
         self.in_flight.discard(pending)
         agent = pending.agent
         if (
-            agent in self._unload_later
+            agent in self._peers
+            and agent not in self._links
             and not self._closed
             and all(other.agent != agent for other in self.in_flight)
         ):
-            self._unload_later.discard(agent)
             self._unload(agent)
         return pending.release(self)
 
@@ -751,7 +748,6 @@ class NixlTransport:
                 self.deregister_range(local)
             self._peers.clear()
             self._links.clear()
-            self._unload_later.clear()
             self._regs.clear()
             self.agent = None
 
